@@ -1,0 +1,53 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+# Paths that ruff looks at; ones that do not exist (yet) are left out.
+LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples)
+
+.PHONY: help run test lint format bench chaos clean
+
+help:
+	@echo "Targets:"
+	@echo "  make run     [ARGS=...]         run the orders example (python -m examples.orders)"
+	@echo "  make test    [PYTEST_ARGS=...]  lint, then pytest (chaos tests excluded)"
+	@echo "  make lint                       ruff check, ruff format --check, mypy"
+	@echo "  make format                     ruff format + ruff check --fix"
+	@echo "  make bench   [ONLY=name]        run the benchmarks (python -m bench)"
+	@echo "  make chaos   [PYTEST_ARGS=...]  run only the chaos tests"
+	@echo "  make clean                      remove .venv and caches"
+	@echo "Variables: PY=$(PY) (interpreter used to create $(VENV))"
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+run: $(STAMP)
+	$(BIN)/python -m examples.orders $(ARGS)
+
+test: $(STAMP)
+	$(MAKE) --no-print-directory lint
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff format $(LINT_PATHS)
+	$(BIN)/ruff check --fix $(LINT_PATHS)
+
+bench: $(STAMP)
+	$(BIN)/python -m bench $(if $(ONLY),--only $(ONLY),)
+
+# addopts holds -m "not chaos"; this -m comes later on the command line and wins.
+chaos: $(STAMP)
+	$(BIN)/pytest -m chaos -p no:cacheprovider $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build dist *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

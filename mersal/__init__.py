@@ -1,0 +1,37 @@
+"""Mersal: an asyncio service bus with a transactional outbox."""
+
+from mersal.app import App
+from mersal.errors import (
+    ConfigurationError,
+    DecodeError,
+    MersalError,
+    NotRunning,
+    OutcomeUnknown,
+    RequestTimeout,
+    Unroutable,
+)
+from mersal.messages import Envelope, Header, message
+from mersal.pipeline import MessageContext, OutgoingContext, Pipeline
+from mersal.retry import RetryPolicy
+from mersal.transport import Delivery, Outgoing, Transport
+
+__all__ = [
+    "App",
+    "ConfigurationError",
+    "DecodeError",
+    "Delivery",
+    "Envelope",
+    "Header",
+    "MersalError",
+    "MessageContext",
+    "NotRunning",
+    "OutcomeUnknown",
+    "Outgoing",
+    "OutgoingContext",
+    "Pipeline",
+    "RequestTimeout",
+    "RetryPolicy",
+    "Transport",
+    "Unroutable",
+    "message",
+]

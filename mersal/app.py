@@ -1,0 +1,446 @@
+"""The App: handlers, routes and subscriptions; send, publish, defer, reply, request; lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, TypeVar
+
+from lagom import Container
+
+from mersal.errors import ConfigurationError, MersalError, NotRunning, RequestTimeout
+from mersal.handlers import Handlers
+from mersal.messages import Header, TypeRegistry, describe
+from mersal.pipeline import (
+    MessageContext,
+    OutgoingContext,
+    Pipeline,
+    ack_step,
+    activate_step,
+    commit_step,
+    correlation_step,
+    current_message,
+    decode_step,
+    dispatch_step,
+    headers_step,
+    send_step,
+    serialize_step,
+)
+from mersal.retry import RetryPolicy, RetryStep
+from mersal.serialization import Codec, JsonCodec
+from mersal.transaction import Transaction, current_transaction
+from mersal.transport import Consumer, Delivery, Transport, mask, transport_from
+from mersal.worker import Worker
+
+log = logging.getLogger("mersal.app")
+
+M = TypeVar("M")
+
+QUEUE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
+
+
+class App:
+    """A service on the bus: its name is its input queue."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        transport: str | Transport | None = None,
+        database: str | None = None,
+        retry: RetryPolicy | None = None,
+        concurrency: int = 32,
+        container: Container | None = None,
+        codec: Codec | None = None,
+        max_body_size: int = 1024 * 1024,
+        grace_period: float = 30.0,
+    ) -> None:
+        check_queue_name(name, "App(name)")
+        if not isinstance(concurrency, int) or concurrency < 1:
+            raise ConfigurationError(f"App(concurrency={concurrency!r}) must be an int >= 1")
+        self.name = name
+        self.transport = transport_from(transport)
+        self.database = database or os.environ.get("MERSAL_DATABASE") or None
+        self.retry = retry if retry is not None else RetryPolicy()
+        check_queue_name(self.retry.error_queue, "RetryPolicy(error_queue)")
+        self.concurrency = concurrency
+        self.codec: Codec = codec if codec is not None else JsonCodec()
+        self.max_body_size = max_body_size
+        self.grace_period = grace_period
+        self.types = TypeRegistry()
+        self.handlers = Handlers(container)
+        self.handlers.provide(App, lambda context: context.app)
+        self.handlers.provide(MessageContext, lambda context: context)
+        self.incoming: Pipeline[MessageContext] = Pipeline(
+            [
+                ("retry", RetryStep(self.retry)),
+                ("decode", decode_step(max_body_size)),
+                ("activate", activate_step),
+                ("dispatch", dispatch_step),
+                ("commit", commit_step),
+                ("ack", ack_step),
+            ]
+        )
+        self.outgoing: Pipeline[OutgoingContext] = Pipeline(
+            [
+                ("headers", headers_step(self)),
+                ("correlation", correlation_step),
+                ("serialize", serialize_step(self.codec.encode)),
+                ("send", send_step(self)),
+            ]
+        )
+        self._routes: dict[type, str] = {}
+        self._subscriptions: list[type] = []
+        self._worker: Worker | None = None
+        self._running = False
+        self._replies: _Replies | None = None
+
+    def __repr__(self) -> str:
+        return f"<App {self.name!r} on {mask(self.transport.address)}>"
+
+    # Registration.
+
+    def register(self, message_type: type, handler: Any) -> None:
+        """Handle `message_type` (and its subclasses) with a handler class or async function."""
+        self._check_not_running("register handlers")
+        self.types.add(message_type)
+        self.handlers.add(message_type, handler)
+
+    def route(self, message_type: type, queue: str) -> None:
+        """Send messages of `message_type` (and its subclasses) to `queue`."""
+        self._check_not_running("route message types")
+        check_queue_name(queue, f"route({message_type.__qualname__}, queue)")
+        self.types.add(message_type)
+        self._routes[message_type] = queue
+
+    def subscribe(self, message_type: type) -> None:
+        """Receive every published `message_type` in this app's queue."""
+        self._check_not_running("subscribe")
+        self.types.add(message_type)
+        if message_type not in self._subscriptions:
+            self._subscriptions.append(message_type)
+
+    # Sending.
+
+    async def send(
+        self,
+        message: object,
+        *,
+        headers: Mapping[str, str] | None = None,
+        partition_key: str | None = None,
+    ) -> str:
+        """Send a command to the queue its type is routed to; returns the message id."""
+        return await self._emit(
+            message, self.queue_for(type(message)), False, headers, partition_key
+        )
+
+    async def send_local(
+        self,
+        message: object,
+        *,
+        headers: Mapping[str, str] | None = None,
+        partition_key: str | None = None,
+    ) -> str:
+        """Send a message to this app's own queue; returns the message id."""
+        return await self._emit(message, self.name, False, headers, partition_key)
+
+    async def publish(
+        self,
+        message: object,
+        *,
+        headers: Mapping[str, str] | None = None,
+        partition_key: str | None = None,
+    ) -> str:
+        """Publish an event to every app subscribed to its type; returns the message id."""
+        topic = self.types.name_of(type(message))
+        return await self._emit(message, topic, True, headers, partition_key)
+
+    async def defer(
+        self,
+        delay: float | timedelta,
+        message: object,
+        *,
+        headers: Mapping[str, str] | None = None,
+        partition_key: str | None = None,
+    ) -> str:
+        """Send a message to its route (or this app) to be delivered after `delay`."""
+        seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+        merged = dict(headers or {})
+        merged[Header.DELIVER_AT] = f"{time.time() + max(0.0, seconds):.6f}"
+        queue = self._routes_get(type(message)) or self.name
+        return await self._emit(message, queue, False, merged, partition_key)
+
+    async def reply(
+        self,
+        message: object,
+        *,
+        headers: Mapping[str, str] | None = None,
+        partition_key: str | None = None,
+    ) -> str:
+        """Inside a handler: send `message` to the reply address of the message being handled."""
+        incoming = current_message.get()
+        if incoming is None or incoming.app is not self:
+            raise MersalError("reply() works only inside a handler of this app")
+        reply_to = incoming.reply_to
+        if not reply_to:
+            raise MersalError(
+                f"{describe(incoming.headers)} has no reply-to header, so there is nowhere to reply"
+            )
+        return await self._emit(message, reply_to, False, headers, partition_key)
+
+    async def request(
+        self,
+        message: object,
+        *,
+        timeout: float = 30.0,
+        reply_type: type | None = None,
+        headers: Mapping[str, str] | None = None,
+        partition_key: str | None = None,
+    ) -> Any:
+        """Send a command now and wait for its reply (the replier calls `app.reply`)."""
+        if reply_type is not None:
+            self.types.add(reply_type)
+        replies = await self._reply_queue()
+        message_id = str(uuid.uuid4())
+        merged = dict(headers or {})
+        merged[Header.MESSAGE_ID] = message_id
+        merged[Header.REPLY_TO] = replies.queue
+        waiter = replies.expect(message_id)
+        try:
+            await self._emit(
+                message, self.queue_for(type(message)), False, merged, partition_key, direct=True
+            )
+            async with asyncio.timeout(timeout):
+                return await waiter
+        except TimeoutError:
+            raise RequestTimeout(
+                f"no reply to {type(message).__qualname__} {message_id} within {timeout:g}s"
+            ) from None
+        finally:
+            replies.forget(message_id)
+
+    @asynccontextmanager
+    async def transaction(self, session: object = None) -> AsyncIterator[Transaction]:
+        """Buffer every send in the block; they leave on a clean exit, never after an error."""
+        if session is not None:
+            raise ConfigurationError(
+                "app.transaction(session) writes to the outbox, which needs App(database=...)"
+            )
+        self._check_running()
+        transaction = Transaction(self.transport.send, self)
+        token = current_transaction.set(transaction)
+        try:
+            yield transaction
+        except BaseException:
+            transaction.rollback()
+            raise
+        else:
+            await transaction.commit()
+        finally:
+            current_transaction.reset(token)
+
+    def queue_for(self, message_type: type) -> str:
+        """The queue `send` uses for a message type; a `ConfigurationError` if it has none."""
+        queue = self._routes_get(message_type)
+        if queue is None:
+            raise ConfigurationError(
+                f"{message_type.__qualname__} has no route: call "
+                f"app.route({message_type.__qualname__}, 'queue-name') before sending it"
+            )
+        return queue
+
+    def _routes_get(self, message_type: type) -> str | None:
+        for cls in message_type.__mro__:
+            queue = self._routes.get(cls)
+            if queue is not None:
+                return queue
+        return None
+
+    async def _emit(
+        self,
+        message: object,
+        address: str,
+        publish: bool,
+        headers: Mapping[str, str] | None,
+        partition_key: str | None,
+        *,
+        direct: bool = False,
+    ) -> str:
+        self._check_running()
+        merged = dict(headers) if headers else {}
+        if partition_key is not None:
+            merged[Header.PARTITION_KEY] = str(partition_key)
+        incoming = current_message.get()
+        if incoming is not None and incoming.app is not self:
+            incoming = None
+        transaction: Transaction | None = None
+        if not direct:
+            transaction = (
+                incoming.transaction if incoming is not None else current_transaction.get()
+            )
+            if transaction is not None and transaction.owner is not self:
+                transaction = None
+        context = OutgoingContext(message, address, publish, merged, incoming, transaction)
+        await self.outgoing.run(context)
+        return context.headers[Header.MESSAGE_ID]
+
+    # Lifecycle.
+
+    @property
+    def running(self) -> bool:
+        """Whether the app has started and not yet stopped."""
+        return self._running
+
+    @property
+    def in_flight(self) -> int:
+        """How many deliveries the worker is handling now."""
+        return self._worker.in_flight if self._worker is not None else 0
+
+    async def start(self) -> None:
+        """Declare the queues, bind the subscriptions and start the worker."""
+        if self._running:
+            return
+        self._check_configuration()
+        self.incoming.freeze()
+        self.outgoing.freeze()
+        transport = self.transport
+        await transport.start()
+        try:
+            await transport.declare(self.name)
+            await transport.declare(self.retry.error_queue)
+            for message_type in self._subscriptions:
+                await transport.bind(self.name, self.types.name_of(message_type))
+            consumer = await transport.consume(self.name, prefetch=self.concurrency * 2)
+        except BaseException:
+            await transport.stop()
+            raise
+        self._worker = Worker(consumer, self._handle, self.concurrency)
+        self._running = True
+        self._worker.start()
+        log.info("app %r started on %s", self.name, mask(transport.address))
+
+    async def stop(self) -> None:
+        """Stop fetching, finish in-flight messages (within the grace period), disconnect."""
+        if not self._running:
+            return
+        self._running = False
+        if self._worker is not None:
+            await self._worker.stop(self.grace_period)
+            self._worker = None
+        if self._replies is not None:
+            await self._replies.close()
+            self._replies = None
+        await self.transport.stop()
+        log.info("app %r stopped", self.name)
+
+    async def __aenter__(self) -> App:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def _handle(self, delivery: Delivery) -> None:
+        await self.incoming.run(MessageContext(self, delivery))
+
+    def _check_configuration(self) -> None:
+        if self.database is not None:
+            raise ConfigurationError(
+                f"App(database={mask(self.database)!r}): the SQL outbox is not available in "
+                "this version; leave database unset (and MERSAL_DATABASE empty)"
+            )
+        for message_type in self._subscriptions:
+            if not self.handlers.has_handler(message_type):
+                raise ConfigurationError(
+                    f"app {self.name!r} subscribes to {message_type.__qualname__} but has no "
+                    f"handler for it: app.register({message_type.__qualname__}, handler)"
+                )
+        self.handlers.check()
+
+    def _check_running(self) -> None:
+        if not self._running:
+            raise NotRunning(
+                f"app {self.name!r} is not running: `await app.start()` or `async with app:` first"
+            )
+
+    def _check_not_running(self, what: str) -> None:
+        if self._running:
+            raise ConfigurationError(f"{what} before app {self.name!r} starts")
+
+    async def _reply_queue(self) -> _Replies:
+        self._check_running()
+        if self._replies is None:
+            queue = f"{self.name}.replies.{uuid.uuid4().hex[:12]}"
+            await self.transport.declare(queue, temporary=True)
+            consumer = await self.transport.consume(queue, prefetch=self.concurrency)
+            self._replies = _Replies(self, queue, consumer)
+        return self._replies
+
+
+class _Replies:
+    """The app instance's own reply queue and the requests waiting on it."""
+
+    def __init__(self, app: App, queue: str, consumer: Consumer) -> None:
+        self.app = app
+        self.queue = queue
+        self.consumer = consumer
+        self._waiting: dict[str, asyncio.Future[Any]] = {}
+        self._task = asyncio.create_task(self._receive(), name=f"mersal-replies-{queue}")
+
+    def expect(self, message_id: str) -> asyncio.Future[Any]:
+        """A future that the reply caused by `message_id` resolves."""
+        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[message_id] = waiter
+        return waiter
+
+    def forget(self, message_id: str) -> None:
+        """Stop waiting for a reply to `message_id`."""
+        self._waiting.pop(message_id, None)
+
+    async def close(self) -> None:
+        """Stop receiving replies; waiting requests fail."""
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self.consumer.close()
+        for waiter in self._waiting.values():
+            if not waiter.done():
+                waiter.set_exception(NotRunning(f"app {self.app.name!r} stopped"))
+
+    async def _receive(self) -> None:
+        while True:
+            delivery = await self.consumer.get()
+            envelope = delivery.envelope
+            waiter = self._waiting.get(envelope.headers.get(Header.CAUSATION_ID, ""))
+            if waiter is None:
+                log.warning(
+                    "dropping a reply nobody waits for (late?): %s", describe(envelope.headers)
+                )
+            elif not waiter.done():
+                try:
+                    cls = self.app.types.resolve(envelope.headers.get(Header.TYPE, ""))
+                    waiter.set_result(self.app.codec.decode(envelope.body, cls))
+                except MersalError as error:
+                    waiter.set_exception(error)
+            await delivery.ack()
+
+
+def check_queue_name(name: str, what: str) -> None:
+    """Fail with a `ConfigurationError` unless `name` is a usable queue name."""
+    if not isinstance(name, str) or not QUEUE_NAME.match(name):
+        raise ConfigurationError(
+            f"{what} = {name!r} is not a usable queue name: use 1-200 letters, digits and "
+            "'_', '.', ':', '/', '-', starting with a letter or digit"
+        )

@@ -1,0 +1,31 @@
+"""The errors Mersal raises: every one is a `MersalError`."""
+
+from __future__ import annotations
+
+
+class MersalError(Exception):
+    """Base of every error the framework raises."""
+
+
+class ConfigurationError(MersalError):
+    """The app is set up in a way that cannot work; the message says what to change."""
+
+
+class DecodeError(MersalError):
+    """A delivery cannot become a message: bad body, unknown or missing type, too large."""
+
+
+class Unroutable(MersalError):
+    """The broker had nowhere to put a message (no such queue or binding)."""
+
+
+class OutcomeUnknown(MersalError):
+    """A publish was not confirmed in time: the broker may or may not have the message."""
+
+
+class RequestTimeout(MersalError):
+    """No reply arrived within the request's timeout."""
+
+
+class NotRunning(MersalError):
+    """The app must be started (`await app.start()` or `async with app`) for this call."""

@@ -1,0 +1,193 @@
+"""Handler registrations and their activation: one dependency scope per message."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lagom import Container
+
+from mersal.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from mersal.pipeline import MessageContext
+
+Handle = Callable[[Any], Awaitable[object]]
+Provider = Callable[["MessageContext"], object]
+
+_UNBUILDABLE = (str, int, float, bool, bytes, complex, list, dict, set, tuple, type(None))
+
+
+@dataclass(slots=True)
+class _Registration:
+    message_type: type
+    handler: Any
+    build: Callable[[MessageContext], Handle]
+
+
+class Handlers:
+    """Which handlers run for which message type, and how each is built per message."""
+
+    def __init__(self, container: Container | None) -> None:
+        self.container = container if container is not None else Container()
+        self.scoped: dict[type, Provider] = {}
+        self._registrations: list[_Registration] = []
+        self._by_type: dict[type, list[_Registration]] = {}
+
+    def provide(self, dependency: type, provider: Provider) -> None:
+        """Resolve `dependency` per message from the message's context (App, session, …)."""
+        self.scoped[dependency] = provider
+
+    def add(self, message_type: type, handler: Any) -> None:
+        """Run `handler` (a class resolved per message, or an async function) for the type."""
+        if not isinstance(message_type, type):
+            raise ConfigurationError(f"register a message class, not {message_type!r}")
+        for existing in self._registrations:
+            if existing.message_type is message_type and existing.handler is handler:
+                raise ConfigurationError(
+                    f"{_name(handler)} is already registered for {message_type.__qualname__}"
+                )
+        build = self._builder(handler)
+        self._registrations.append(_Registration(message_type, handler, build))
+        self._by_type.clear()
+
+    @property
+    def message_types(self) -> list[type]:
+        """Every type a handler was registered for."""
+        return list(dict.fromkeys(r.message_type for r in self._registrations))
+
+    def has_handler(self, message_type: type) -> bool:
+        """Whether any handler runs for `message_type` (including handlers for its bases)."""
+        return bool(self._matching(message_type))
+
+    def check(self) -> None:
+        """Fail with a `ConfigurationError` if a handler needs something nobody provides."""
+        for registration in self._registrations:
+            if inspect.isclass(registration.handler):
+                for name, dependency in _parameters(registration.handler):
+                    self._check_resolvable(registration.handler, name, dependency, ())
+
+    def activate(self, message_type: type, context: MessageContext) -> list[Handle]:
+        """Build every handler for the message's type, in registration order."""
+        return [r.build(context) for r in self._matching(message_type)]
+
+    def _matching(self, message_type: type) -> list[_Registration]:
+        found = self._by_type.get(message_type)
+        if found is None:
+            found = [r for r in self._registrations if issubclass(message_type, r.message_type)]
+            self._by_type[message_type] = found
+        return found
+
+    def _builder(self, handler: Any) -> Callable[[MessageContext], Handle]:
+        if inspect.isclass(handler):
+            if not callable(getattr(handler, "__call__", None)):  # noqa: B004
+                raise ConfigurationError(
+                    f"handler class {_name(handler)} needs an `async def __call__(self, message)`"
+                )
+            return self._class_builder(handler, _parameters(handler))
+        if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+            getattr(handler, "__call__", None)  # noqa: B004 (an async callable object)
+        ):
+            return _function_builder(handler)
+        raise ConfigurationError(
+            f"{handler!r} is not a handler: register a class with `async def __call__(self, "
+            "message)` or an `async def` function taking the message"
+        )
+
+    def _class_builder(
+        self, cls: type, parameters: list[tuple[str, Any]]
+    ) -> Callable[[MessageContext], Handle]:
+        scoped = self.scoped
+
+        def build(context: MessageContext) -> Handle:
+            kwargs: dict[str, object] = {}
+            for name, dependency in parameters:
+                provider = scoped.get(dependency)
+                if provider is not None:
+                    kwargs[name] = provider(context)
+                else:
+                    kwargs[name] = self._scope(context).resolve(dependency)
+            handler: Handle = cls(**kwargs)
+            return handler
+
+        return build
+
+    def _scope(self, context: MessageContext) -> Container:
+        scope: Container | None = context.items.get("mersal.scope")
+        if scope is None:
+            scope = Container(self.container)
+            for dependency, provider in self.scoped.items():
+                scope[dependency] = provider(context)
+            context.items["mersal.scope"] = scope
+        return scope
+
+    def _check_resolvable(
+        self, handler: type, name: str, dependency: Any, path: tuple[str, ...]
+    ) -> None:
+        if dependency in self.scoped or self.container.get_definition(dependency) is not None:
+            return
+        trail = " -> ".join((*path, f"{name}: {_name(dependency)}"))
+        if (
+            not inspect.isclass(dependency)
+            or dependency in _UNBUILDABLE
+            or inspect.isabstract(dependency)
+            or getattr(dependency, "_is_protocol", False)
+            or len(path) > 20
+        ):
+            raise ConfigurationError(
+                f"handler {_name(handler)} needs {trail}, which nobody provides: bind it in the "
+                f"lagom Container passed as App(container=...), "
+                f"e.g. container[{_name(dependency)}] = ..."
+            )
+        for inner_name, inner in _parameters(dependency):
+            self._check_resolvable(
+                handler, inner_name, inner, (*path, f"{name}: {_name(dependency)}")
+            )
+
+
+def _function_builder(function: Any) -> Callable[[MessageContext], Handle]:
+    wants_context = len(inspect.signature(function).parameters) >= 2
+    if not wants_context:
+        return lambda context: function
+
+    def build(context: MessageContext) -> Handle:
+        async def call(message: Any) -> object:
+            return await function(message, context)
+
+        return call
+
+    return build
+
+
+def _parameters(cls: type) -> list[tuple[str, Any]]:
+    """The constructor's required parameters and their annotated types."""
+    init = cls.__init__  # type: ignore[misc]
+    if init is object.__init__:
+        return []
+    try:
+        hints = typing.get_type_hints(init)
+    except Exception as error:
+        raise ConfigurationError(
+            f"cannot read the type hints of {_name(cls)}.__init__ ({error}): "
+            "import the annotated types at module level"
+        ) from None
+    found: list[tuple[str, Any]] = []
+    for name, parameter in inspect.signature(init).parameters.items():
+        if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if parameter.default is not parameter.empty:
+            continue
+        if name not in hints:
+            raise ConfigurationError(
+                f"{_name(cls)}.__init__ parameter {name!r} has no type hint: annotate it so "
+                "the container knows what to inject"
+            )
+        found.append((name, hints[name]))
+    return found
+
+
+def _name(thing: Any) -> str:
+    return getattr(thing, "__qualname__", None) or repr(thing)

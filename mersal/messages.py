@@ -1,0 +1,160 @@
+"""Envelopes, the header names they carry, and the registry of message types."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from mersal.errors import ConfigurationError, DecodeError
+
+T = TypeVar("T", bound=type)
+
+NAME_ATTRIBUTE = "__mersal_name__"
+
+
+class Header:
+    """The names of the headers Mersal reads and writes."""
+
+    MESSAGE_ID = "message-id"
+    TYPE = "type"
+    CORRELATION_ID = "correlation-id"
+    CAUSATION_ID = "causation-id"
+    SENT_AT = "sent-at"
+    REPLY_TO = "reply-to"
+    ATTEMPT = "attempt"
+    DELIVER_AT = "deliver-at"
+    PARTITION_KEY = "partition-key"
+    CONTENT_TYPE = "content-type"
+    SOURCE = "source"
+    ERROR_TYPE = "error-type"
+    ERROR_MESSAGE = "error-message"
+    ERROR_TRACEBACK = "error-traceback"
+    ERROR_ATTEMPTS = "error-attempts"
+    ERROR_QUEUE = "error-source-queue"
+    FAILED_AT = "failed-at"
+
+
+@dataclass(slots=True)
+class Envelope:
+    """A message on the wire: string headers and an encoded body."""
+
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def message_id(self) -> str | None:
+        """The message's id, if it has one."""
+        return self.headers.get(Header.MESSAGE_ID)
+
+    @property
+    def type_name(self) -> str | None:
+        """The message's wire type name, if it has one."""
+        return self.headers.get(Header.TYPE)
+
+    @property
+    def partition_key(self) -> str | None:
+        """Messages sharing this key are handled one at a time, in order."""
+        return self.headers.get(Header.PARTITION_KEY)
+
+    def copy(self, **headers: str) -> Envelope:
+        """A new envelope with the same body and these headers added or replaced."""
+        merged = dict(self.headers)
+        merged.update(headers)
+        return Envelope(merged, self.body)
+
+
+def message(name: str) -> Callable[[T], T]:
+    """Give a message class its wire type name, e.g. `@message("orders.PlaceOrder.v1")`."""
+    if not name or not name.strip() or any(c.isspace() for c in name):
+        raise ConfigurationError(f"message type name {name!r} must be non-empty without spaces")
+
+    def mark(cls: T) -> T:
+        setattr(cls, NAME_ATTRIBUTE, name)
+        return cls
+
+    return mark
+
+
+def type_name_of(cls: type) -> str:
+    """The wire name of a message class: its `@message` name or `module.QualName`."""
+    declared = cls.__dict__.get(NAME_ATTRIBUTE)
+    if declared is not None:
+        return str(declared)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass
+class TypeRegistry:
+    """An allow-list of message classes by wire name; a name never causes an import."""
+
+    _by_name: dict[str, type] = field(default_factory=dict)
+    _by_type: dict[type, str] = field(default_factory=dict)
+
+    def add(self, cls: type) -> str:
+        """Allow `cls`, returning its wire name; a name already taken by another class fails."""
+        known = self._by_type.get(cls)
+        if known is not None:
+            return known
+        if not isinstance(cls, type):
+            raise ConfigurationError(f"{cls!r} is not a class: register message classes")
+        name = type_name_of(cls)
+        other = self._by_name.get(name)
+        if other is not None and other is not cls:
+            raise ConfigurationError(
+                f"message type name {name!r} is used by both {_path(other)} and {_path(cls)}: "
+                f'give one of them another name with @message("...")'
+            )
+        self._by_name[name] = cls
+        self._by_type[cls] = name
+        return name
+
+    def name_of(self, cls: type) -> str:
+        """The wire name of `cls`, allowing it on first use (a sender knows its classes)."""
+        name = self._by_type.get(cls)
+        return name if name is not None else self.add(cls)
+
+    def resolve(self, name: str) -> type:
+        """The registered class for a wire name, or a `DecodeError` if none is allowed."""
+        cls = self._by_name.get(name)
+        if cls is None:
+            cls = self._find_subclass(name)
+        if cls is None:
+            raise DecodeError(f"unknown message type {name!r}: no registered class has that name")
+        return cls
+
+    def _find_subclass(self, name: str) -> type | None:
+        # A handler for a base class also covers subclasses already imported by the program.
+        for base in list(self._by_type):
+            if base is object:
+                continue
+            for sub in _subclasses(base):
+                if sub not in self._by_type and type_name_of(sub) == name:
+                    self.add(sub)
+                    return sub
+        return None
+
+    def __contains__(self, cls: object) -> bool:
+        return cls in self._by_type
+
+
+def _subclasses(cls: type) -> list[type]:
+    found: list[type] = []
+    pending: list[type] = list(cls.__subclasses__())
+    while pending:
+        sub = pending.pop()
+        found.append(sub)
+        pending.extend(sub.__subclasses__())
+    return found
+
+
+def _path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def describe(headers: dict[str, Any]) -> str:
+    """A short log-friendly identity of a message: id, type, correlation id, attempt."""
+    return (
+        f"id={headers.get(Header.MESSAGE_ID)} type={headers.get(Header.TYPE)} "
+        f"correlation={headers.get(Header.CORRELATION_ID)}"
+    )

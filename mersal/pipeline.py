@@ -1,0 +1,312 @@
+"""The incoming and outgoing pipelines: named steps, each calling the next."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from mersal.errors import ConfigurationError, DecodeError
+from mersal.messages import Envelope, Header
+from mersal.transaction import Transaction
+from mersal.transport import Delivery, Outgoing
+
+if TYPE_CHECKING:
+    from mersal.app import App
+
+log = logging.getLogger("mersal.pipeline")
+
+C = TypeVar("C")
+Next = Callable[[C], Awaitable[None]]
+Step = Callable[[C, Next[C]], Awaitable[None]]
+
+
+class MessageContext:
+    """The message being handled: its headers, decoded body, attempt and transaction."""
+
+    __slots__ = (
+        "app",
+        "attempt",
+        "delivery",
+        "envelope",
+        "handlers",
+        "items",
+        "message",
+        "message_type",
+        "transaction",
+    )
+
+    def __init__(self, app: App, delivery: Delivery) -> None:
+        self.app = app
+        self.delivery = delivery
+        self.envelope: Envelope = delivery.envelope
+        self.message: Any = None
+        self.message_type: type | None = None
+        self.attempt = 1
+        self.transaction: Transaction = Transaction(app.transport.send, app)
+        self.items: dict[str, Any] = {}
+        self.handlers: list[Callable[[Any], Awaitable[object]]] = []
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The message's headers as received."""
+        return self.envelope.headers
+
+    @property
+    def message_id(self) -> str:
+        """The message's id ('' for a message sent without one)."""
+        return self.envelope.headers.get(Header.MESSAGE_ID, "")
+
+    @property
+    def correlation_id(self) -> str:
+        """The id shared by every message of one conversation."""
+        headers = self.envelope.headers
+        return headers.get(Header.CORRELATION_ID) or headers.get(Header.MESSAGE_ID, "")
+
+    @property
+    def reply_to(self) -> str | None:
+        """Where `app.reply` sends to."""
+        return self.envelope.headers.get(Header.REPLY_TO)
+
+    @property
+    def queue(self) -> str:
+        """The queue the message came from."""
+        return self.delivery.queue
+
+    def begin_attempt(self, attempt: int) -> None:
+        """Start handling afresh: a new transaction, no handlers, no step state."""
+        self.attempt = attempt
+        self.transaction = Transaction(self.app.transport.send, self.app)
+        self.items.clear()
+        self.handlers.clear()
+
+
+@dataclass(slots=True)
+class OutgoingContext:
+    """A message being sent: its destination, headers, and (once serialized) its envelope."""
+
+    message: object
+    address: str
+    publish: bool
+    headers: dict[str, str]
+    incoming: MessageContext | None
+    transaction: Transaction | None
+    envelope: Envelope = field(default_factory=lambda: Envelope({}, b""))
+
+
+class Pipeline(Generic[C]):
+    """An ordered list of named steps; each receives the context and the rest of the chain."""
+
+    def __init__(self, steps: list[tuple[str, Step[C]]]) -> None:
+        self._steps = list(steps)
+        self._chain: Next[C] | None = None
+
+    @property
+    def names(self) -> list[str]:
+        """The step names, in order."""
+        return [name for name, _ in self._steps]
+
+    def insert_before(self, anchor: str, name: str, step: Step[C]) -> None:
+        """Run `step` just before the step named `anchor`."""
+        self._insert(self._index(anchor), name, step)
+
+    def insert_after(self, anchor: str, name: str, step: Step[C]) -> None:
+        """Run `step` just after the step named `anchor`."""
+        self._insert(self._index(anchor) + 1, name, step)
+
+    def replace(self, name: str, step: Step[C]) -> None:
+        """Swap the step named `name` for another."""
+        self._check_open()
+        self._steps[self._index(name)] = (name, step)
+
+    def remove(self, name: str) -> None:
+        """Drop the step named `name`."""
+        self._check_open()
+        del self._steps[self._index(name)]
+
+    async def run(self, context: C) -> None:
+        """Pass `context` through every step."""
+        chain = self._chain
+        if chain is None:
+            chain = self.freeze()
+        await chain(context)
+
+    def freeze(self) -> Next[C]:
+        """Compose the steps into one callable; the pipeline can no longer change."""
+        if self._chain is None:
+            chain: Next[C] = _end
+            for _, step in reversed(self._steps):
+                chain = _link(step, chain)
+            self._chain = chain
+        return self._chain
+
+    def _insert(self, index: int, name: str, step: Step[C]) -> None:
+        self._check_open()
+        if name in self.names:
+            raise ConfigurationError(f"the pipeline already has a step named {name!r}")
+        self._steps.insert(index, (name, step))
+
+    def _index(self, name: str) -> int:
+        for index, (existing, _) in enumerate(self._steps):
+            if existing == name:
+                return index
+        raise ConfigurationError(f"no pipeline step named {name!r}; the steps are {self.names}")
+
+    def _check_open(self) -> None:
+        if self._chain is not None:
+            raise ConfigurationError("change the pipeline before the app starts")
+
+
+def _link(step: Step[C], rest: Next[C]) -> Next[C]:
+    def call(context: C) -> Awaitable[None]:
+        return step(context, rest)
+
+    return call
+
+
+async def _end(context: object) -> None:
+    return None
+
+
+# The incoming steps the core provides (the retry step lives in mersal.retry).
+
+
+def decode_step(max_body_size: int) -> Step[MessageContext]:
+    """Turn the envelope into a message object of a registered type."""
+
+    async def decode(context: MessageContext, next: Next[MessageContext]) -> None:
+        envelope = context.envelope
+        if len(envelope.body) > max_body_size:
+            raise DecodeError(
+                f"body of {len(envelope.body)} bytes is over the {max_body_size}-byte cap"
+            )
+        name = envelope.headers.get(Header.TYPE)
+        if not name:
+            raise DecodeError("the message has no type header, so no handler can be chosen")
+        app = context.app
+        content_type = envelope.headers.get(Header.CONTENT_TYPE)
+        if content_type and content_type != app.codec.content_type:
+            raise DecodeError(f"content type {content_type!r} is not {app.codec.content_type!r}")
+        cls = app.types.resolve(name)
+        context.message_type = cls
+        context.message = app.codec.decode(envelope.body, cls)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("received %s on %s: %r", name, context.queue, envelope.body[:2048])
+        await next(context)
+
+    return decode
+
+
+async def activate_step(context: MessageContext, next: Next[MessageContext]) -> None:
+    """Build the handlers of the message's type (one dependency scope per message)."""
+    assert context.message_type is not None
+    context.handlers = context.app.handlers.activate(context.message_type, context)
+    await next(context)
+
+
+async def dispatch_step(context: MessageContext, next: Next[MessageContext]) -> None:
+    """Call every handler, in registration order."""
+    token = current_message.set(context)
+    try:
+        message = context.message
+        for handler in context.handlers:
+            await handler(message)
+    finally:
+        current_message.reset(token)
+    await next(context)
+
+
+async def commit_step(context: MessageContext, next: Next[MessageContext]) -> None:
+    """Commit the message's transaction: what the handlers sent leaves now, in order."""
+    await context.transaction.commit()
+    await next(context)
+
+
+async def ack_step(context: MessageContext, next: Next[MessageContext]) -> None:
+    """Acknowledge the delivery, last of all."""
+    await acknowledge(context.delivery)
+    await next(context)
+
+
+async def acknowledge(delivery: Delivery) -> None:
+    """Ack a delivery; a failed ack is logged, since the broker will deliver it again."""
+    try:
+        await delivery.ack()
+    except Exception as error:
+        log.warning(
+            "could not ack %s from %s (%s: %s); the broker will deliver it again",
+            delivery.envelope.message_id,
+            delivery.queue,
+            type(error).__name__,
+            error,
+        )
+
+
+# The outgoing steps.
+
+
+def headers_step(app: App) -> Step[OutgoingContext]:
+    """Give the message an id, its type name, a sent-at time and a reply address."""
+    types, queue, content_type = app.types, app.name, app.codec.content_type
+
+    async def add_headers(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
+        headers = context.headers
+        if Header.MESSAGE_ID not in headers:
+            headers[Header.MESSAGE_ID] = str(uuid.uuid4())
+        headers[Header.TYPE] = types.name_of(type(context.message))
+        headers[Header.SENT_AT] = now()
+        headers[Header.CONTENT_TYPE] = content_type
+        headers[Header.SOURCE] = queue
+        if Header.REPLY_TO not in headers:
+            headers[Header.REPLY_TO] = queue
+        await next(context)
+
+    return add_headers
+
+
+async def correlation_step(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
+    """Carry the conversation: correlation id from the incoming message, causation = its id."""
+    headers = context.headers
+    incoming = context.incoming
+    if incoming is None:
+        headers.setdefault(Header.CORRELATION_ID, headers[Header.MESSAGE_ID])
+    else:
+        headers.setdefault(Header.CORRELATION_ID, incoming.correlation_id)
+        headers.setdefault(Header.CAUSATION_ID, incoming.message_id)
+    await next(context)
+
+
+def serialize_step(encode: Callable[[object], bytes]) -> Step[OutgoingContext]:
+    """Encode the message body into an envelope."""
+
+    async def serialize(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
+        context.envelope = Envelope(context.headers, encode(context.message))
+        await next(context)
+
+    return serialize
+
+
+def send_step(app: App) -> Step[OutgoingContext]:
+    """Buffer the message in its transaction, or hand it to the transport if it has none."""
+
+    async def send(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
+        outgoing = Outgoing(context.address, context.envelope, context.publish)
+        if context.transaction is not None:
+            context.transaction.enlist(outgoing)
+        else:
+            await app.transport.send((outgoing,))
+        await next(context)
+
+    return send
+
+
+def now() -> str:
+    """The current time as the epoch-seconds string used in headers."""
+    return f"{time.time():.6f}"
+
+
+current_message: ContextVar[MessageContext | None] = ContextVar("mersal_message", default=None)

@@ -1,0 +1,244 @@
+"""An in-process broker with the semantics of RabbitMQ: queues, topics, acks, delays."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mersal.errors import MersalError, Unroutable
+from mersal.messages import Envelope
+from mersal.transport import Outgoing, delay_of
+
+
+class ConsumerClosed(MersalError):
+    """The consumer was closed while waiting for a delivery."""
+
+
+@dataclass(slots=True)
+class _Stored:
+    envelope: Envelope
+    redelivered: bool = False
+
+
+@dataclass
+class MemoryQueue:
+    """One queue: ready messages in order and the consumers waiting for them."""
+
+    name: str
+    ready: deque[_Stored] = field(default_factory=deque)
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    unacked: int = 0
+
+    def put(self, stored: _Stored, *, front: bool = False) -> None:
+        """Make a message ready and wake the consumers waiting for one."""
+        if front:
+            self.ready.appendleft(stored)
+        else:
+            self.ready.append(stored)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiters, self.waiters = self.waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def __len__(self) -> int:
+        return len(self.ready)
+
+
+class MemoryBroker:
+    """Queues and topic bindings shared by every memory transport of one name in one loop."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, MemoryQueue] = {}
+        self.bindings: dict[str, list[str]] = {}
+        self.delayed = 0
+
+    def declare(self, name: str) -> MemoryQueue:
+        """The queue of that name, created if missing."""
+        queue = self.queues.get(name)
+        if queue is None:
+            queue = self.queues[name] = MemoryQueue(name)
+        return queue
+
+    def delete(self, name: str) -> None:
+        """Remove a queue and its bindings."""
+        self.queues.pop(name, None)
+        for queues in self.bindings.values():
+            if name in queues:
+                queues.remove(name)
+
+    def bind(self, queue: str, topic: str) -> None:
+        """Deliver what is published on `topic` to `queue` as well."""
+        queues = self.bindings.setdefault(topic, [])
+        if queue not in queues:
+            queues.append(queue)
+
+    def route(self, outgoing: Outgoing) -> None:
+        """Put one message on its queue, or on every queue bound to its topic."""
+        if outgoing.publish:
+            for name in self.bindings.get(outgoing.address, ()):
+                self._enqueue(self.queues[name], outgoing.envelope.copy())
+            return
+        queue = self.queues.get(outgoing.address)
+        if queue is None:
+            raise Unroutable(
+                f"no queue named {outgoing.address!r}: start the app that owns it, "
+                "or check the route"
+            )
+        self._enqueue(queue, outgoing.envelope)
+
+    def _enqueue(self, queue: MemoryQueue, envelope: Envelope) -> None:
+        delay = delay_of(envelope)
+        if delay <= 0:
+            queue.put(_Stored(envelope))
+            return
+        self.delayed += 1
+        asyncio.get_running_loop().call_later(delay, self._deliver_later, queue.name, envelope)
+
+    def _deliver_later(self, name: str, envelope: Envelope) -> None:
+        self.delayed -= 1
+        queue = self.queues.get(name)
+        if queue is not None:
+            queue.put(_Stored(envelope))
+
+
+_brokers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, MemoryBroker]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def broker_named(name: str) -> MemoryBroker:
+    """The broker of this name in the running event loop (apps in one loop share it)."""
+    brokers = _brokers.setdefault(asyncio.get_running_loop(), {})
+    broker = brokers.get(name)
+    if broker is None:
+        broker = brokers[name] = MemoryBroker()
+    return broker
+
+
+class MemoryDelivery:
+    """A message handed to a memory consumer, awaiting its ack or nack."""
+
+    __slots__ = ("_consumer", "_settled", "_stored", "envelope", "queue", "redelivered")
+
+    def __init__(self, consumer: MemoryConsumer, stored: _Stored) -> None:
+        self._consumer = consumer
+        self._stored = stored
+        self._settled = False
+        self.envelope = stored.envelope
+        self.queue = consumer.queue.name
+        self.redelivered = stored.redelivered
+
+    async def ack(self) -> None:
+        """Remove the message for good."""
+        self._settle()
+
+    async def nack(self, requeue: bool = True) -> None:
+        """Put the message back at the head of its queue, marked redelivered."""
+        self._settle()
+        if requeue:
+            self._consumer.queue.put(_Stored(self.envelope, redelivered=True), front=True)
+
+    def _settle(self) -> None:
+        if self._settled:
+            raise MersalError(f"delivery {self.envelope.message_id} was already acked or nacked")
+        self._settled = True
+        self._consumer.release()
+
+
+class MemoryConsumer:
+    """Takes messages from one queue, at most `prefetch` unacknowledged."""
+
+    def __init__(self, queue: MemoryQueue, prefetch: int) -> None:
+        self.queue = queue
+        self.prefetch = max(1, prefetch)
+        self.unacked = 0
+        self._closed = False
+        self._room: asyncio.Future[None] | None = None
+
+    async def get(self) -> MemoryDelivery:
+        """The next message, waiting until one is ready and there is room for it."""
+        queue = self.queue
+        while True:
+            if self._closed:
+                raise ConsumerClosed(f"consumer of {queue.name!r} is closed")
+            if self.unacked < self.prefetch and queue.ready:
+                self.unacked += 1
+                queue.unacked += 1
+                return MemoryDelivery(self, queue.ready.popleft())
+            waiter = asyncio.get_running_loop().create_future()
+            if self.unacked < self.prefetch:
+                queue.waiters.append(waiter)
+            else:
+                self._room = waiter
+            await waiter
+
+    def release(self) -> None:
+        """One delivery was settled: make room for the next."""
+        self.unacked -= 1
+        self.queue.unacked -= 1
+        room, self._room = self._room, None
+        if room is not None and not room.done():
+            room.set_result(None)
+
+    async def close(self) -> None:
+        """Stop taking messages; wake a waiting `get` so that it raises `ConsumerClosed`."""
+        self._closed = True
+        for waiter in [*self.queue.waiters, self._room]:
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+
+class MemoryTransport:
+    """The `memory://[name]` transport: an in-process broker shared by the apps of one loop."""
+
+    def __init__(self, url: str = "memory://") -> None:
+        self.address = url
+        self.name = url.partition("://")[2] or "default"
+        self._temporary: list[str] = []
+        self._broker: MemoryBroker | None = None
+
+    @property
+    def broker(self) -> MemoryBroker:
+        """The broker this transport talks to (available once started)."""
+        if self._broker is None:
+            self._broker = broker_named(self.name)
+        return self._broker
+
+    async def start(self) -> None:
+        """Attach to the loop's broker of this name."""
+        self._broker = broker_named(self.name)
+
+    async def stop(self) -> None:
+        """Remove the temporary queues this transport declared."""
+        for name in self._temporary:
+            self.broker.delete(name)
+        self._temporary.clear()
+
+    async def declare(self, queue: str, *, temporary: bool = False) -> None:
+        """Create `queue` if it does not exist."""
+        self.broker.declare(queue)
+        if temporary:
+            self._temporary.append(queue)
+
+    async def bind(self, queue: str, topic: str) -> None:
+        """Deliver what is published on `topic` to `queue`."""
+        self.broker.bind(queue, topic)
+
+    async def send(self, messages: Sequence[Outgoing]) -> None:
+        """Route each message now (or at its deliver-at time)."""
+        broker = self.broker
+        for outgoing in messages:
+            broker.route(outgoing)
+
+    async def consume(self, queue: str, *, prefetch: int) -> MemoryConsumer:
+        """Receive from an existing queue."""
+        found = self.broker.queues.get(queue)
+        if found is None:
+            raise Unroutable(f"no queue named {queue!r} to consume from: declare it first")
+        return MemoryConsumer(found, prefetch)

@@ -1,0 +1,1 @@
+"""The RabbitMQ transport for Mersal (aio-pika)."""

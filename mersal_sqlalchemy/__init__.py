@@ -1,0 +1,1 @@
+"""SQL outbox and inbox storage for Mersal (SQLAlchemy)."""
