@@ -90,7 +90,7 @@ class RetryStep:
             except Exception as error:
                 context.transaction.rollback()
                 made += 1
-                if isinstance(error, DecodeError | policy.fail_fast):
+                if isinstance(error, (DecodeError, *policy.fail_fast)):
                     await self._dead_letter(context, error, made)
                     return
                 if made < first_round:

@@ -18,9 +18,12 @@ Handle = Callable[[Delivery], Awaitable[None]]
 class Worker:
     """Runs up to `concurrency` deliveries at once; those sharing a partition key run in order."""
 
-    def __init__(self, consumer: Consumer, handle: Handle, concurrency: int) -> None:
+    def __init__(
+        self, consumer: Consumer, handle: Handle, concurrency: int, backoff: float = 1.0
+    ) -> None:
         self.consumer = consumer
         self.concurrency = concurrency
+        self.backoff = backoff
         self._handle = handle
         self._room = asyncio.Semaphore(concurrency)
         self._lanes: dict[str, deque[Delivery]] = {}
@@ -103,8 +106,11 @@ class Worker:
             raise
         except Exception:
             log.exception(
-                "unexpected failure around %s; returning it", describe(delivery.envelope.headers)
+                "unexpected failure around %s; returning it in %gs",
+                describe(delivery.envelope.headers),
+                self.backoff,
             )
+            await asyncio.sleep(self.backoff)
             await self._return(delivery)
 
     async def _return(self, delivery: Delivery) -> None:

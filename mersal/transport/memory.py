@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mersal.errors import MersalError, Unroutable
@@ -31,6 +31,7 @@ class MemoryQueue:
     ready: deque[_Stored] = field(default_factory=deque)
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
     unacked: int = 0
+    consumers: int = 0
 
     def put(self, stored: _Stored, *, front: bool = False) -> None:
         """Make a message ready and wake the consumers waiting for one."""
@@ -49,6 +50,11 @@ class MemoryQueue:
     def __len__(self) -> int:
         return len(self.ready)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing unacknowledged, and nothing ready unless nobody consumes the queue."""
+        return not self.unacked and not (self.ready and self.consumers)
+
 
 class MemoryBroker:
     """Queues and topic bindings shared by every memory transport of one name in one loop."""
@@ -57,6 +63,7 @@ class MemoryBroker:
         self.queues: dict[str, MemoryQueue] = {}
         self.bindings: dict[str, list[str]] = {}
         self.delayed = 0
+        self.observers: list[Callable[[Outgoing], None]] = []
 
     def declare(self, name: str) -> MemoryQueue:
         """The queue of that name, created if missing."""
@@ -72,6 +79,11 @@ class MemoryBroker:
             if name in queues:
                 queues.remove(name)
 
+    @property
+    def idle(self) -> bool:
+        """No consumed queue holds a message, none is unacked and none waits for its time."""
+        return not self.delayed and all(queue.idle for queue in self.queues.values())
+
     def bind(self, queue: str, topic: str) -> None:
         """Deliver what is published on `topic` to `queue` as well."""
         queues = self.bindings.setdefault(topic, [])
@@ -80,6 +92,8 @@ class MemoryBroker:
 
     def route(self, outgoing: Outgoing) -> None:
         """Put one message on its queue, or on every queue bound to its topic."""
+        for observe in self.observers:
+            observe(outgoing)
         if outgoing.publish:
             for name in self.bindings.get(outgoing.address, ()):
                 self._enqueue(self.queues[name], outgoing.envelope.copy())
@@ -146,9 +160,12 @@ class MemoryDelivery:
 
     def _settle(self) -> None:
         if self._settled:
-            raise MersalError(f"delivery {self.envelope.message_id} was already acked or nacked")
+            raise MersalError(
+                f"delivery {self.envelope.message_id} was already settled (acked, nacked, or "
+                "returned when its transport stopped)"
+            )
         self._settled = True
-        self._consumer.release()
+        self._consumer.release(self)
 
 
 class MemoryConsumer:
@@ -160,6 +177,8 @@ class MemoryConsumer:
         self.unacked = 0
         self._closed = False
         self._room: asyncio.Future[None] | None = None
+        self.outstanding: set[MemoryDelivery] = set()
+        queue.consumers += 1
 
     async def get(self) -> MemoryDelivery:
         """The next message, waiting until one is ready and there is room for it."""
@@ -170,7 +189,9 @@ class MemoryConsumer:
             if self.unacked < self.prefetch and queue.ready:
                 self.unacked += 1
                 queue.unacked += 1
-                return MemoryDelivery(self, queue.ready.popleft())
+                delivery = MemoryDelivery(self, queue.ready.popleft())
+                self.outstanding.add(delivery)
+                return delivery
             waiter = asyncio.get_running_loop().create_future()
             if self.unacked < self.prefetch:
                 queue.waiters.append(waiter)
@@ -178,8 +199,9 @@ class MemoryConsumer:
                 self._room = waiter
             await waiter
 
-    def release(self) -> None:
+    def release(self, delivery: MemoryDelivery) -> None:
         """One delivery was settled: make room for the next."""
+        self.outstanding.discard(delivery)
         self.unacked -= 1
         self.queue.unacked -= 1
         room, self._room = self._room, None
@@ -188,7 +210,10 @@ class MemoryConsumer:
 
     async def close(self) -> None:
         """Stop taking messages; wake a waiting `get` so that it raises `ConsumerClosed`."""
+        if self._closed:
+            return
         self._closed = True
+        self.queue.consumers -= 1
         for waiter in [*self.queue.waiters, self._room]:
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
@@ -201,6 +226,7 @@ class MemoryTransport:
         self.address = url
         self.name = url.partition("://")[2] or "default"
         self._temporary: list[str] = []
+        self._consumers: list[MemoryConsumer] = []
         self._broker: MemoryBroker | None = None
 
     @property
@@ -215,7 +241,12 @@ class MemoryTransport:
         self._broker = broker_named(self.name)
 
     async def stop(self) -> None:
-        """Remove the temporary queues this transport declared."""
+        """Return unacknowledged deliveries to their queues; remove temporary queues."""
+        for consumer in self._consumers:
+            await consumer.close()
+            for delivery in list(consumer.outstanding):
+                await delivery.nack(requeue=True)
+        self._consumers.clear()
         for name in self._temporary:
             self.broker.delete(name)
         self._temporary.clear()
@@ -241,4 +272,6 @@ class MemoryTransport:
         found = self.broker.queues.get(queue)
         if found is None:
             raise Unroutable(f"no queue named {queue!r} to consume from: declare it first")
-        return MemoryConsumer(found, prefetch)
+        consumer = MemoryConsumer(found, prefetch)
+        self._consumers.append(consumer)
+        return consumer

@@ -1,0 +1,163 @@
+"""A harness for users' tests: apps on a private memory broker, run until idle, then inspect."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from mersal.app import App
+from mersal.errors import ConfigurationError, MersalError
+from mersal.messages import Envelope, Header
+from mersal.transport import Outgoing, delay_of
+from mersal.transport.memory import MemoryBroker, MemoryTransport
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A message that left an app: where it went, its headers, and the decoded object."""
+
+    address: str
+    headers: dict[str, str]
+    message: Any
+
+    @property
+    def message_id(self) -> str:
+        """The recorded message's id."""
+        return self.headers.get(Header.MESSAGE_ID, "")
+
+
+@dataclass(frozen=True)
+class DeadLetter(Recorded):
+    """A message moved to an error queue, with why."""
+
+    @property
+    def error_type(self) -> str:
+        """The qualified name of the exception that made it fail."""
+        return self.headers.get(Header.ERROR_TYPE, "")
+
+    @property
+    def error_message(self) -> str:
+        """The failure's message."""
+        return self.headers.get(Header.ERROR_MESSAGE, "")
+
+    @property
+    def attempts(self) -> int:
+        """How often it was handled before giving up."""
+        return int(self.headers.get(Header.ERROR_ATTEMPTS, "0"))
+
+    @property
+    def source_queue(self) -> str:
+        """The queue it failed in."""
+        return self.headers.get(Header.ERROR_QUEUE, "")
+
+
+class Harness:
+    """Runs apps on one private memory broker and records every message that moves.
+
+    >>> async with Harness(app) as bus:
+    ...     await app.send(PlaceOrder("o-1", 9.5))
+    ...     await bus.idle()
+    ...     assert bus.published_of(OrderPlaced) == [OrderPlaced("o-1")]
+    """
+
+    def __init__(self, *apps: App) -> None:
+        if not apps:
+            raise ConfigurationError("Harness(app, ...) needs at least one app")
+        self.apps = apps
+        self.sent: list[Recorded] = []
+        self.published: list[Recorded] = []
+        self.deferred: list[Recorded] = []
+        self.retried: list[Recorded] = []
+        self.dead_lettered: list[DeadLetter] = []
+        self._url = f"memory://harness-{uuid.uuid4().hex}"
+        self._broker: MemoryBroker | None = None
+
+    async def __aenter__(self) -> Harness:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Move every app onto the harness's memory broker and start them."""
+        for app in self.apps:
+            if app.running:
+                raise ConfigurationError(f"hand app {app.name!r} to the Harness before starting it")
+            app.transport = MemoryTransport(self._url)
+        transport = self.apps[0].transport
+        assert isinstance(transport, MemoryTransport)
+        self._broker = transport.broker
+        self._broker.observers.append(self._record)
+        for app in self.apps:
+            await app.start()
+
+    async def stop(self) -> None:
+        """Stop every app."""
+        for app in reversed(self.apps):
+            await app.stop()
+
+    @property
+    def broker(self) -> MemoryBroker:
+        """The memory broker the apps share."""
+        if self._broker is None:
+            raise MersalError("start the Harness first")
+        return self._broker
+
+    async def idle(self, timeout: float = 5.0, *, include_delayed: bool = True) -> None:
+        """Wait until no message is queued, in flight or (optionally) waiting for its time."""
+        broker = self.broker
+        async with asyncio.timeout(timeout):
+            calm = 0
+            while calm < 3:
+                quiet = (
+                    all(queue.idle for queue in broker.queues.values())
+                    and (not include_delayed or not broker.delayed)
+                    and all(app.in_flight == 0 for app in self.apps)
+                )
+                calm = calm + 1 if quiet else 0
+                await asyncio.sleep(0 if calm else 0.001)
+
+    def sent_of(self, message_type: type) -> list[Any]:
+        """The messages of this type that were sent, as objects, in order."""
+        return [r.message for r in self.sent if isinstance(r.message, message_type)]
+
+    def published_of(self, message_type: type) -> list[Any]:
+        """The messages of this type that were published, as objects, in order."""
+        return [r.message for r in self.published if isinstance(r.message, message_type)]
+
+    def dead_lettered_of(self, message_type: type) -> list[Any]:
+        """The messages of this type that reached an error queue, as objects, in order."""
+        return [r.message for r in self.dead_lettered if isinstance(r.message, message_type)]
+
+    def _record(self, outgoing: Outgoing) -> None:
+        envelope = outgoing.envelope
+        headers = dict(envelope.headers)
+        message = self._decode(envelope)
+        if Header.ERROR_TYPE in headers:
+            self.dead_lettered.append(DeadLetter(outgoing.address, headers, message))
+        elif outgoing.publish:
+            self.published.append(Recorded(outgoing.address, headers, message))
+        elif Header.ATTEMPT in headers and delay_of(envelope) > 0:
+            self.retried.append(Recorded(outgoing.address, headers, message))
+        elif delay_of(envelope) > 0:
+            self.deferred.append(Recorded(outgoing.address, headers, message))
+        else:
+            self.sent.append(Recorded(outgoing.address, headers, message))
+
+    def _decode(self, envelope: Envelope) -> Any:
+        name = envelope.headers.get(Header.TYPE, "")
+        for app in self.apps:
+            try:
+                return app.codec.decode(envelope.body, app.types.resolve(name))
+            except MersalError:
+                continue
+        return envelope.body
