@@ -44,7 +44,7 @@ log = logging.getLogger("mersal.app")
 
 M = TypeVar("M")
 
-QUEUE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
+QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}")
 
 
 class App:
@@ -439,7 +439,7 @@ class _Replies:
 
 def check_queue_name(name: str, what: str) -> None:
     """Fail with a `ConfigurationError` unless `name` is a usable queue name."""
-    if not isinstance(name, str) or not QUEUE_NAME.match(name):
+    if not isinstance(name, str) or not QUEUE_NAME.fullmatch(name):
         raise ConfigurationError(
             f"{what} = {name!r} is not a usable queue name: use 1-200 letters, digits and "
             "'_', '.', ':', '/', '-', starting with a letter or digit"

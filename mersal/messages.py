@@ -93,11 +93,11 @@ class TypeRegistry:
 
     def add(self, cls: type) -> str:
         """Allow `cls`, returning its wire name; a name already taken by another class fails."""
+        if not isinstance(cls, type):
+            raise ConfigurationError(f"{cls!r} is not a class: register message classes")
         known = self._by_type.get(cls)
         if known is not None:
             return known
-        if not isinstance(cls, type):
-            raise ConfigurationError(f"{cls!r} is not a class: register message classes")
         name = type_name_of(cls)
         other = self._by_name.get(name)
         if other is not None and other is not cls:

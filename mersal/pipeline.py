@@ -103,6 +103,8 @@ class Pipeline(Generic[C]):
 
     def __init__(self, steps: list[tuple[str, Step[C]]]) -> None:
         self._steps = list(steps)
+        if len(set(self.names)) != len(self._steps):
+            raise ConfigurationError(f"pipeline step names must be unique: {self.names}")
         self._chain: Next[C] | None = None
 
     @property

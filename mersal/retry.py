@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mersal.errors import ConfigurationError, DecodeError
 from mersal.messages import Envelope, Header, describe
@@ -36,19 +38,26 @@ class RetryPolicy:
     fail_fast: tuple[type[BaseException], ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if not isinstance(self.immediate, int) or self.immediate < 0:
+        if (
+            isinstance(self.immediate, bool)
+            or not isinstance(self.immediate, int)
+            or self.immediate < 0
+        ):
             raise ConfigurationError(
                 f"RetryPolicy(immediate={self.immediate!r}) must be an int >= 0"
             )
-        delays = tuple(self.delayed)
-        if any(not isinstance(d, int | float) or d < 0 for d in delays):
+        delays = _as_tuple(self.delayed, "delayed", "seconds")
+        if any(
+            isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d < math.inf
+            for d in delays
+        ):
             raise ConfigurationError(
                 f"RetryPolicy(delayed={list(self.delayed)!r}) must list seconds >= 0"
             )
         object.__setattr__(self, "delayed", delays)
         if not self.error_queue or not isinstance(self.error_queue, str):
             raise ConfigurationError("RetryPolicy(error_queue=...) must name a queue")
-        fail_fast = tuple(self.fail_fast)
+        fail_fast = _as_tuple(self.fail_fast, "fail_fast", "exception classes")
         if any(not (isinstance(t, type) and issubclass(t, BaseException)) for t in fail_fast):
             raise ConfigurationError("RetryPolicy(fail_fast=...) must list exception classes")
         object.__setattr__(self, "fail_fast", fail_fast)
@@ -59,11 +68,20 @@ class RetryPolicy:
         return 1 + self.immediate + len(self.delayed)
 
 
+def _as_tuple(value: object, name: str, what: str) -> tuple[Any, ...]:
+    try:
+        return tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigurationError(f"RetryPolicy({name}=...) must be a list of {what}") from None
+
+
 def attempts_made(envelope: Envelope) -> int:
     """How many attempts earlier deliveries of this message made (from our own header)."""
     value = envelope.headers.get(Header.ATTEMPT)
     if value is None:
         return 0
+    if len(value) > 9:
+        return MAX_ATTEMPTS if value.isdigit() else 0
     try:
         return min(max(int(value), 0), MAX_ATTEMPTS)
     except ValueError:

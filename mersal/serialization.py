@@ -49,13 +49,13 @@ class JsonCodec:
         except msgspec.ValidationError as error:
             raise DecodeError(f"body does not match {cls.__qualname__}: {error}") from None
         except msgspec.DecodeError as error:
-            raise DecodeError(f"body is not valid JSON: {error}") from None
+            raise DecodeError(f"body is not valid JSON for {cls.__qualname__}: {error}") from None
 
 
 def _to_builtins(value: object) -> Any:
     dump = getattr(value, "model_dump", None)
     if dump is not None:
-        return dump(mode="json")
+        return dump(mode="json", by_alias=True)
     raise NotImplementedError(f"cannot encode {type(value).__qualname__} as JSON")
 
 

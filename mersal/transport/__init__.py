@@ -127,9 +127,9 @@ def mask(url: str) -> str:
     """The URL with any password replaced by `***`, fit for logs."""
     scheme, sep, rest = url.partition("://")
     if not sep:
-        return url
+        scheme, rest = "", url
     credentials, at, host = rest.rpartition("@")
     if not at:
         return url
     user, colon, _ = credentials.partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}@{host}"
+    return f"{scheme}{sep}{user}{':***' if colon else ''}@{host}"

@@ -86,25 +86,28 @@ class MemoryBroker:
 
     def bind(self, queue: str, topic: str) -> None:
         """Deliver what is published on `topic` to `queue` as well."""
+        if queue not in self.queues:
+            raise Unroutable(f"no queue named {queue!r} to bind to {topic!r}: declare it first")
         queues = self.bindings.setdefault(topic, [])
         if queue not in queues:
             queues.append(queue)
 
     def route(self, outgoing: Outgoing) -> None:
         """Put one message on its queue, or on every queue bound to its topic."""
+        if outgoing.publish:
+            targets = [self.queues[name] for name in self.bindings.get(outgoing.address, ())]
+        else:
+            queue = self.queues.get(outgoing.address)
+            if queue is None:
+                raise Unroutable(
+                    f"no queue named {outgoing.address!r}: start the app that owns it, "
+                    "or check the route"
+                )
+            targets = [queue]
         for observe in self.observers:
             observe(outgoing)
-        if outgoing.publish:
-            for name in self.bindings.get(outgoing.address, ()):
-                self._enqueue(self.queues[name], outgoing.envelope.copy())
-            return
-        queue = self.queues.get(outgoing.address)
-        if queue is None:
-            raise Unroutable(
-                f"no queue named {outgoing.address!r}: start the app that owns it, "
-                "or check the route"
-            )
-        self._enqueue(queue, outgoing.envelope)
+        for target in targets:
+            self._enqueue(target, outgoing.envelope.copy())
 
     def _enqueue(self, queue: MemoryQueue, envelope: Envelope) -> None:
         delay = delay_of(envelope)
@@ -144,7 +147,7 @@ class MemoryDelivery:
         self._consumer = consumer
         self._stored = stored
         self._settled = False
-        self.envelope = stored.envelope
+        self.envelope = stored.envelope.copy()
         self.queue = consumer.queue.name
         self.redelivered = stored.redelivered
 
@@ -156,7 +159,7 @@ class MemoryDelivery:
         """Put the message back at the head of its queue, marked redelivered."""
         self._settle()
         if requeue:
-            self._consumer.queue.put(_Stored(self.envelope, redelivered=True), front=True)
+            self._consumer.queue.put(_Stored(self._stored.envelope, redelivered=True), front=True)
 
     def _settle(self) -> None:
         if self._settled:
@@ -177,7 +180,7 @@ class MemoryConsumer:
         self.unacked = 0
         self._closed = False
         self._room: asyncio.Future[None] | None = None
-        self.outstanding: set[MemoryDelivery] = set()
+        self.outstanding: dict[MemoryDelivery, None] = {}
         queue.consumers += 1
 
     async def get(self) -> MemoryDelivery:
@@ -190,7 +193,7 @@ class MemoryConsumer:
                 self.unacked += 1
                 queue.unacked += 1
                 delivery = MemoryDelivery(self, queue.ready.popleft())
-                self.outstanding.add(delivery)
+                self.outstanding[delivery] = None
                 return delivery
             waiter = asyncio.get_running_loop().create_future()
             if self.unacked < self.prefetch:
@@ -201,7 +204,7 @@ class MemoryConsumer:
 
     def release(self, delivery: MemoryDelivery) -> None:
         """One delivery was settled: make room for the next."""
-        self.outstanding.discard(delivery)
+        self.outstanding.pop(delivery, None)
         self.unacked -= 1
         self.queue.unacked -= 1
         room, self._room = self._room, None
@@ -244,7 +247,7 @@ class MemoryTransport:
         """Return unacknowledged deliveries to their queues; remove temporary queues."""
         for consumer in self._consumers:
             await consumer.close()
-            for delivery in list(consumer.outstanding):
+            for delivery in reversed(list(consumer.outstanding)):
                 await delivery.nack(requeue=True)
         self._consumers.clear()
         for name in self._temporary:

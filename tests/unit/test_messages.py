@@ -1,0 +1,282 @@
+"""Wire type names, the type registry (an allow-list that never imports), and envelopes."""
+
+import collections
+import sys
+from dataclasses import dataclass
+
+import msgspec
+import pydantic
+import pytest
+
+from mersal import ConfigurationError, DecodeError, Envelope, Header, message
+from mersal.messages import TypeRegistry, type_name_of
+
+
+@dataclass
+class Plain:
+    value: int
+
+
+@message("orders.PlaceOrder.v2")
+@dataclass
+class Named:
+    order_id: str
+
+
+@dataclass
+class NamedChild(Named):
+    note: str = ""
+
+
+@message("orders.Slotted.v1")
+@dataclass(slots=True)
+class NamedThenSlotted:
+    order_id: str
+
+
+@dataclass(slots=True)
+@message("orders.SlottedOuter.v1")
+class SlottedThenNamed:
+    order_id: str
+
+
+@message("orders.Struct.v1")
+class NamedStruct(msgspec.Struct):
+    order_id: str
+
+
+@message("orders.Model.v1")
+class NamedModel(pydantic.BaseModel):
+    order_id: str
+
+
+class Event:
+    pass
+
+
+class OrderEvent(Event):
+    pass
+
+
+class OrderShipped(OrderEvent):
+    pass
+
+
+# Wire names.
+
+
+def test_the_default_name_is_module_and_qualified_name() -> None:
+    assert type_name_of(Plain) == f"{__name__}.Plain"
+
+
+def test_a_nested_class_name_includes_its_outer_class() -> None:
+    class Outer:
+        @dataclass
+        class Inner:
+            value: int
+
+    assert type_name_of(Outer.Inner).endswith(".Outer.Inner")
+    assert type_name_of(Outer.Inner).startswith(f"{__name__}.")
+
+
+@pytest.mark.parametrize(
+    ("cls", "name"),
+    [
+        (Named, "orders.PlaceOrder.v2"),
+        (NamedThenSlotted, "orders.Slotted.v1"),
+        (SlottedThenNamed, "orders.SlottedOuter.v1"),
+        (NamedStruct, "orders.Struct.v1"),
+        (NamedModel, "orders.Model.v1"),
+    ],
+)
+def test_message_sets_the_wire_name(cls: type, name: str) -> None:
+    assert type_name_of(cls) == name
+
+
+def test_a_subclass_does_not_inherit_the_declared_name() -> None:
+    assert type_name_of(NamedChild) == f"{__name__}.NamedChild"
+    assert type_name_of(Named) == "orders.PlaceOrder.v2"
+
+
+@pytest.mark.parametrize("name", ["", "   ", "orders PlaceOrder", "orders.\tX", "x\n"])
+def test_message_rejects_a_name_that_is_empty_or_has_spaces(name: str) -> None:
+    with pytest.raises(ConfigurationError, match="message type name"):
+        message(name)
+
+
+# The registry.
+
+
+def test_add_returns_the_name_and_resolve_returns_the_class() -> None:
+    registry = TypeRegistry()
+
+    assert registry.add(Named) == "orders.PlaceOrder.v2"
+    assert registry.add(Plain) == f"{__name__}.Plain"
+
+    assert registry.resolve("orders.PlaceOrder.v2") is Named
+    assert registry.resolve(f"{__name__}.Plain") is Plain
+    assert Named in registry
+    assert NamedChild not in registry
+
+
+def test_adding_the_same_class_twice_is_fine() -> None:
+    registry = TypeRegistry()
+    registry.add(Named)
+
+    assert registry.add(Named) == "orders.PlaceOrder.v2"
+    assert registry.resolve("orders.PlaceOrder.v2") is Named
+
+
+def test_name_of_allows_a_class_on_first_use() -> None:
+    registry = TypeRegistry()
+
+    assert registry.name_of(Plain) == f"{__name__}.Plain"
+    assert registry.resolve(f"{__name__}.Plain") is Plain
+
+
+def test_two_classes_with_one_name_are_refused_naming_both_and_suggesting_message() -> None:
+    @message("orders.Clash.v1")
+    @dataclass
+    class First:
+        value: int
+
+    @message("orders.Clash.v1")
+    @dataclass
+    class Second:
+        value: int
+
+    registry = TypeRegistry()
+    registry.add(First)
+
+    with pytest.raises(ConfigurationError) as raised:
+        registry.add(Second)
+
+    text = str(raised.value)
+    assert "orders.Clash.v1" in text
+    assert First.__qualname__ in text
+    assert Second.__qualname__ in text
+    assert "@message" in text
+    assert registry.resolve("orders.Clash.v1") is First
+
+
+@pytest.mark.parametrize("thing", [42, "orders.PlaceOrder", None])
+def test_adding_something_that_is_not_a_class_is_refused(thing: object) -> None:
+    with pytest.raises(ConfigurationError, match="not a class"):
+        TypeRegistry().add(thing)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("thing", [Plain(1), [Plain]])
+def test_adding_an_unhashable_non_class_is_refused_with_a_configuration_error(
+    thing: object,
+) -> None:
+    with pytest.raises(ConfigurationError, match="not a class"):
+        TypeRegistry().add(thing)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "os.system",
+        "builtins.eval",
+        "subprocess.Popen",
+        "collections.OrderedDict",
+        f"{__name__}.Plain",
+        "",
+        "orders.PlaceOrder.v1",
+    ],
+)
+def test_an_unknown_name_is_a_decode_error_and_imports_nothing(name: str) -> None:
+    registry = TypeRegistry()
+    registry.add(Named)
+    modules = set(sys.modules)
+
+    with pytest.raises(DecodeError, match="unknown message type"):
+        registry.resolve(name)
+
+    assert set(sys.modules) - modules == set()
+
+
+def test_resolving_a_name_in_an_unimported_module_does_not_import_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delitem(sys.modules, "json.tool", raising=False)
+    registry = TypeRegistry()
+    registry.add(Plain)
+
+    with pytest.raises(DecodeError):
+        registry.resolve("json.tool.main")
+
+    assert "json.tool" not in sys.modules
+
+
+def test_a_subclass_of_a_registered_class_resolves_by_its_own_name() -> None:
+    registry = TypeRegistry()
+    registry.add(Event)
+
+    assert registry.resolve(type_name_of(OrderShipped)) is OrderShipped
+    assert registry.resolve(type_name_of(OrderEvent)) is OrderEvent
+    assert OrderShipped in registry
+
+
+def test_a_subclass_of_a_decorated_class_resolves_by_its_default_name() -> None:
+    registry = TypeRegistry()
+    registry.add(Named)
+
+    assert registry.resolve(f"{__name__}.NamedChild") is NamedChild
+    with pytest.raises(DecodeError):
+        registry.resolve("orders.PlaceOrder.v2.NamedChild")
+
+
+def test_a_registered_object_does_not_make_every_class_resolvable() -> None:
+    registry = TypeRegistry()
+    registry.add(object)
+
+    for name in [
+        f"{__name__}.Plain",
+        "collections.OrderedDict",
+        "subprocess.Popen",
+        "builtins.type",
+        "builtins.eval",
+    ]:
+        with pytest.raises(DecodeError):
+            registry.resolve(name)
+    assert Plain not in registry
+    assert collections.OrderedDict not in registry
+
+
+def test_a_class_outside_the_registered_hierarchy_stays_unknown() -> None:
+    registry = TypeRegistry()
+    registry.add(OrderEvent)
+
+    with pytest.raises(DecodeError):
+        registry.resolve(type_name_of(Event))  # a base class is not allowed by its subclass
+    with pytest.raises(DecodeError):
+        registry.resolve(f"{__name__}.Plain")
+
+
+# Envelopes.
+
+
+def test_envelope_copy_adds_and_replaces_headers_without_touching_the_original() -> None:
+    original = Envelope({Header.MESSAGE_ID: "m-1", Header.ATTEMPT: "1"}, b"body")
+
+    copied = original.copy(**{Header.ATTEMPT: "2", Header.DELIVER_AT: "123.0"})
+
+    assert original.headers == {Header.MESSAGE_ID: "m-1", Header.ATTEMPT: "1"}
+    assert copied.headers == {
+        Header.MESSAGE_ID: "m-1",
+        Header.ATTEMPT: "2",
+        Header.DELIVER_AT: "123.0",
+    }
+    assert copied.body == original.body
+    copied.headers["x-later"] = "1"
+    assert "x-later" not in original.headers
+
+
+def test_envelope_properties_read_their_headers() -> None:
+    envelope = Envelope(
+        {Header.MESSAGE_ID: "m-1", Header.TYPE: "t.T", Header.PARTITION_KEY: "k"}, b""
+    )
+
+    assert (envelope.message_id, envelope.type_name, envelope.partition_key) == ("m-1", "t.T", "k")
+    assert Envelope({}, b"").message_id is None
