@@ -329,12 +329,11 @@ class App:
 
     async def stop(self) -> None:
         """Stop fetching, finish in-flight messages (within the grace period), disconnect."""
-        if not self._running:
+        worker, self._worker = self._worker, None
+        if not self._running or worker is None:
             return
+        await worker.stop(self.grace_period)
         self._running = False
-        if self._worker is not None:
-            await self._worker.stop(self.grace_period)
-            self._worker = None
         if self._replies is not None:
             await self._replies.close()
             self._replies = None

@@ -100,8 +100,8 @@ class RetryStep:
         policy = self.policy
         made = attempts_made(context.envelope)
         first_round = 1 + policy.immediate
+        context.attempt = made + 1
         while True:
-            context.begin_attempt(made + 1)
             try:
                 await next(context)
                 return
@@ -113,6 +113,7 @@ class RetryStep:
                     return
                 if made < first_round:
                     _log_failure(context, error, made, "retrying now")
+                    context.begin_attempt(made + 1)
                     continue
                 step = made - first_round
                 if step < len(policy.delayed):
@@ -138,7 +139,6 @@ class RetryStep:
             made,
             type(error).__name__,
             error,
-            exc_info=not isinstance(error, DecodeError),
         )
         envelope = context.envelope.copy(**error_headers(error, made, context.queue))
         await self._forward(context, Outgoing(self.policy.error_queue, envelope), "dead-lettering")

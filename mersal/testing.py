@@ -146,7 +146,7 @@ class Harness:
             self.dead_lettered.append(DeadLetter(outgoing.address, headers, message))
         elif outgoing.publish:
             self.published.append(Recorded(outgoing.address, headers, message))
-        elif Header.ATTEMPT in headers and delay_of(envelope) > 0:
+        elif Header.ATTEMPT in headers:
             self.retried.append(Recorded(outgoing.address, headers, message))
         elif delay_of(envelope) > 0:
             self.deferred.append(Recorded(outgoing.address, headers, message))

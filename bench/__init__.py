@@ -1,0 +1,1 @@
+"""Benchmarks for Mersal, each measured against a baseline without the framework."""

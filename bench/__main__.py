@@ -1,0 +1,93 @@
+"""Run the benchmarks: `python -m bench [--only NAME] [--runs N]`.
+
+Prints one `key=value` line per figure: its median over the runs, then (with more than one
+run) `key_min=` and `key_max=`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib
+import statistics
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, cast
+
+Figures = dict[str, float | int]
+Run = Callable[[], Coroutine[Any, Any, Figures]]
+
+BENCHMARKS: dict[str, str] = {
+    "inmemory": "bench.inmemory",
+    "codec": "bench.codec",
+}
+"""Every benchmark by name: a module with `async def run() -> dict[str, float | int]`."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the selected benchmarks and print the median of each figure over the runs."""
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"run only this benchmark (repeatable or comma separated): {', '.join(BENCHMARKS)}",
+    )
+    parser.add_argument(
+        "--runs", type=int, default=5, metavar="N", help="runs per benchmark (default 5)"
+    )
+    args = parser.parse_args(argv)
+    names = selected(args.only)
+    unknown = [name for name in names if name not in BENCHMARKS]
+    if unknown:
+        parser.error(
+            f"unknown benchmark(s) {', '.join(unknown)}; the benchmarks are: "
+            f"{', '.join(BENCHMARKS)}"
+        )
+    if args.runs < 1:
+        parser.error(f"--runs {args.runs}: run each benchmark at least once")
+    for name in names:
+        run = cast(Run, importlib.import_module(BENCHMARKS[name]).run)
+        results = [measure(run) for _ in range(args.runs)]
+        for key, values in collect(results).items():
+            print(f"{key}={format_value(statistics.median(values))}", flush=True)
+            if len(values) > 1:
+                print(f"{key}_min={format_value(min(values))}")
+                print(f"{key}_max={format_value(max(values))}", flush=True)
+    return 0
+
+
+def selected(only: list[str]) -> list[str]:
+    """The benchmark names asked for, in order and without repeats; all when none were."""
+    names = [name.strip() for value in only for name in value.split(",") if name.strip()]
+    return list(dict.fromkeys(names)) if names else list(BENCHMARKS)
+
+
+def measure(run: Run) -> Figures:
+    """One run of a benchmark in a fresh event loop, after a garbage collection."""
+    gc.collect()
+    return asyncio.run(run())
+
+
+def collect(results: list[Figures]) -> dict[str, list[float | int]]:
+    """Each figure's values over the runs, keys in the order the benchmark reported them."""
+    values: dict[str, list[float | int]] = {}
+    for figures in results:
+        for key, value in figures.items():
+            values.setdefault(key, []).append(value)
+    return values
+
+
+def format_value(value: float | int) -> str:
+    """A figure for printing: whole numbers as ints, large rates rounded, small ones to 4 digits."""
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return str(int(value))
+    if abs(value) >= 1000:
+        return f"{value:.0f}"
+    return f"{value:.4g}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Round trips per second of the candidate JSON codecs on a small dataclass message.
+
+Justifies the default codec: msgspec validates while decoding and is still the fastest;
+stdlib json and orjson are timed without validation (the class is built from the dict as is),
+pydantic with validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+ROUNDTRIPS = 50_000
+
+Roundtrip = Callable[["Quote"], "Quote"]
+
+
+@dataclass
+class Quote:
+    """A small message with the usual field types."""
+
+    symbol: str
+    quantity: int
+    price: float
+    firm: bool
+    tags: list[str] = field(default_factory=list)
+
+
+SAMPLE = Quote("MRSL", 120, 19.75, True, ["retail", "limit", "day"])
+
+
+async def run() -> dict[str, float | int]:
+    """Time every importable codec on the same message."""
+    figures: dict[str, float | int] = {}
+    for name, roundtrip in codecs().items():
+        if roundtrip(SAMPLE) != SAMPLE:
+            raise AssertionError(f"codec {name} does not round-trip {SAMPLE!r}")
+        figures[f"codec_{name}_roundtrips_per_s"] = ROUNDTRIPS / timed(roundtrip, ROUNDTRIPS)
+    return figures
+
+
+def timed(roundtrip: Roundtrip, count: int) -> float:
+    """Seconds for `count` encode+decode round trips of the sample, after a short warm-up."""
+    sample = SAMPLE
+    for _ in range(count // 50):
+        roundtrip(sample)
+    started = time.perf_counter()
+    for _ in range(count):
+        roundtrip(sample)
+    return time.perf_counter() - started
+
+
+def codecs() -> dict[str, Roundtrip]:
+    """Each codec's encode+decode as one call; codecs whose library is missing are left out."""
+    found: dict[str, Roundtrip] = {
+        "msgspec": msgspec_roundtrip(),
+        "stdlib_json": stdlib_roundtrip(),
+    }
+    orjson = optional("orjson")
+    if orjson is not None:
+        found["orjson"] = orjson_roundtrip(orjson)
+    if importlib.util.find_spec("pydantic") is not None:
+        found["pydantic"] = pydantic_roundtrip()
+    return found
+
+
+def optional(module: str) -> Any:
+    """The module if it can be imported, else None."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
+def msgspec_roundtrip() -> Roundtrip:
+    """msgspec's JSON Encoder and a Decoder bound to the class: decoding validates."""
+    encoder = msgspec.json.Encoder()
+    decoder = msgspec.json.Decoder(Quote)
+
+    def roundtrip(message: Quote) -> Quote:
+        return decoder.decode(encoder.encode(message))
+
+    return roundtrip
+
+
+def stdlib_roundtrip() -> Roundtrip:
+    """json.dumps of dataclasses.asdict, then the class from json.loads: no validation."""
+    dumps, loads, asdict = json.dumps, json.loads, dataclasses.asdict
+
+    def roundtrip(message: Quote) -> Quote:
+        body = dumps(asdict(message), separators=(",", ":")).encode()
+        return Quote(**loads(body))
+
+    return roundtrip
+
+
+def orjson_roundtrip(orjson: Any) -> Roundtrip:
+    """orjson (which encodes dataclasses natively), then the class from the dict: no validation."""
+    dumps, loads = orjson.dumps, orjson.loads
+
+    def roundtrip(message: Quote) -> Quote:
+        return Quote(**loads(dumps(message)))
+
+    return roundtrip
+
+
+def pydantic_roundtrip() -> Roundtrip:
+    """pydantic's TypeAdapter for the dataclass: dump_json, then validate_json."""
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(Quote)
+    dump, validate = adapter.dump_json, adapter.validate_json
+
+    def roundtrip(message: Quote) -> Quote:
+        return validate(dump(message))
+
+    return roundtrip
