@@ -101,6 +101,7 @@ class App:
         self._subscriptions: list[type] = []
         self._worker: Worker | None = None
         self._running = False
+        self._stopping: asyncio.Future[None] | None = None
         self._replies: _Replies | None = None
 
     def __repr__(self) -> str:
@@ -329,10 +330,20 @@ class App:
 
     async def stop(self) -> None:
         """Stop fetching, finish in-flight messages (within the grace period), disconnect."""
-        worker, self._worker = self._worker, None
-        if not self._running or worker is None:
-            return
-        await worker.stop(self.grace_period)
+        if self._stopping is None:
+            if not self._running:
+                return
+            self._stopping = asyncio.ensure_future(self._shut_down())
+        try:
+            await asyncio.shield(self._stopping)
+        finally:
+            if self._stopping.done():
+                self._stopping = None
+
+    async def _shut_down(self) -> None:
+        if self._worker is not None:
+            await self._worker.stop(self.grace_period)
+        self._worker = None
         self._running = False
         if self._replies is not None:
             await self._replies.close()

@@ -83,7 +83,8 @@ class Handlers:
 
     def _builder(self, handler: Any) -> Callable[[MessageContext], Handle]:
         if inspect.isclass(handler):
-            if not callable(getattr(handler, "__call__", None)):  # noqa: B004
+            call = getattr(handler, "__call__", None)  # noqa: B004
+            if call is type.__call__ or not inspect.iscoroutinefunction(call):
                 raise ConfigurationError(
                     f"handler class {_name(handler)} needs an `async def __call__(self, message)`"
                 )
@@ -109,20 +110,27 @@ class Handlers:
                 if provider is not None:
                     kwargs[name] = provider(context)
                 else:
-                    kwargs[name] = self._scope(context).resolve(dependency)
+                    kwargs[name] = self._resolve(dependency, context)
             handler: Handle = cls(**kwargs)
             return handler
 
         return build
 
-    def _scope(self, context: MessageContext) -> Container:
+    def _resolve(self, dependency: Any, context: MessageContext) -> object:
+        """Resolve from the message's scope: one instance per dependency per message."""
+        resolved: dict[Any, object] | None = context.items.get("mersal.resolved")
+        if resolved is None:
+            resolved = context.items["mersal.resolved"] = {}
+        elif dependency in resolved:
+            return resolved[dependency]
         scope: Container | None = context.items.get("mersal.scope")
         if scope is None:
             scope = Container(self.container)
-            for dependency, provider in self.scoped.items():
-                scope[dependency] = provider(context)
+            for scoped, provider in self.scoped.items():
+                scope[scoped] = provider(context)
             context.items["mersal.scope"] = scope
-        return scope
+        instance = resolved[dependency] = scope.resolve(dependency)
+        return instance
 
     def _check_resolvable(
         self, handler: type, name: str, dependency: Any, path: tuple[str, ...]

@@ -97,8 +97,16 @@ class Harness:
         assert isinstance(transport, MemoryTransport)
         self._broker = transport.broker
         self._broker.observers.append(self._record)
-        for app in self.apps:
-            await app.start()
+        started: list[App] = []
+        try:
+            for app in self.apps:
+                await app.start()
+                started.append(app)
+        except BaseException:
+            for app in reversed(started):
+                await app.stop()
+            self._broker.observers.remove(self._record)
+            raise
 
     async def stop(self) -> None:
         """Stop every app."""

@@ -71,6 +71,7 @@ class Worker:
                 self._spawn(self._run(delivery))
             elif key in lanes:
                 lanes[key].append(delivery)
+                room.release()  # it waits behind its key without taking a slot
             else:
                 lanes[key] = deque()
                 self._spawn(self._run_lane(key, delivery))
@@ -91,12 +92,12 @@ class Worker:
         try:
             await self._run(delivery)
             while lane and not self._stopping:
+                await self._room.acquire()
                 await self._run(lane.popleft())
         finally:
             del self._lanes[key]
             while lane:
                 await self._return(lane.popleft())
-                self._room.release()
 
     async def _settle(self, delivery: Delivery) -> None:
         try:

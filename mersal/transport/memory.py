@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ class ConsumerClosed(MersalError):
 @dataclass(slots=True)
 class _Stored:
     envelope: Envelope
+    seq: int
     redelivered: bool = False
 
 
@@ -32,13 +34,18 @@ class MemoryQueue:
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
     unacked: int = 0
     consumers: int = 0
+    _sequence: int = 0
 
-    def put(self, stored: _Stored, *, front: bool = False) -> None:
-        """Make a message ready and wake the consumers waiting for one."""
-        if front:
-            self.ready.appendleft(stored)
-        else:
-            self.ready.append(stored)
+    def put(self, envelope: Envelope) -> None:
+        """Append a message and wake the consumers waiting for one."""
+        self._sequence += 1
+        self.ready.append(_Stored(envelope, self._sequence))
+        self._wake()
+
+    def requeue(self, stored: _Stored) -> None:
+        """Return a message to its original place in the queue, marked redelivered."""
+        stored.redelivered = True
+        bisect.insort(self.ready, stored, key=_sequence_of)
         self._wake()
 
     def _wake(self) -> None:
@@ -54,6 +61,10 @@ class MemoryQueue:
     def idle(self) -> bool:
         """Nothing unacknowledged, and nothing ready unless nobody consumes the queue."""
         return not self.unacked and not (self.ready and self.consumers)
+
+
+def _sequence_of(stored: _Stored) -> int:
+    return stored.seq
 
 
 class MemoryBroker:
@@ -112,7 +123,7 @@ class MemoryBroker:
     def _enqueue(self, queue: MemoryQueue, envelope: Envelope) -> None:
         delay = delay_of(envelope)
         if delay <= 0:
-            queue.put(_Stored(envelope))
+            queue.put(envelope)
             return
         self.delayed += 1
         asyncio.get_running_loop().call_later(delay, self._deliver_later, queue.name, envelope)
@@ -121,7 +132,7 @@ class MemoryBroker:
         self.delayed -= 1
         queue = self.queues.get(name)
         if queue is not None:
-            queue.put(_Stored(envelope))
+            queue.put(envelope)
 
 
 _brokers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, MemoryBroker]] = (
@@ -159,7 +170,7 @@ class MemoryDelivery:
         """Put the message back at the head of its queue, marked redelivered."""
         self._settle()
         if requeue:
-            self._consumer.queue.put(_Stored(self._stored.envelope, redelivered=True), front=True)
+            self._consumer.queue.requeue(self._stored)
 
     def _settle(self) -> None:
         if self._settled:
@@ -247,7 +258,7 @@ class MemoryTransport:
         """Return unacknowledged deliveries to their queues; remove temporary queues."""
         for consumer in self._consumers:
             await consumer.close()
-            for delivery in reversed(list(consumer.outstanding)):
+            for delivery in list(consumer.outstanding):
                 await delivery.nack(requeue=True)
         self._consumers.clear()
         for name in self._temporary:

@@ -1,0 +1,225 @@
+"""Configuration mistakes raise a MersalError subclass whose message says what to change."""
+
+from dataclasses import dataclass
+
+import pytest
+
+from mersal import App, ConfigurationError, MersalError, NotRunning, RetryPolicy, message
+from mersal.testing import Harness
+
+
+@dataclass
+class PlaceOrder:
+    order_id: str
+
+
+@dataclass
+class Unrouted:
+    n: int
+
+
+@message("shared.Name.v1")
+@dataclass
+class First:
+    a: int
+
+
+@message("shared.Name.v1")
+@dataclass
+class Second:
+    b: int
+
+
+class PaymentGateway:
+    """A dependency nobody binds; it needs a URL, which no container can invent."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+class ChargeHandler:
+    def __init__(self, gateway: PaymentGateway) -> None:
+        self.gateway = gateway
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        pass
+
+
+class NotCallable:
+    """A handler class someone forgot to give a `__call__`."""
+
+    def __init__(self) -> None:
+        pass
+
+
+class SyncCall:
+    """A handler class whose `__call__` is not async."""
+
+    def __call__(self, message: PlaceOrder) -> None:
+        pass
+
+
+async def noop(message: object) -> None:
+    pass
+
+
+def test_an_unknown_transport_scheme_names_the_supported_ones() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        App("a", transport="kafka://x")
+    text = str(raised.value)
+    assert "kafka://x" in text
+    assert "memory://" in text
+    assert "amqp://" in text
+
+
+async def test_sending_an_unrouted_type_says_to_call_app_route() -> None:
+    app = App("a")
+    async with Harness(app):
+        with pytest.raises(ConfigurationError) as raised:
+            await app.send(Unrouted(1))
+    assert "Unrouted" in str(raised.value)
+    assert "app.route(Unrouted" in str(raised.value)
+
+
+async def test_a_handler_needing_an_unprovided_type_fails_at_start() -> None:
+    app = App("billing")
+    app.register(PlaceOrder, ChargeHandler)  # registering is fine; start() checks
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    text = str(raised.value)
+    assert "ChargeHandler" in text
+    assert "gateway" in text
+    assert "PaymentGateway" in text
+    assert "url: str" in text
+    assert "App(container=...)" in text
+    assert not app.running
+
+
+def test_one_message_name_on_two_classes_is_refused() -> None:
+    app = App("a")
+    app.register(First, noop)
+    with pytest.raises(ConfigurationError) as raised:
+        app.register(Second, noop)
+    text = str(raised.value)
+    assert "shared.Name.v1" in text
+    assert "First" in text
+    assert "Second" in text
+    assert "@message(" in text
+
+
+async def test_subscribing_without_a_handler_fails_at_start() -> None:
+    app = App("billing")
+    app.subscribe(PlaceOrder)
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    text = str(raised.value)
+    assert "PlaceOrder" in text
+    assert "app.register(PlaceOrder" in text
+    assert not app.running
+
+
+@pytest.mark.parametrize("name", ["", "has space", "-leading-dash", "x" * 201, "semi;colon"])
+def test_invalid_app_names_are_refused(name: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        App(name)
+    assert "App(name)" in str(raised.value)
+    assert "letters, digits" in str(raised.value)
+
+
+@pytest.mark.parametrize("queue", ["", "two words", "#hash", "é"])
+def test_invalid_route_queue_names_are_refused(queue: str) -> None:
+    app = App("a")
+    with pytest.raises(ConfigurationError) as raised:
+        app.route(PlaceOrder, queue)
+    assert "route(PlaceOrder, queue)" in str(raised.value)
+    assert "not a usable queue name" in str(raised.value)
+
+
+def test_an_invalid_error_queue_name_is_refused() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        App("a", retry=RetryPolicy(error_queue="dead letters"))
+    assert "RetryPolicy(error_queue)" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"immediate": -1}, "immediate"),
+        ({"delayed": [1.0, -2.0]}, "delayed"),
+        ({"fail_fast": ("ValueError",)}, "exception classes"),
+    ],
+)
+def test_an_invalid_retry_policy_is_refused(kwargs: dict[str, object], words: str) -> None:
+    with pytest.raises(ConfigurationError, match=words):
+        RetryPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_an_invalid_concurrency_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="concurrency"):
+        App("a", concurrency=0)
+
+
+async def test_send_before_start_raises_not_running() -> None:
+    app = App("a")
+    app.route(PlaceOrder, "orders")
+    for call in (app.send, app.send_local, app.publish):
+        with pytest.raises(NotRunning) as raised:
+            await call(PlaceOrder("o-1"))
+        assert "app.start()" in str(raised.value)
+    with pytest.raises(NotRunning):
+        await app.defer(1.0, PlaceOrder("o-1"))
+    with pytest.raises(NotRunning):
+        async with app.transaction():
+            pass
+    assert issubclass(NotRunning, MersalError)
+
+
+async def test_registering_after_start_is_refused() -> None:
+    app = App("a")
+    async with Harness(app):
+        with pytest.raises(ConfigurationError) as raised:
+            app.register(PlaceOrder, noop)
+        assert "before app 'a' starts" in str(raised.value)
+        with pytest.raises(ConfigurationError, match="before app 'a' starts"):
+            app.route(PlaceOrder, "orders")
+        with pytest.raises(ConfigurationError, match="before app 'a' starts"):
+            app.subscribe(PlaceOrder)
+
+
+def test_a_handler_class_without_call_is_refused() -> None:
+    app = App("a")
+    with pytest.raises(ConfigurationError, match="__call__"):
+        app.register(PlaceOrder, NotCallable)
+
+
+def test_a_handler_class_with_a_sync_call_is_refused() -> None:
+    app = App("a")
+    with pytest.raises(ConfigurationError, match="async def __call__"):
+        app.register(PlaceOrder, SyncCall)
+
+
+def test_a_non_async_function_handler_is_refused() -> None:
+    def handle(message: PlaceOrder) -> None:
+        pass
+
+    app = App("a")
+    with pytest.raises(ConfigurationError) as raised:
+        app.register(PlaceOrder, handle)
+    assert "async def" in str(raised.value)
+
+
+def test_the_same_handler_twice_for_one_type_is_refused() -> None:
+    app = App("a")
+    app.register(PlaceOrder, noop)
+    with pytest.raises(ConfigurationError, match="already registered"):
+        app.register(PlaceOrder, noop)
+
+
+def test_registering_something_that_is_not_a_class_is_refused() -> None:
+    app = App("a")
+    with pytest.raises(ConfigurationError, match="message class"):
+        app.register("PlaceOrder", noop)  # type: ignore[arg-type]
+
+
+def test_every_configuration_error_is_a_mersal_error() -> None:
+    assert issubclass(ConfigurationError, MersalError)

@@ -1,0 +1,290 @@
+"""Retries: immediate, delayed, the error queue, fail-fast, and decode failures."""
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+from mersal import App, Envelope, Header, MessageContext, RetryPolicy
+from mersal.testing import Harness
+from mersal.transport import Outgoing
+
+
+@dataclass
+class Charge:
+    order_id: str
+    amount: float
+
+
+@dataclass
+class Ping:
+    n: int
+
+
+class PaymentGatewayDown(Exception):
+    """A failure the handler raises."""
+
+
+class InvalidCard(ValueError):
+    """A failure that retrying cannot fix (a ValueError subclass)."""
+
+
+def charge_the_card(message: Charge) -> None:
+    raise PaymentGatewayDown(f"gateway refused {message.order_id}")
+
+
+def warnings_about(caplog: pytest.LogCaptureFixture, message_id: str) -> list[logging.LogRecord]:
+    return [
+        record
+        for record in caplog.records
+        if record.levelno >= logging.WARNING and message_id in record.getMessage()
+    ]
+
+
+async def test_an_always_failing_message_is_tried_five_times_then_dead_lettered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    attempts: list[int] = []
+
+    async def handle(message: Charge, context: MessageContext) -> None:
+        attempts.append(context.attempt)
+        charge_the_card(message)
+
+    app = App("billing", retry=RetryPolicy(immediate=2, delayed=[0.05, 0.05], error_queue="errors"))
+    app.route(Charge, "billing")
+    app.register(Charge, handle)
+    async with Harness(app) as bus:
+        message_id = await app.send(Charge("o-1", 9.5), headers={"tenant": "acme"})
+        await bus.idle()
+        errors = bus.broker.queues["errors"]
+        in_error_queue = [stored.envelope for stored in errors.ready]
+
+    assert attempts == [1, 2, 3, 4, 5]
+
+    [original] = bus.sent
+    [envelope] = in_error_queue
+    assert json.loads(envelope.body) == {"order_id": "o-1", "amount": 9.5}
+    headers = envelope.headers
+    for name, value in original.headers.items():
+        assert headers[name] == value, name
+    assert headers["tenant"] == "acme"
+    qualified = f"{PaymentGatewayDown.__module__}.PaymentGatewayDown"
+    assert headers[Header.ERROR_TYPE] == qualified
+    assert headers[Header.ERROR_MESSAGE] == "gateway refused o-1"
+    assert "charge_the_card" in headers[Header.ERROR_TRACEBACK]
+    assert "PaymentGatewayDown: gateway refused o-1" in headers[Header.ERROR_TRACEBACK]
+    assert headers[Header.ERROR_ATTEMPTS] == "5"
+    assert headers[Header.ERROR_QUEUE] == "billing"
+    assert float(headers[Header.FAILED_AT]) > float(original.headers[Header.SENT_AT])
+
+    [dead] = bus.dead_lettered
+    assert dead.address == "errors"
+    assert dead.message == Charge("o-1", 9.5)
+    assert dead.message_id == message_id
+    assert dead.error_type == qualified
+    assert dead.error_message == "gateway refused o-1"
+    assert dead.attempts == 5
+    assert dead.source_queue == "billing"
+    assert bus.dead_lettered_of(Charge) == [Charge("o-1", 9.5)]
+
+    assert [r.headers[Header.ATTEMPT] for r in bus.retried] == ["3", "4"]
+    assert [r.address for r in bus.retried] == ["billing", "billing"]
+    assert all(r.message_id == message_id for r in bus.retried)
+
+    # Every failed attempt was logged, with the message id: 4 retries and the dead-lettering.
+    logged = warnings_about(caplog, message_id)
+    assert len(logged) == 5
+    assert logged[-1].levelno == logging.ERROR
+    assert "errors" in logged[-1].getMessage()
+
+
+async def test_a_message_that_fails_twice_then_succeeds_is_not_dead_lettered() -> None:
+    attempts: list[int] = []
+    done: list[Charge] = []
+
+    async def handle(message: Charge, context: MessageContext) -> None:
+        attempts.append(context.attempt)
+        if context.attempt <= 2:
+            raise PaymentGatewayDown("busy")
+        done.append(message)
+
+    app = App("billing", retry=RetryPolicy(immediate=2, delayed=[0.05, 0.05], error_queue="errors"))
+    app.route(Charge, "billing")
+    app.register(Charge, handle)
+    async with Harness(app) as bus:
+        await app.send(Charge("o-1", 1.0))
+        await bus.idle()
+        assert len(bus.broker.queues["errors"]) == 0
+
+    assert attempts == [1, 2, 3]
+    assert done == [Charge("o-1", 1.0)]
+    assert bus.dead_lettered == []
+    assert bus.retried == []
+
+
+async def test_a_message_that_succeeds_on_its_delayed_retry_is_not_dead_lettered() -> None:
+    attempts: list[int] = []
+
+    async def handle(message: Charge, context: MessageContext) -> None:
+        attempts.append(context.attempt)
+        if context.attempt <= 2:
+            raise PaymentGatewayDown("busy")
+
+    app = App("billing", retry=RetryPolicy(immediate=1, delayed=[0.05, 0.05], error_queue="errors"))
+    app.route(Charge, "billing")
+    app.register(Charge, handle)
+    async with Harness(app) as bus:
+        await app.send(Charge("o-1", 1.0))
+        await bus.idle()
+
+    assert attempts == [1, 2, 3]
+    assert [r.headers[Header.ATTEMPT] for r in bus.retried] == ["2"]
+    assert bus.dead_lettered == []
+
+
+async def test_fail_fast_exceptions_are_dead_lettered_after_one_call() -> None:
+    calls: list[str] = []
+
+    async def handle(message: Charge) -> None:
+        calls.append(message.order_id)
+        if message.order_id == "bad-card":
+            raise InvalidCard("card number fails the Luhn check")
+        raise PaymentGatewayDown("busy")
+
+    policy = RetryPolicy(immediate=1, delayed=[0.05], error_queue="errors", fail_fast=(ValueError,))
+    app = App("billing", retry=policy, concurrency=1)
+    app.route(Charge, "billing")
+    app.register(Charge, handle)
+    async with Harness(app) as bus:
+        await app.send(Charge("bad-card", 1.0))
+        await bus.idle()
+        assert calls == ["bad-card"]
+        await app.send(Charge("other", 1.0))
+        await bus.idle()
+
+    # The ValueError subclass skipped every retry; the other failure used all three attempts.
+    assert calls == ["bad-card", "other", "other", "other"]
+    first, second = bus.dead_lettered
+    assert first.message == Charge("bad-card", 1.0)
+    assert first.attempts == 1
+    assert first.error_type.endswith("InvalidCard")
+    assert second.attempts == 3
+    assert [r.message for r in bus.retried] == [Charge("other", 1.0)]
+
+
+def raw(headers: dict[str, str], body: bytes) -> Envelope:
+    return Envelope({Header.MESSAGE_ID: str(uuid.uuid4()), **headers}, body)
+
+
+CHARGE = f"{Charge.__module__}.{Charge.__qualname__}"
+JSON = {Header.CONTENT_TYPE: "application/json"}
+GOOD_BODY = b'{"order_id": "o-1", "amount": 1.5}'
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "reason"),
+    [
+        pytest.param(
+            {Header.TYPE: CHARGE, **JSON}, b'{"order_id": 5}', "does not match", id="body"
+        ),
+        pytest.param({Header.TYPE: CHARGE, **JSON}, b"{not json", "not valid JSON", id="json"),
+        pytest.param({Header.TYPE: "x.Unknown", **JSON}, GOOD_BODY, "unknown", id="unknown-type"),
+        pytest.param(JSON, GOOD_BODY, "no type header", id="no-type"),
+        pytest.param(
+            {Header.TYPE: CHARGE, **JSON},
+            json.dumps({"order_id": "o" * 300, "amount": 1}).encode(),
+            "cap",
+            id="too-large",
+        ),
+        pytest.param(
+            {Header.TYPE: CHARGE, Header.CONTENT_TYPE: "application/xml"},
+            b"<charge/>",
+            "content type",
+            id="content-type",
+        ),
+    ],
+)
+async def test_an_undecodable_delivery_goes_straight_to_the_error_queue(
+    caplog: pytest.LogCaptureFixture, headers: dict[str, str], body: bytes, reason: str
+) -> None:
+    handled: list[Charge] = []
+
+    async def handle(message: Charge) -> None:
+        handled.append(message)
+
+    app = App(
+        "billing",
+        retry=RetryPolicy(immediate=2, delayed=[0.05], error_queue="errors"),
+        max_body_size=256,
+        concurrency=1,
+    )
+    app.route(Charge, "billing")
+    app.register(Charge, handle)
+    async with Harness(app) as bus:
+        bad = raw(headers, body)
+        await app.transport.send([Outgoing("billing", bad)])
+        await app.send(Charge("good", 2.0))
+        await bus.idle()
+        errors = [stored.envelope for stored in bus.broker.queues["errors"].ready]
+
+    assert handled == [Charge("good", 2.0)]
+    [dead] = bus.dead_lettered
+    assert dead.message_id == bad.message_id
+    assert dead.attempts == 1
+    assert dead.error_type == "mersal.errors.DecodeError"
+    assert reason in dead.error_message
+    assert dead.source_queue == "billing"
+    assert bus.retried == []
+    [envelope] = errors
+    assert envelope.body == body
+    for name, value in bad.headers.items():
+        assert envelope.headers[name] == value
+    assert warnings_about(caplog, bad.message_id or "")
+
+
+async def test_the_worker_keeps_going_after_a_run_of_bad_deliveries() -> None:
+    handled: list[int] = []
+
+    async def handle(message: Ping) -> None:
+        handled.append(message.n)
+
+    app = App("pings", retry=RetryPolicy(immediate=0, delayed=[], error_queue="errors"))
+    app.register(Ping, handle)
+    ping = f"{Ping.__module__}.{Ping.__qualname__}"
+    async with Harness(app) as bus:
+        await app.transport.send(
+            [
+                Outgoing("pings", raw({Header.TYPE: ping, **JSON}, b"[]")),
+                Outgoing("pings", raw({Header.TYPE: "nope", **JSON}, b"{}")),
+                Outgoing("pings", raw({}, b'{"n": 1}')),
+            ]
+        )
+        for n in range(5):
+            await app.send_local(Ping(n))
+        await bus.idle()
+
+    assert sorted(handled) == [0, 1, 2, 3, 4]
+    assert len(bus.dead_lettered) == 3
+    assert len(bus.broker.queues["errors"]) == 3
+
+
+async def test_a_failing_handler_logs_each_attempt_with_the_message_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def handle(message: Ping) -> None:
+        raise PaymentGatewayDown("nope")
+
+    app = App("pings", retry=RetryPolicy(immediate=1, delayed=[0.05], error_queue="errors"))
+    app.register(Ping, handle)
+    async with Harness(app) as bus:
+        message_id = await app.send_local(Ping(1))
+        await bus.idle()
+
+    logged = warnings_about(caplog, message_id)
+    assert [r.levelno for r in logged] == [logging.WARNING, logging.WARNING, logging.ERROR]
+    assert all("PaymentGatewayDown" in r.getMessage() for r in logged)
+    assert "retrying now" in logged[0].getMessage()
+    assert "retrying in 0.05s" in logged[1].getMessage()
+    assert len(bus.dead_lettered) == 1

@@ -1,0 +1,466 @@
+"""Sending: headers, send/send_local/publish/defer/reply/request, and app.transaction()."""
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+import pytest
+
+from mersal import App, Header, MersalError, MessageContext, RequestTimeout, Unroutable, message
+from mersal.testing import Harness
+
+
+@message("orders.PlaceOrder.v1")
+@dataclass
+class PlaceOrder:
+    order_id: str
+    amount: float
+
+
+@dataclass
+class ChargeCard:
+    order_id: str
+    amount: float
+
+
+@dataclass
+class OrderPlaced:
+    order_id: str
+
+
+@dataclass
+class PaymentTaken:
+    order_id: str
+
+
+@dataclass
+class StepA:
+    n: int
+
+
+@dataclass
+class StepB:
+    n: int
+
+
+@dataclass
+class StepC:
+    n: int
+
+
+@dataclass
+class Remind:
+    text: str
+
+
+@dataclass
+class GetQuote:
+    item: str
+
+
+@dataclass
+class Quote:
+    item: str
+    price: float
+
+
+async def test_what_arrives_carries_the_standard_headers() -> None:
+    arrived: list[MessageContext] = []
+
+    async def handle(message: PlaceOrder, context: MessageContext) -> None:
+        arrived.append(context)
+
+    api = App("api")
+    api.route(PlaceOrder, "orders")
+    orders = App("orders")
+    orders.register(PlaceOrder, handle)
+    async with Harness(api, orders) as bus:
+        before = time.time()
+        message_id = await api.send(PlaceOrder("o-1", 9.5))
+        after = time.time()
+        await bus.idle()
+
+    [context] = arrived
+    headers = context.headers
+    assert headers[Header.MESSAGE_ID] == message_id
+    assert str(uuid.UUID(message_id)) == message_id
+    assert headers[Header.TYPE] == "orders.PlaceOrder.v1"
+    assert headers[Header.CORRELATION_ID] == message_id
+    assert Header.CAUSATION_ID not in headers
+    assert headers[Header.REPLY_TO] == "api"
+    assert headers[Header.SOURCE] == "api"
+    assert headers[Header.CONTENT_TYPE] == "application/json"
+    assert before - 0.001 <= float(headers[Header.SENT_AT]) <= after + 0.001
+    assert context.message == PlaceOrder("o-1", 9.5)
+    [recorded] = bus.sent
+    assert recorded.address == "orders"
+    assert recorded.headers == headers
+
+
+async def test_every_message_gets_its_own_id() -> None:
+    app = App("orders")
+    app.route(PlaceOrder, "sink")
+    app.register(Remind, noop)
+    async with Harness(app) as bus:
+        bus.broker.declare("sink")
+        returned = [await app.send(PlaceOrder(f"o-{n}", n)) for n in range(10)]
+        returned.append(await app.send_local(Remind("self")))
+        returned.append(await app.publish(OrderPlaced("o-1")))
+        await bus.idle()
+
+    assert len(set(returned)) == 12
+    recorded = [r.message_id for r in bus.sent + bus.published]
+    assert sorted(recorded) == sorted(returned)
+    assert bus.dead_lettered == []
+
+
+async def test_message_name_is_the_type_header_and_decodes_on_the_other_side() -> None:
+    got: list[PlaceOrder] = []
+
+    async def handle(message: PlaceOrder) -> None:
+        got.append(message)
+
+    orders = App("orders")
+    orders.register(PlaceOrder, handle)
+    orders.route(PlaceOrder, "orders")
+    async with Harness(orders) as bus:
+        await orders.send(PlaceOrder("o-1", 2.5))
+        await bus.idle()
+
+    assert bus.sent[0].headers[Header.TYPE] == "orders.PlaceOrder.v1"
+    assert got == [PlaceOrder("o-1", 2.5)]
+
+
+async def test_correlation_id_follows_a_chain_and_causation_id_is_the_previous_message() -> None:
+    seen: dict[str, dict[str, str]] = {}
+
+    async def on_a(message: StepA, context: MessageContext) -> None:
+        seen["a"] = dict(context.headers)
+        await context.app.send_local(StepB(message.n))
+
+    async def on_b(message: StepB, context: MessageContext) -> None:
+        seen["b"] = dict(context.headers)
+        await context.app.send_local(StepC(message.n))
+
+    async def on_c(message: StepC, context: MessageContext) -> None:
+        seen["c"] = dict(context.headers)
+
+    app = App("chain")
+    app.register(StepA, on_a)
+    app.register(StepB, on_b)
+    app.register(StepC, on_c)
+    async with Harness(app) as bus:
+        a_id = await app.send_local(StepA(1))
+        await bus.idle()
+
+    a, b, c = seen["a"], seen["b"], seen["c"]
+    assert a[Header.MESSAGE_ID] == a_id
+    assert len({a[Header.MESSAGE_ID], b[Header.MESSAGE_ID], c[Header.MESSAGE_ID]}) == 3
+    assert a[Header.CORRELATION_ID] == b[Header.CORRELATION_ID] == c[Header.CORRELATION_ID] == a_id
+    assert Header.CAUSATION_ID not in a
+    assert b[Header.CAUSATION_ID] == a[Header.MESSAGE_ID]
+    assert c[Header.CAUSATION_ID] == b[Header.MESSAGE_ID]
+    assert [type(r.message) for r in bus.sent] == [StepA, StepB, StepC]
+
+
+async def test_custom_headers_pass_through_and_send_local_goes_to_the_own_queue() -> None:
+    got: list[dict[str, str]] = []
+
+    async def handle(message: Remind, context: MessageContext) -> None:
+        got.append(dict(context.headers))
+
+    app = App("reminders")
+    app.register(Remind, handle)
+    async with Harness(app) as bus:
+        message_id = await app.send_local(
+            Remind("call mum"), headers={"tenant": "acme", "x-trace": "t-1"}
+        )
+        await bus.idle()
+
+    [headers] = got
+    assert headers["tenant"] == "acme"
+    assert headers["x-trace"] == "t-1"
+    assert headers[Header.MESSAGE_ID] == message_id
+    assert bus.sent[0].address == "reminders"
+
+
+async def test_partition_key_travels_as_a_header() -> None:
+    got: list[str | None] = []
+
+    async def handle(message: Remind, context: MessageContext) -> None:
+        got.append(context.headers.get(Header.PARTITION_KEY))
+
+    app = App("reminders")
+    app.register(Remind, handle)
+    async with Harness(app) as bus:
+        await app.send_local(Remind("a"), partition_key="customer-7")
+        await bus.idle()
+
+    assert got == ["customer-7"]
+
+
+async def test_two_apps_exchange_commands_and_events_and_only_subscribers_get_events() -> None:
+    log: list[tuple[str, object]] = []
+
+    async def place(message: PlaceOrder, context: MessageContext) -> None:
+        log.append(("orders", message))
+        await context.app.send(ChargeCard(message.order_id, message.amount))
+        await context.app.publish(OrderPlaced(message.order_id))
+
+    async def orders_saw_own_event(message: OrderPlaced) -> None:
+        log.append(("orders", message))  # registered, but orders does not subscribe
+
+    async def payment_taken(message: PaymentTaken) -> None:
+        log.append(("orders", message))
+
+    async def charge(message: ChargeCard, context: MessageContext) -> None:
+        log.append(("billing", message))
+        await context.app.publish(PaymentTaken(message.order_id))
+
+    async def billing_saw_order(message: OrderPlaced) -> None:
+        log.append(("billing", message))
+
+    orders = App("orders")
+    orders.route(PlaceOrder, "orders")
+    orders.route(ChargeCard, "billing")
+    orders.register(PlaceOrder, place)
+    orders.register(OrderPlaced, orders_saw_own_event)
+    orders.register(PaymentTaken, payment_taken)
+    orders.subscribe(PaymentTaken)
+
+    billing = App("billing")
+    billing.register(ChargeCard, charge)
+    billing.register(OrderPlaced, billing_saw_order)
+    billing.subscribe(OrderPlaced)
+
+    async with Harness(orders, billing) as bus:
+        await orders.send(PlaceOrder("o-1", 10.0))
+        await bus.idle()
+
+    assert sorted(log, key=repr) == sorted(
+        [
+            ("orders", PlaceOrder("o-1", 10.0)),
+            ("billing", ChargeCard("o-1", 10.0)),
+            ("billing", OrderPlaced("o-1")),
+            ("orders", PaymentTaken("o-1")),
+        ],
+        key=repr,
+    )
+    assert ("orders", OrderPlaced("o-1")) not in log
+    assert bus.sent_of(ChargeCard) == [ChargeCard("o-1", 10.0)]
+    assert bus.published_of(OrderPlaced) == [OrderPlaced("o-1")]
+    assert bus.published_of(PaymentTaken) == [PaymentTaken("o-1")]
+    assert bus.dead_lettered == []
+
+
+async def test_defer_delivers_after_the_delay_and_is_recorded_as_deferred() -> None:
+    arrived: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+
+    async def handle(message: Remind) -> None:
+        arrived.set_result(time.monotonic())
+
+    app = App("reminders")
+    app.register(Remind, handle)
+    async with Harness(app) as bus:
+        start, wall = time.monotonic(), time.time()
+        message_id = await app.defer(0.2, Remind("later"))
+        assert not arrived.done()
+        async with asyncio.timeout(2):
+            at = await arrived
+        await bus.idle()
+
+    assert at - start >= 0.15
+    [deferred] = bus.deferred
+    assert deferred.message == Remind("later")
+    assert deferred.message_id == message_id
+    assert deferred.address == "reminders"
+    assert float(deferred.headers[Header.DELIVER_AT]) >= wall + 0.2 - 0.001
+    assert bus.sent == []
+
+
+async def test_defer_accepts_a_timedelta_and_uses_the_route() -> None:
+    arrived: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+
+    async def handle(message: Remind) -> None:
+        arrived.set_result(time.monotonic())
+
+    sender = App("scheduler")
+    sender.route(Remind, "reminders")
+    reminders = App("reminders")
+    reminders.register(Remind, handle)
+    async with Harness(sender, reminders) as bus:
+        start = time.monotonic()
+        await sender.defer(timedelta(milliseconds=150), Remind("later"))
+        async with asyncio.timeout(2):
+            at = await arrived
+
+    assert at - start >= 0.1
+    assert [d.address for d in bus.deferred] == ["reminders"]
+
+
+async def test_request_returns_the_reply_object() -> None:
+    async def quote(message: GetQuote, context: MessageContext) -> None:
+        await context.app.reply(Quote(message.item, 4.25))
+
+    shop = App("shop")
+    shop.route(GetQuote, "pricing")
+    pricing = App("pricing")
+    pricing.register(GetQuote, quote)
+    async with Harness(shop, pricing) as bus:
+        reply = await shop.request(GetQuote("pen"), reply_type=Quote, timeout=2)
+        await bus.idle()
+
+    assert reply == Quote("pen", 4.25)
+    [request] = [r for r in bus.sent if isinstance(r.message, GetQuote)]
+    [sent_reply] = [r for r in bus.sent if isinstance(r.message, Quote)]
+    assert request.address == "pricing"
+    assert sent_reply.headers[Header.CAUSATION_ID] == request.message_id
+    assert sent_reply.headers[Header.CORRELATION_ID] == request.message_id
+    # The reply goes to the requesting instance's own reply queue, not its input queue.
+    assert sent_reply.address == request.headers[Header.REPLY_TO]
+    assert sent_reply.address.startswith("shop.")
+
+
+async def test_request_without_a_reply_raises_request_timeout() -> None:
+    handled = asyncio.Event()
+
+    async def ignore(message: GetQuote) -> None:
+        handled.set()
+
+    shop = App("shop")
+    shop.route(GetQuote, "pricing")
+    pricing = App("pricing")
+    pricing.register(GetQuote, ignore)
+    async with Harness(shop, pricing):
+        start = time.monotonic()
+        with pytest.raises(RequestTimeout, match="GetQuote"):
+            await shop.request(GetQuote("pen"), reply_type=Quote, timeout=0.2)
+        elapsed = time.monotonic() - start
+
+    assert handled.is_set()
+    assert 0.15 <= elapsed < 1.0
+
+
+async def test_reply_outside_a_handler_raises() -> None:
+    app = App("shop")
+    async with Harness(app):
+        with pytest.raises(MersalError, match="inside a handler"):
+            await app.reply(Quote("pen", 1.0))
+
+
+async def test_transaction_block_sends_on_a_clean_exit_only() -> None:
+    app = App("orders")
+    app.route(PlaceOrder, "sink")
+    async with Harness(app) as bus:
+        bus.broker.declare("sink")
+        async with app.transaction():
+            await app.send(PlaceOrder("o-1", 1.0))
+            await app.publish(OrderPlaced("o-1"))
+            await app.send(PlaceOrder("o-2", 2.0))
+            assert bus.sent == []
+            assert bus.published == []
+        await bus.idle()
+        assert bus.sent_of(PlaceOrder) == [PlaceOrder("o-1", 1.0), PlaceOrder("o-2", 2.0)]
+        assert bus.published_of(OrderPlaced) == [OrderPlaced("o-1")]
+
+        with pytest.raises(RuntimeError, match="validation failed"):
+            async with app.transaction():
+                await app.send(PlaceOrder("o-3", 3.0))
+                await app.publish(OrderPlaced("o-3"))
+                raise RuntimeError("validation failed")
+        await bus.idle()
+
+    assert bus.sent_of(PlaceOrder) == [PlaceOrder("o-1", 1.0), PlaceOrder("o-2", 2.0)]
+    assert bus.published_of(OrderPlaced) == [OrderPlaced("o-1")]
+    assert len(bus.broker.queues["sink"]) == 2
+
+
+async def test_concurrent_requests_each_get_their_own_reply() -> None:
+    async def quote(message: GetQuote, context: MessageContext) -> None:
+        await asyncio.sleep(0.002 * (5 - len(message.item)))  # replies finish out of order
+        await context.app.reply(Quote(message.item, float(len(message.item))))
+
+    shop = App("shop")
+    shop.route(GetQuote, "pricing")
+    pricing = App("pricing")
+    pricing.register(GetQuote, quote)
+    items = ["a", "bb", "ccc", "dddd", "eeeee"]
+    async with Harness(shop, pricing):
+        replies = await asyncio.gather(
+            *(shop.request(GetQuote(item), reply_type=Quote, timeout=2) for item in items)
+        )
+
+    assert replies == [Quote(item, float(len(item))) for item in items]
+
+
+async def test_a_reply_to_a_plain_send_goes_to_the_senders_input_queue() -> None:
+    got: list[tuple[Quote, str]] = []
+
+    async def quote(message: GetQuote, context: MessageContext) -> None:
+        await context.app.reply(Quote(message.item, 1.0))
+
+    async def on_quote(message: Quote, context: MessageContext) -> None:
+        got.append((message, context.headers[Header.CAUSATION_ID]))
+
+    shop = App("shop")
+    shop.route(GetQuote, "pricing")
+    shop.register(Quote, on_quote)
+    pricing = App("pricing")
+    pricing.register(GetQuote, quote)
+    async with Harness(shop, pricing) as bus:
+        request_id = await shop.send(GetQuote("pen"))
+        await bus.idle()
+
+    assert got == [(Quote("pen", 1.0), request_id)]
+    [reply] = [r for r in bus.sent if isinstance(r.message, Quote)]
+    assert reply.address == "shop"
+
+
+async def test_a_route_for_a_base_class_covers_its_subclasses() -> None:
+    @dataclass
+    class Urgent(Remind):
+        level: int
+
+    got: list[Remind] = []
+
+    async def handle(message: Remind) -> None:
+        got.append(message)
+
+    sender = App("sender")
+    sender.route(Remind, "reminders")
+    reminders = App("reminders")
+    reminders.register(Remind, handle)
+    async with Harness(sender, reminders) as bus:
+        await sender.send(Urgent("now", 3))
+        await bus.idle()
+
+    assert got == [Urgent("now", 3)]
+    assert [r.address for r in bus.sent] == ["reminders"]
+
+
+async def test_send_does_not_change_the_callers_headers() -> None:
+    app = App("reminders")
+    app.register(Remind, noop)
+    headers = {"tenant": "acme"}
+    async with Harness(app) as bus:
+        await app.send_local(Remind("a"), headers=headers, partition_key="k")
+        await app.defer(0.01, Remind("b"), headers=headers)
+        await bus.idle()
+
+    assert headers == {"tenant": "acme"}
+    assert all(r.headers["tenant"] == "acme" for r in bus.sent + bus.deferred)
+
+
+async def test_sending_to_a_queue_that_does_not_exist_raises_unroutable() -> None:
+    app = App("orders")
+    app.route(PlaceOrder, "nobody-listens")
+    async with Harness(app):
+        with pytest.raises(Unroutable, match="nobody-listens"):
+            await app.send(PlaceOrder("o-1", 1.0))
+    assert issubclass(Unroutable, MersalError)
+
+
+async def noop(message: object) -> None:
+    pass

@@ -1,0 +1,354 @@
+"""The worker: concurrency limit, per-key ordering, graceful stop and the grace period."""
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+from mersal import App, MessageContext, RetryPolicy
+from mersal.testing import Harness
+
+from .conftest import Until
+
+
+@dataclass
+class Job:
+    n: int
+
+
+@dataclass
+class Keyed:
+    key: str
+    n: int
+
+
+@dataclass
+class Finished:
+    n: int
+
+
+async def test_at_most_and_exactly_concurrency_messages_run_at_once() -> None:
+    running = 0
+    peak = 0
+    handled: list[int] = []
+    four_running = asyncio.Event()
+    release = asyncio.Event()
+
+    async def handle(message: Job) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        if running == 4:
+            four_running.set()
+        try:
+            await release.wait()
+        finally:
+            running -= 1
+        handled.append(message.n)
+
+    app = App("jobs", concurrency=4)
+    app.register(Job, handle)
+    async with Harness(app) as bus:
+        for n in range(10):
+            await app.send_local(Job(n))
+        async with asyncio.timeout(2):
+            await four_running.wait()
+        assert running == 4
+        assert app.in_flight == 4
+        # The other six wait in the queue, not in the worker.
+        assert len(bus.broker.queues["jobs"]) == 6
+        release.set()
+        await bus.idle()
+
+    assert peak == 4
+    assert sorted(handled) == list(range(10))
+
+
+async def test_messages_of_one_partition_key_run_in_order_and_keys_interleave() -> None:
+    keys = ["alpha", "beta", "gamma"]
+    started: dict[str, list[int]] = {key: [] for key in keys}
+    finished: dict[str, list[int]] = {key: [] for key in keys}
+    active: dict[str, int] = {key: 0 for key in keys}
+    overlaps: set[frozenset[str]] = set()
+
+    async def handle(message: Keyed) -> None:
+        active[message.key] += 1
+        assert active[message.key] == 1, "two messages of one key ran at once"
+        started[message.key].append(message.n)
+        others = {key for key, count in active.items() if count and key != message.key}
+        overlaps.update(frozenset({message.key, other}) for other in others)
+        await asyncio.sleep(random.random() / 500)  # the workload
+        finished[message.key].append(message.n)
+        active[message.key] -= 1
+
+    app = App("lanes", concurrency=8)
+    app.register(Keyed, handle)
+    async with Harness(app) as bus:
+        for n in range(20):
+            for key in keys:
+                await app.send_local(Keyed(key, n), partition_key=key)
+        await bus.idle(timeout=10)
+
+    for key in keys:
+        assert started[key] == list(range(20)), key
+        assert finished[key] == list(range(20)), key
+    assert overlaps, "no two keys were ever handled at the same time"
+    assert bus.dead_lettered == []
+
+
+async def test_messages_without_a_key_run_concurrently() -> None:
+    both_running = asyncio.Event()
+    running = 0
+
+    async def handle(message: Job) -> None:
+        nonlocal running
+        running += 1
+        if running == 2:
+            both_running.set()
+        async with asyncio.timeout(2):
+            await both_running.wait()
+        running -= 1
+
+    app = App("jobs", concurrency=4)
+    app.register(Job, handle)
+    async with Harness(app) as bus:
+        await app.send_local(Job(1))
+        await app.send_local(Job(2))
+        await bus.idle()
+
+    assert both_running.is_set()
+    assert bus.dead_lettered == []
+
+
+async def test_an_immediate_retry_keeps_the_order_of_its_partition_key() -> None:
+    handled: list[tuple[int, int]] = []
+
+    async def handle(message: Keyed, context: MessageContext) -> None:
+        handled.append((message.n, context.attempt))
+        if message.n == 0 and context.attempt == 1:
+            raise RuntimeError("transient")
+
+    app = App("lanes", retry=RetryPolicy(immediate=1, delayed=[]))
+    app.register(Keyed, handle)
+    async with Harness(app) as bus:
+        for n in range(3):
+            await app.send_local(Keyed("k", n), partition_key="k")
+        await bus.idle()
+
+    assert handled == [(0, 1), (0, 2), (1, 1), (2, 1)]
+    assert bus.dead_lettered == []
+
+
+async def test_a_slow_partition_key_does_not_starve_other_keys() -> None:
+    release = asyncio.Event()
+    other_key_ran = asyncio.Event()
+
+    async def handle(message: Keyed) -> None:
+        if message.key == "other":
+            other_key_ran.set()
+            return
+        await release.wait()
+
+    app = App("lanes", concurrency=4, grace_period=0.5)
+    app.register(Keyed, handle)
+    async with Harness(app) as bus:
+        for n in range(5):
+            await app.send_local(Keyed("hot", n), partition_key="hot")
+        await app.send_local(Keyed("other", 0), partition_key="other")
+        try:
+            # Only one "hot" message runs; three slots are free for the "other" key.
+            async with asyncio.timeout(1):
+                await other_key_ran.wait()
+        finally:
+            release.set()
+            await bus.idle()
+
+
+async def test_stop_lets_in_flight_messages_finish_and_acks_them(
+    memory_url: str, until: Until
+) -> None:
+    started = asyncio.Event()
+    release = asyncio.Event()
+    finished: list[int] = []
+
+    async def handle(message: Job) -> None:
+        started.set()
+        await release.wait()
+        finished.append(message.n)
+
+    app = App("jobs", transport=memory_url, concurrency=2)
+    app.register(Job, handle)
+    await app.start()
+    await app.send_local(Job(1))
+    await app.send_local(Job(2))
+    async with asyncio.timeout(2):
+        await started.wait()
+    await until(lambda: app.in_flight == 2)
+
+    queue = app.transport.broker.queues["jobs"]  # type: ignore[attr-defined]
+    stopping = asyncio.create_task(app.stop())
+    await until(lambda: queue.consumers == 0)  # stop() has begun: no more fetching
+    assert not stopping.done()  # stop() waits for the two in-flight messages
+    release.set()
+    async with asyncio.timeout(2):
+        await stopping
+
+    assert sorted(finished) == [1, 2]
+    assert not app.running
+    assert len(queue) == 0
+    assert queue.unacked == 0
+
+
+async def test_a_handler_finishing_during_stop_can_still_send(
+    memory_url: str, until: Until
+) -> None:
+    started = asyncio.Event()
+    release = asyncio.Event()
+    errors: list[BaseException] = []
+
+    async def handle(message: Job, context: MessageContext) -> None:
+        started.set()
+        await release.wait()
+        try:
+            await context.app.send(Finished(message.n))
+        except Exception as error:
+            errors.append(error)
+            raise
+
+    app = App(
+        "jobs", transport=memory_url, retry=RetryPolicy(immediate=0, delayed=[], error_queue="e")
+    )
+    app.route(Finished, "finished")
+    app.register(Job, handle)
+    await app.start()
+    await app.transport.declare("finished")
+    await app.send_local(Job(1))
+    async with asyncio.timeout(2):
+        await started.wait()
+    queue = app.transport.broker.queues["jobs"]  # type: ignore[attr-defined]
+    stopping = asyncio.create_task(app.stop())
+    await until(lambda: queue.consumers == 0)  # stop() has begun: no more fetching
+    assert not stopping.done()
+    release.set()
+    async with asyncio.timeout(2):
+        await stopping
+
+    broker = app.transport.broker  # type: ignore[attr-defined]
+    assert errors == []
+    assert len(broker.queues["finished"]) == 1
+    assert len(broker.queues["e"]) == 0
+    assert (len(queue), queue.unacked) == (0, 0)  # the job itself was acked
+
+
+async def test_stop_returns_a_message_that_outlives_the_grace_period(
+    memory_url: str, until: Until
+) -> None:
+    started = asyncio.Event()
+    cancelled: list[int] = []
+
+    async def never_finishes(message: Job) -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(message.n)
+            raise
+
+    first = App("jobs", transport=memory_url, grace_period=0.2)
+    first.register(Job, never_finishes)
+    await first.start()
+    message_id = await first.send_local(Job(7))
+    async with asyncio.timeout(2):
+        await started.wait()
+
+    began = time.monotonic()
+    async with asyncio.timeout(2):
+        await first.stop()
+    took = time.monotonic() - began
+    assert 0.15 <= took < 1.0
+    assert cancelled == [7]
+
+    redelivered: asyncio.Future[tuple[Job, str, bool]] = asyncio.get_running_loop().create_future()
+
+    async def handle(message: Job, context: MessageContext) -> None:
+        redelivered.set_result((message, context.message_id, context.delivery.redelivered))
+
+    second = App("jobs", transport=memory_url)
+    second.register(Job, handle)
+    async with second:
+        async with asyncio.timeout(2):
+            got = await redelivered
+        await until(lambda: second.in_flight == 0)
+
+    assert got == (Job(7), message_id, True)
+    queue = second.transport.broker.queues["jobs"]  # type: ignore[attr-defined]
+    assert len(queue) == 0
+    assert queue.unacked == 0
+
+
+async def test_a_partition_key_keeps_its_order_across_a_graceful_stop(
+    memory_url: str, until: Until
+) -> None:
+    started = asyncio.Event()
+    release = asyncio.Event()
+    first_handled: list[int] = []
+
+    async def blocked(message: Keyed) -> None:
+        first_handled.append(message.n)
+        started.set()
+        await release.wait()
+
+    first = App("lanes", transport=memory_url, concurrency=4)
+    first.register(Keyed, blocked)
+    await first.start()
+    for n in range(8):
+        await first.send_local(Keyed("k", n), partition_key="k")
+    async with asyncio.timeout(2):
+        await started.wait()
+    # Message 0 runs; 1-7 wait in its lane (lane entries take no slot; prefetch is 2 x 4).
+    await until(lambda: first.in_flight == 8)
+    queue = first.transport.broker.queues["lanes"]  # type: ignore[attr-defined]
+    stopping = asyncio.create_task(first.stop())
+    await until(lambda: queue.consumers == 0)  # stop() has begun: no more fetching
+    release.set()
+    async with asyncio.timeout(2):
+        await stopping
+    assert first_handled == [0]
+
+    second_handled: list[int] = []
+
+    async def record(message: Keyed) -> None:
+        second_handled.append(message.n)
+
+    second = App("lanes", transport=memory_url, concurrency=4)
+    second.register(Keyed, record)
+    async with second:
+        await until(lambda: len(second_handled) == 7)
+
+    assert second_handled == [1, 2, 3, 4, 5, 6, 7]
+
+
+async def test_in_flight_counts_the_messages_a_stop_is_draining(
+    memory_url: str, until: Until
+) -> None:
+    release = asyncio.Event()
+
+    async def handle(message: Job) -> None:
+        await release.wait()
+
+    app = App("jobs", transport=memory_url, concurrency=2)
+    app.register(Job, handle)
+    await app.start()
+    await app.send_local(Job(1))
+    await app.send_local(Job(2))
+    await until(lambda: app.in_flight == 2)
+    queue = app.transport.broker.queues["jobs"]  # type: ignore[attr-defined]
+    stopping = asyncio.create_task(app.stop())
+    try:
+        await until(lambda: queue.consumers == 0)  # stop() has begun
+        assert not stopping.done()
+        assert app.in_flight == 2
+    finally:
+        release.set()
+        async with asyncio.timeout(2):
+            await stopping
