@@ -19,6 +19,7 @@ from lagom import Container
 from mersal.errors import ConfigurationError, MersalError, NotRunning, RequestTimeout
 from mersal.handlers import Handlers
 from mersal.messages import Header, TypeRegistry, describe
+from mersal.outbox import Storage, attach_storage
 from mersal.pipeline import (
     MessageContext,
     OutgoingContext,
@@ -103,6 +104,7 @@ class App:
         self._running = False
         self._stopping: asyncio.Future[None] | None = None
         self._replies: _Replies | None = None
+        self.storage: Storage | None = None
 
     def __repr__(self) -> str:
         return f"<App {self.name!r} on {mask(self.transport.address)}>"
@@ -229,24 +231,27 @@ class App:
             replies.forget(message_id)
 
     @asynccontextmanager
-    async def transaction(self, session: object = None) -> AsyncIterator[Transaction]:
-        """Buffer every send in the block; they leave on a clean exit, never after an error."""
-        if session is not None:
+    async def transaction(self, session: Any = None) -> AsyncIterator[Transaction]:
+        """Buffer every send in the block; they leave on a clean exit, never after an error.
+
+        With a database, the sends become outbox rows in `session`'s transaction (or in a
+        session of the app's own when none is given), committed at the end of the block.
+        """
+        self._check_running()
+        if self.storage is not None:
+            manager = self.storage.transaction(session)
+        elif session is not None:
             raise ConfigurationError(
                 "app.transaction(session) writes to the outbox, which needs App(database=...)"
             )
-        self._check_running()
-        transaction = Transaction(self.transport.send, self)
-        token = current_transaction.set(transaction)
-        try:
-            yield transaction
-        except BaseException:
-            transaction.rollback()
-            raise
         else:
-            await transaction.commit()
-        finally:
-            current_transaction.reset(token)
+            manager = _buffered(self)
+        async with manager as transaction:
+            token = current_transaction.set(transaction)
+            try:
+                yield transaction
+            finally:
+                current_transaction.reset(token)
 
     def queue_for(self, message_type: type) -> str:
         """The queue `send` uses for a message type; a `ConfigurationError` if it has none."""
@@ -310,6 +315,8 @@ class App:
         if self._running:
             return
         self._check_configuration()
+        if self.database is not None and self.storage is None:
+            self.storage = attach_storage(self)
         self.incoming.freeze()
         self.outgoing.freeze()
         transport = self.transport
@@ -319,8 +326,12 @@ class App:
             await transport.declare(self.retry.error_queue)
             for message_type in self._subscriptions:
                 await transport.bind(self.name, self.types.name_of(message_type))
+            if self.storage is not None:
+                await self.storage.start()
             consumer = await transport.consume(self.name, prefetch=self.concurrency * 2)
         except BaseException:
+            if self.storage is not None:
+                await self.storage.stop()
             await transport.stop()
             raise
         self._worker = Worker(consumer, self._handle, self.concurrency)
@@ -345,6 +356,8 @@ class App:
             await self._worker.stop(self.grace_period)
         self._worker = None
         self._running = False
+        if self.storage is not None:
+            await self.storage.stop()
         if self._replies is not None:
             await self._replies.close()
             self._replies = None
@@ -367,11 +380,6 @@ class App:
         await self.incoming.run(MessageContext(self, delivery))
 
     def _check_configuration(self) -> None:
-        if self.database is not None:
-            raise ConfigurationError(
-                f"App(database={mask(self.database)!r}): the SQL outbox is not available in "
-                "this version; leave database unset (and MERSAL_DATABASE empty)"
-            )
         for message_type in self._subscriptions:
             if not self.handlers.has_handler(message_type):
                 raise ConfigurationError(
@@ -445,6 +453,17 @@ class _Replies:
                 except MersalError as error:
                     waiter.set_exception(error)
             await delivery.ack()
+
+
+@asynccontextmanager
+async def _buffered(app: App) -> AsyncIterator[Transaction]:
+    transaction = Transaction(app.transport.send, app)
+    try:
+        yield transaction
+    except BaseException:
+        transaction.rollback()
+        raise
+    await transaction.commit()
 
 
 def check_queue_name(name: str, what: str) -> None:

@@ -47,8 +47,7 @@ class Transaction:
     async def commit(self) -> None:
         """Hand every buffered message on, in the order it was sent."""
         self._done = True
-        if self.outgoing:
-            await self._commit(self.outgoing)
+        await self._commit(self.outgoing)
         for hook in self._after_commit:
             await hook()
 
