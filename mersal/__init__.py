@@ -3,6 +3,7 @@
 from mersal.app import App
 from mersal.errors import (
     ConfigurationError,
+    ConsumerClosed,
     DecodeError,
     MersalError,
     NotRunning,
@@ -18,6 +19,7 @@ from mersal.transport import Delivery, Outgoing, Transport
 __all__ = [
     "App",
     "ConfigurationError",
+    "ConsumerClosed",
     "DecodeError",
     "Delivery",
     "Envelope",

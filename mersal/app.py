@@ -306,6 +306,11 @@ class App:
         return self._running
 
     @property
+    def healthy(self) -> bool:
+        """Running and still receiving (false once the worker lost its consumer for good)."""
+        return self._running and self._worker is not None and self._worker.failed is None
+
+    @property
     def in_flight(self) -> int:
         """How many deliveries the worker is handling now."""
         return self._worker.in_flight if self._worker is not None else 0

@@ -29,3 +29,7 @@ class RequestTimeout(MersalError):
 
 class NotRunning(MersalError):
     """The app must be started (`await app.start()` or `async with app`) for this call."""
+
+
+class ConsumerClosed(MersalError):
+    """The consumer was closed (or lost for good) while waiting for a delivery."""

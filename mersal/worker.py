@@ -39,6 +39,7 @@ class Worker:
     def start(self) -> None:
         """Begin pulling deliveries."""
         self._fetcher = asyncio.create_task(self._fetch(), name="mersal-worker")
+        self._fetcher.add_done_callback(self._fetch_ended)
 
     async def stop(self, grace: float) -> None:
         """Stop pulling, let in-flight work finish within `grace` seconds, return the rest."""
@@ -56,6 +57,23 @@ class Worker:
                     "%d message(s) did not finish within %gs; returned", len(pending), grace
                 )
                 await asyncio.gather(*pending, return_exceptions=True)
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Why the worker stopped receiving on its own, if it did."""
+        fetcher = self._fetcher
+        if fetcher is None or not fetcher.done() or fetcher.cancelled():
+            return None
+        return fetcher.exception()
+
+    def _fetch_ended(self, fetcher: asyncio.Task[None]) -> None:
+        if not self._stopping and self.failed is not None:
+            log.error(
+                "the worker stopped receiving (%s: %s); the app takes no more messages until "
+                "it is restarted",
+                type(self.failed).__name__,
+                self.failed,
+            )
 
     async def _fetch(self) -> None:
         room, lanes = self._room, self._lanes

@@ -109,7 +109,7 @@ def transport_from(value: str | Transport | None) -> Transport:
         return MemoryTransport(value)
     if scheme in ("amqp", "amqps"):
         try:
-            from mersal_rabbitmq import RabbitMQTransport  # type: ignore[attr-defined]
+            from mersal_rabbitmq import RabbitMQTransport
         except ImportError as error:
             raise ConfigurationError(
                 f"transport {mask(value)} needs the RabbitMQ adapter: "

@@ -9,13 +9,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from mersal.errors import MersalError, Unroutable
+from mersal.errors import ConsumerClosed, MersalError, Unroutable
 from mersal.messages import Envelope
 from mersal.transport import Outgoing, delay_of
-
-
-class ConsumerClosed(MersalError):
-    """The consumer was closed while waiting for a delivery."""
 
 
 @dataclass(slots=True)

@@ -1,9 +1,12 @@
 """The worker: concurrency limit, per-key ordering, graceful stop and the grace period."""
 
 import asyncio
+import logging
 import random
 import time
 from dataclasses import dataclass
+
+import pytest
 
 from mersal import App, MessageContext, RetryPolicy
 from mersal.testing import Harness
@@ -352,3 +355,23 @@ async def test_in_flight_counts_the_messages_a_stop_is_draining(
         release.set()
         async with asyncio.timeout(2):
             await stopping
+
+
+async def test_a_worker_that_loses_its_consumer_reports_it(
+    memory_url: str, until: Until, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = App("lost", transport=memory_url)
+    app.register(Job, _ignore)
+    async with app:
+        assert app.healthy
+        queue = app.transport.broker.queues["lost"]  # type: ignore[attr-defined]
+        assert queue.consumers == 1
+        await app._worker.consumer.close()  # type: ignore[union-attr]  # as if the broker lost it
+        await until(lambda: not app.healthy)
+
+    failures = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("stopped receiving" in r.getMessage() for r in failures)
+
+
+async def _ignore(message: Job) -> None:
+    return None

@@ -1,0 +1,93 @@
+"""Helpers for the RabbitMQ tests: rabbitmqctl, a raw broker connection, polling."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
+
+from tests.support import rabbitmqctl
+
+__all__ = ["Broker", "rabbitmqctl", "wait_until"]
+
+
+class Broker:
+    """The test's own aio-pika connection, to look at and change the broker from outside."""
+
+    def __init__(self, connection: AbstractConnection, channel: AbstractChannel) -> None:
+        self.connection = connection
+        self.channel = channel
+        self.made: set[str] = set()
+        self.watched: list[Any] = []
+
+    def watch(self, transport: Any) -> None:
+        """Delete the queues `transport` declares (its `queues`) after the test."""
+        self.watched.append(transport)
+
+    def leftovers(self) -> set[str]:
+        """Every queue to delete after the test."""
+        return self.made.union(*(transport.queues for transport in self.watched))
+
+    async def declare(self, name: str, **options: Any) -> None:
+        """Declare a queue (deleted after the test)."""
+        self.made.add(name)
+        await self.channel.declare_queue(name, **options)
+
+    async def publish(self, message: aio_pika.Message, routing_key: str) -> None:
+        """Publish a raw message through the default exchange."""
+        await self.channel.default_exchange.publish(message, routing_key)
+
+    async def get(self, queue: str, timeout: float = 5.0) -> AbstractIncomingMessage:
+        """The next message in `queue` (acked), waiting up to `timeout` seconds."""
+        amqp_queue = await self.channel.get_queue(queue, ensure=False)
+        deadline = time.monotonic() + timeout
+        while True:
+            message = await amqp_queue.get(no_ack=True, fail=False)
+            if message is not None:
+                return message
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing arrived in {queue!r} within {timeout}s")
+            await asyncio.sleep(0.02)
+
+    async def count(self, queue: str) -> int:
+        """How many messages are ready in `queue`."""
+        result = await self.channel.declare_queue(queue, passive=True)
+        count = result.declaration_result.message_count
+        return int(count or 0)
+
+    async def exists(self, queue: str) -> bool:
+        """Whether `queue` exists (a passive declare, on a channel of its own)."""
+        channel = await self.connection.channel()
+        try:
+            await channel.declare_queue(queue, passive=True)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return False
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+        return True
+
+    async def delete(self, names: Iterable[str]) -> None:
+        """Delete queues (missing ones are fine)."""
+        for name in names:
+            await self.channel.queue_delete(name)
+
+
+async def wait_until(
+    condition: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = ""
+) -> None:
+    """Poll `condition` until it holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+        await asyncio.sleep(0.02)

@@ -1,0 +1,453 @@
+"""The RabbitMQ transport against a real broker: the memory transport's semantics, on AMQP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import aio_pika
+import aiormq
+import pytest
+from rabbitmq_support import Broker, rabbitmqctl, wait_until
+
+from mersal import (
+    ConfigurationError,
+    Envelope,
+    Header,
+    MersalError,
+    OutcomeUnknown,
+    Outgoing,
+    Unroutable,
+)
+from mersal_rabbitmq import ConsumerLost, RabbitMQTransport
+from mersal_rabbitmq.transport import distinct_runs, wait_milliseconds, wait_queue_name
+
+pytestmark = pytest.mark.integration
+
+Make = Callable[..., RabbitMQTransport]
+
+
+def envelope(message_id: str, body: bytes = b"{}", **headers: str) -> Envelope:
+    """An envelope as the core's outgoing steps would build it."""
+    now = f"{time.time():.6f}"
+    base = {
+        Header.MESSAGE_ID: message_id,
+        Header.TYPE: "tests.Thing",
+        Header.CORRELATION_ID: f"c-{message_id}",
+        Header.SENT_AT: now,
+        Header.CONTENT_TYPE: "application/json",
+        Header.REPLY_TO: "replies",
+    }
+    base.update(headers)
+    return Envelope(base, body)
+
+
+async def started(make: Make, *queues: str, **options: object) -> RabbitMQTransport:
+    """A started transport with `queues` declared."""
+    transport = make(**options)
+    await transport.start()
+    for queue in queues:
+        await transport.declare(queue)
+    return transport
+
+
+async def test_a_plain_json_message_from_another_producer_becomes_an_envelope(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    await broker.publish(
+        aio_pika.Message(b'{"order_id": "o-1"}', type="orders.PlaceOrder.v1", message_id="m-1"),
+        queue,
+    )
+    consumer = await transport.consume(queue, prefetch=4)
+    delivery = await asyncio.wait_for(consumer.get(), 5)
+
+    assert delivery.envelope.headers == {
+        Header.MESSAGE_ID: "m-1",
+        Header.TYPE: "orders.PlaceOrder.v1",
+    }
+    assert delivery.envelope.body == b'{"order_id": "o-1"}'
+    assert delivery.queue == queue
+    assert delivery.redelivered is False
+    await delivery.ack()
+    await consumer.close()
+    assert await broker.count(queue) == 0
+
+
+async def test_a_sent_message_carries_amqp_properties_and_string_headers(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    sent = envelope("m-2", b'{"x": 1}', **{Header.CAUSATION_ID: "m-0"})
+    await transport.send([Outgoing(queue, sent)])
+
+    message = await broker.get(queue)
+    assert message.message_id == "m-2"
+    assert message.correlation_id == "c-m-2"
+    assert message.type == "tests.Thing"
+    assert message.reply_to == "replies"
+    assert message.content_type == "application/json"
+    assert message.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
+    assert message.timestamp is not None
+    assert abs(message.timestamp.timestamp() - float(sent.headers[Header.SENT_AT])) < 1.0
+    assert message.headers == sent.headers
+    assert json.loads(message.body) == {"x": 1}
+
+
+async def test_header_values_of_other_types_become_strings_and_lists_are_dropped(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    headers = {
+        "count": 3,
+        "ratio": 0.5,
+        "flag": True,
+        "raw": bytearray(b"bytes"),
+        "price": Decimal("9.50"),
+        "when": datetime(2025, 1, 2, tzinfo=UTC),
+        "none": None,
+        "list": [1, 2],
+        "table": {"a": 1},
+        "s": "x",
+    }
+    await broker.publish(aio_pika.Message(b"{}", headers=headers, message_id="m-3"), queue)
+    consumer = await transport.consume(queue, prefetch=1)
+    delivery = await asyncio.wait_for(consumer.get(), 5)
+
+    assert delivery.envelope.headers == {
+        "count": "3",
+        "ratio": "0.5",
+        "flag": "true",
+        "raw": "bytes",
+        "price": "9.50",
+        "when": f"{datetime(2025, 1, 2, tzinfo=UTC).timestamp():.6f}",
+        "s": "x",
+        Header.MESSAGE_ID: "m-3",
+    }
+    await delivery.ack()
+
+
+async def test_sending_to_a_missing_queue_raises_unroutable(
+    make_transport: Make, prefix: str
+) -> None:
+    transport = await started(make_transport)
+    with pytest.raises(Unroutable, match=f"{prefix}.missing"):
+        await transport.send([Outgoing(f"{prefix}.missing", envelope("m-4"))])
+    with pytest.raises(Unroutable, match=f"{prefix}.missing"):
+        delayed = envelope("m-5", **{Header.DELIVER_AT: f"{time.time() + 5:.6f}"})
+        await transport.send([Outgoing(f"{prefix}.missing", delayed)])
+    with pytest.raises(Unroutable, match=f"{prefix}.missing"):
+        await transport.consume(f"{prefix}.missing", prefetch=1)
+
+
+async def test_a_publish_reaches_every_bound_queue_and_no_other(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    first, second, other = f"{prefix}.a", f"{prefix}.b", f"{prefix}.c"
+    topic = f"{prefix}.orders.OrderPlaced.v1"
+    transport = await started(make_transport, first, second, other)
+    await transport.bind(first, topic)
+    await transport.bind(second, topic)
+    await transport.bind(other, f"{prefix}.orders.OrderPlaced")
+
+    await transport.send([Outgoing(topic, envelope("m-6"), publish=True)])
+    await transport.send([Outgoing(f"{prefix}.nobody.listens", envelope("m-7"), publish=True)])
+
+    assert (await broker.get(first)).message_id == "m-6"
+    assert (await broker.get(second)).message_id == "m-6"
+    assert await broker.count(other) == 0
+
+
+async def test_a_delayed_send_waits_in_its_wait_queue_then_arrives(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    sent_at = time.time()
+    delayed = envelope("m-8", **{Header.DELIVER_AT: f"{sent_at + 0.3:.6f}"})
+    await transport.send([Outgoing(queue, delayed), Outgoing(queue, envelope("m-9"))])
+
+    assert (await broker.get(queue)).message_id == "m-9"
+    assert f"{queue}.wait.300" in transport.queues
+    assert await broker.count(f"{queue}.wait.300") == 1
+    assert (await broker.get(queue)).message_id == "m-8"
+    assert time.time() - sent_at >= 0.3
+
+
+async def test_a_deliver_at_in_the_past_is_sent_at_once(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    await transport.send([Outgoing(queue, envelope("m-10", **{Header.DELIVER_AT: "0"}))])
+    assert (await broker.get(queue, timeout=1)).message_id == "m-10"
+    assert transport.queues == [queue]
+
+
+async def test_a_dead_lettered_message_arrives_without_the_brokers_death_headers(
+    make_transport: Make, prefix: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    delayed = envelope("m-11", **{Header.DELIVER_AT: f"{time.time() + 0.05:.6f}"})
+    await transport.send([Outgoing(queue, delayed)])
+    consumer = await transport.consume(queue, prefetch=1)
+    delivery = await asyncio.wait_for(consumer.get(), 5)
+
+    assert delivery.envelope.message_id == "m-11"
+    assert not [key for key in delivery.envelope.headers if "death" in key]
+    assert delivery.envelope.headers[Header.DELIVER_AT] == delayed.headers[Header.DELIVER_AT]
+    await delivery.ack()
+
+
+async def test_a_nacked_delivery_comes_back_marked_redelivered(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    await transport.send([Outgoing(queue, envelope("m-12"))])
+    consumer = await transport.consume(queue, prefetch=1)
+
+    first = await asyncio.wait_for(consumer.get(), 5)
+    assert first.redelivered is False
+    await first.nack(requeue=True)
+    again = await asyncio.wait_for(consumer.get(), 5)
+    assert again.envelope.message_id == "m-12"
+    assert again.redelivered is True
+    await again.ack()
+    with pytest.raises(Exception, match="already"):
+        await again.ack()
+    await consumer.close()
+    assert await broker.count(queue) == 0
+
+
+async def test_declaring_a_queue_that_exists_with_other_arguments_raises(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.quorum"
+    await broker.declare(queue, durable=True, arguments={"x-queue-type": "quorum"})
+    transport = await started(make_transport)
+
+    with pytest.raises(ConfigurationError) as caught:
+        await transport.declare(queue)
+    assert repr(queue) in str(caught.value)
+    assert "x-queue-type" in str(caught.value)
+    # the 406 closed the declaring channel: the next declaration gets a fresh one
+    await transport.declare(f"{prefix}.fine")
+    await transport.send([Outgoing(f"{prefix}.fine", envelope("m-13"))])
+    assert (await broker.get(f"{prefix}.fine")).message_id == "m-13"
+
+
+async def test_quorum_queues_and_their_wait_queues(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.q"
+    transport = await started(make_transport, queue, queue_type="quorum")
+    delayed = envelope("m-14", **{Header.DELIVER_AT: f"{time.time() + 0.1:.6f}"})
+    await transport.send([Outgoing(queue, delayed)])
+    assert (await broker.get(queue)).message_id == "m-14"
+    with pytest.raises(ConfigurationError, match="x-queue-type"):
+        await (await started(make_transport, queue_type="classic")).declare(queue)
+
+
+async def test_one_batch_with_a_repeated_message_id_delivers_both(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue, channels=1)
+    batch = [Outgoing(queue, envelope(f"m-{n % 3}", str(n).encode())) for n in range(9)]
+    await asyncio.gather(transport.send(batch), transport.send(batch))
+
+    bodies = [(await broker.get(queue)).body for _ in range(18)]
+    assert sorted(bodies) == sorted([str(n).encode() for n in range(9)] * 2)
+    assert [len(run) for run in distinct_runs(batch)] == [3, 3, 3]
+
+
+async def test_closing_a_consumer_returns_buffered_deliveries_and_keeps_handed_out_ones(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    await transport.send([Outgoing(queue, envelope(f"m-{n}")) for n in range(3)])
+    consumer = await transport.consume(queue, prefetch=5)
+    held = await asyncio.wait_for(consumer.get(), 5)
+    await asyncio.sleep(0.2)  # the other two arrive in the consumer's buffer
+
+    await consumer.close()
+    await wait_until(lambda: broker_count_is(broker, queue, 2), what="two returned")
+    await held.ack()  # still owed after close, and its channel is still open
+    await wait_until(lambda: broker_count_is(broker, queue, 2), what="still two")
+    with pytest.raises(Exception, match="closed"):
+        await consumer.get()
+
+
+async def broker_count_is(broker: Broker, queue: str, expected: int) -> bool:
+    """Whether `queue` holds `expected` ready messages."""
+    return await broker.count(queue) == expected
+
+
+async def test_a_consumer_whose_queue_was_deleted_declares_it_again_and_goes_on(
+    make_transport: Make, broker: Broker, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue = f"{prefix}.in"
+    topic = f"{prefix}.Event"
+    transport = await started(make_transport, queue)
+    await transport.bind(queue, topic)
+    consumer = await transport.consume(queue, prefetch=2)
+
+    caplog.set_level(logging.INFO, logger="mersal.rabbitmq")
+    await broker.delete([queue])
+    await wait_until(lambda: f"consuming {queue!r} again" in caplog.text, what="resubscribed")
+    assert any(
+        r.levelno == logging.WARNING and "cancelled the consumer" in r.getMessage()
+        for r in caplog.records
+    )
+    await transport.send([Outgoing(topic, envelope("m-15"), publish=True)])
+    delivery = await asyncio.wait_for(consumer.get(), 5)
+    assert delivery.envelope.message_id == "m-15"
+    await delivery.ack()
+
+
+async def test_a_consumer_that_cannot_consume_again_makes_get_raise(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.foreign"  # declared by someone else: the transport cannot restore it
+    await broker.declare(queue, durable=True)
+    transport = await started(make_transport)
+    transport.resubscribe_delays = (0.05, 0.05)
+    consumer = await transport.consume(queue, prefetch=1)
+
+    await broker.delete([queue])
+    with pytest.raises(ConsumerLost, match="could not consume again in 3 attempts"):
+        await asyncio.wait_for(consumer.get(), 10)
+
+
+def test_delays_round_up_to_two_significant_digits() -> None:
+    assert [wait_milliseconds(s) for s in (0.0001, 0.05, 0.099, 0.2, 1.234, 59.9)] == [
+        1,
+        50,
+        99,
+        200,
+        1300,
+        60000,
+    ]
+    assert wait_queue_name("", "orders", 200) == "orders.wait.200"
+    assert wait_queue_name("mersal.events", "a.B", 200) == "mersal.events.a.B.wait.200"
+
+
+async def test_a_consumer_whose_channel_closed_consumes_again_on_a_new_one(
+    make_transport: Make, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    consumer = await transport.consume(queue, prefetch=2)
+    await transport.send([Outgoing(queue, envelope("m-16"))])
+    first = await asyncio.wait_for(consumer.get(), 5)
+    caplog.set_level(logging.INFO, logger="mersal.rabbitmq")
+
+    # acking a delivery tag the channel never had makes RabbitMQ close that channel (406)
+    channel = first._message.channel
+    await channel.basic_ack(delivery_tag=first._message.delivery_tag + 1000)
+    await wait_until(lambda: f"consuming {queue!r} again" in caplog.text, what="resubscribed")
+    with pytest.raises(Exception, match="RabbitMQ will deliver it again"):
+        await first.ack()
+    again = await asyncio.wait_for(consumer.get(), 5)
+    assert again.envelope.message_id == "m-16"
+    assert again.redelivered is True
+    await again.ack()
+
+
+async def test_an_unconfirmed_publish_is_outcome_unknown_and_can_be_sent_again(
+    make_transport: Make, broker: Broker, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue, publish_timeout=0.3, channels=1)
+
+    async def never_confirmed(*args: object, **kwargs: object) -> None:
+        await asyncio.sleep(10)
+
+    monkeypatch.setattr(aio_pika.Exchange, "publish", never_confirmed)
+    started_at = time.monotonic()
+    with pytest.raises(OutcomeUnknown, match=r"not confirmed within 0\.3s"):
+        await transport.send([Outgoing(queue, envelope("m-17"))])
+    assert time.monotonic() - started_at < 1.0
+    monkeypatch.undo()
+
+    await transport.send([Outgoing(queue, envelope("m-17"))])
+    assert (await broker.get(queue)).message_id == "m-17"
+
+
+async def test_temporary_queues_and_their_consumers_come_back_after_a_reconnect(
+    make_transport: Make, prefix: str, vhost: str
+) -> None:
+    temporary = f"{prefix}.replies"
+    transport = await started(make_transport)
+    await transport.declare(temporary, temporary=True)
+    consumer = await transport.consume(temporary, prefetch=1)
+
+    await asyncio.to_thread(rabbitmqctl, "close_all_connections", "-p", vhost, "test")
+    await wait_until(lambda: transport.connected, what="reconnected")
+    for _ in range(100):  # the consumer declares its queue again after the reconnect
+        try:
+            await transport.send([Outgoing(temporary, envelope("m-18"))])
+            break
+        except (Unroutable, OutcomeUnknown):
+            await asyncio.sleep(0.1)
+    delivery = await asyncio.wait_for(consumer.get(), 10)
+    assert delivery.envelope.message_id == "m-18"
+    await delivery.ack()
+
+
+async def test_prefetch_bounds_the_unacknowledged_deliveries_and_stop_returns_them(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    await transport.send([Outgoing(queue, envelope(f"m-{n}")) for n in range(5)])
+    consumer = await transport.consume(queue, prefetch=2)
+    held = [await asyncio.wait_for(consumer.get(), 5) for _ in range(2)]
+
+    await asyncio.sleep(0.2)
+    assert await broker.count(queue) == 3  # the other three wait for room
+    await transport.stop()  # unacknowledged deliveries go back to the queue
+    await wait_until(lambda: broker_count_is(broker, queue, 5), what="all five back")
+    assert {delivery.envelope.message_id for delivery in held} == {"m-0", "m-1"}
+
+
+async def test_a_publish_the_broker_nacks_raises_a_mersal_error(
+    make_transport: Make, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+
+    async def nacked(*args: object, **kwargs: object) -> None:
+        raise aiormq.exceptions.DeliveryError(None, aiormq.spec.Basic.Nack(delivery_tag=1))
+
+    monkeypatch.setattr(aio_pika.Exchange, "publish", nacked)
+    with pytest.raises(MersalError, match="RabbitMQ refused") as caught:
+        await transport.send([Outgoing(queue, envelope("m-19"))])
+    assert not isinstance(caught.value, OutcomeUnknown | Unroutable)
+
+
+async def test_the_password_never_reaches_the_logs(
+    url: str, make_transport: Make, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="mersal.rabbitmq")
+    transport = await started(make_transport, f"{prefix}.in")
+    await transport.stop()
+    wrong = RabbitMQTransport(url.replace("guest:guest@", "guest:s3cret@"))
+    with pytest.raises(MersalError) as caught:
+        await wrong.start()
+
+    assert "guest:***@" in caplog.text
+    assert "guest:guest" not in caplog.text
+    assert "s3cret" not in str(caught.value)
+    assert "s3cret" not in repr(wrong)
