@@ -78,6 +78,7 @@ log = logging.getLogger("mersal.rabbitmq")
 
 EVENTS = "mersal.events"
 QUEUE_TYPES = ("classic", "quorum")
+ACK_MODES = ("manual", "on_receive", "none")
 RECONNECT_INTERVAL = 1.0
 RESUBSCRIBE_DELAYS = (0.2, 0.5, 1.0, 2.0, 5.0)
 MAX_WAIT_MS = 4_200_000_000  # the largest two-digit bucket under RabbitMQ's 2**32 - 1 ms TTL cap
@@ -109,6 +110,11 @@ class RabbitMQTransport:
 
     URL query parameters go to aio-pika (`heartbeat`, `name`, `reconnect_interval`, which
     defaults to 1 second here).
+
+    `ack_mode="manual"` (the default) acks a delivery after it was handled. `"on_receive"` acks
+    it as it arrives and `"none"` consumes without acks: faster, but a crash (or a stop) loses
+    what was received and not yet handled. `fire_and_forget=True` publishes without confirms:
+    faster, but a lost or unroutable message goes unnoticed.
     """
 
     resubscribe_delays: Sequence[float] = RESUBSCRIBE_DELAYS
@@ -122,6 +128,8 @@ class RabbitMQTransport:
         heartbeat: int | None = None,
         publish_timeout: float = 10.0,
         channels: int = 4,
+        ack_mode: str = "manual",
+        fire_and_forget: bool = False,
     ) -> None:
         if queue_type not in QUEUE_TYPES:
             raise ConfigurationError(
@@ -133,6 +141,12 @@ class RabbitMQTransport:
             )
         if not isinstance(channels, int) or channels < 1:
             raise ConfigurationError(f"RabbitMQTransport(channels={channels!r}) must be >= 1")
+        if ack_mode not in ACK_MODES:
+            raise ConfigurationError(
+                f"RabbitMQTransport(ack_mode={ack_mode!r}) must be one of {', '.join(ACK_MODES)}"
+            )
+        self.ack_mode = ack_mode
+        self.fire_and_forget = fire_and_forget
         self.address = url
         self.queue_type = queue_type
         self.heartbeat = heartbeat
@@ -262,7 +276,7 @@ class RabbitMQTransport:
         return channel
 
     async def _open_publisher(self) -> _Publisher:
-        channel = await self.open_channel(confirms=True)
+        channel = await self.open_channel(confirms=not self.fire_and_forget)
         events = await channel.get_exchange(EVENTS, ensure=False)
         return _Publisher(channel, events)
 
@@ -418,6 +432,11 @@ class RabbitMQConsumer:
         self._ready.set()
         await _cancel(self._recovery)
 
+    @property
+    def acked_already(self) -> bool:
+        """Whether deliveries were acked on arrival (or need no ack): settling does nothing."""
+        return self._transport.ack_mode != "manual"
+
     def settled(self, delivery: RabbitMQDelivery) -> None:
         """A delivery was acked or nacked; a closed consumer's channel closes after the last."""
         self._outstanding.discard(delivery)
@@ -431,7 +450,8 @@ class RabbitMQConsumer:
         if channel is None or channel.is_closed:
             channel = await self._open()
         queue = await channel.get_queue(self.queue, ensure=False)
-        self._tag = await queue.consume(partial(self._on_message, channel), no_ack=False)
+        no_ack = self._transport.ack_mode == "none"
+        self._tag = await queue.consume(partial(self._on_message, channel), no_ack=no_ack)
         self._amqp_queue = queue
         self._consuming = True
 
@@ -450,9 +470,12 @@ class RabbitMQConsumer:
 
     async def _on_message(self, channel: AbstractChannel, message: AbstractIncomingMessage) -> None:
         if self._closed or channel is not self._channel:
-            with contextlib.suppress(Exception):
-                await message.nack(requeue=True)
+            if self._transport.ack_mode == "manual":
+                with contextlib.suppress(Exception):
+                    await message.nack(requeue=True)
             return
+        if self._transport.ack_mode == "on_receive":
+            await message.ack()
         self._buffer.append((channel, message))
         self._ready.set()
 
@@ -569,6 +592,9 @@ class RabbitMQDelivery:
         if self._settled:
             raise MersalError(f"delivery {self.envelope.message_id} was already acked or nacked")
         self._settled = True
+        if self._consumer.acked_already:
+            self._consumer.settled(self)
+            return
         try:
             await action()
         except CHANNEL_ERRORS as error:

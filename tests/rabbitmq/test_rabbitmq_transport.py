@@ -451,3 +451,37 @@ async def test_the_password_never_reaches_the_logs(
     assert "guest:guest" not in caplog.text
     assert "s3cret" not in str(caught.value)
     assert "s3cret" not in repr(wrong)
+
+
+@pytest.mark.parametrize("ack_mode", ["on_receive", "none"])
+async def test_with_acks_on_receive_or_none_a_delivery_leaves_the_queue_as_it_arrives(
+    make_transport: Make, broker: Broker, prefix: str, ack_mode: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue, ack_mode=ack_mode)
+    await transport.send([Outgoing(queue, envelope(f"m-{n}")) for n in range(3)])
+    consumer = await transport.consume(queue, prefetch=10)
+    received = [await asyncio.wait_for(consumer.get(), 5) for _ in range(3)]
+
+    assert [d.envelope.message_id for d in received] == ["m-0", "m-1", "m-2"]
+    await received[0].nack(requeue=True)  # nothing to return: it is gone already
+    await consumer.close()
+    await transport.stop()
+    assert await broker.count(queue) == 0
+
+
+def test_an_unknown_ack_mode_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigurationError, match="ack_mode"):
+        RabbitMQTransport("amqp://guest:guest@127.0.0.1/", ack_mode="sometimes")
+
+
+async def test_fire_and_forget_publishes_without_confirms_and_ignores_unroutable(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue, fire_and_forget=True)
+    await transport.send([Outgoing(f"{prefix}.nowhere", envelope("m-lost"))])
+    await transport.send([Outgoing(queue, envelope("m-kept"))])
+
+    message = await broker.get(queue)
+    assert message.message_id == "m-kept"
