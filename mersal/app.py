@@ -319,9 +319,9 @@ class App:
         """Declare the queues, bind the subscriptions and start the worker."""
         if self._running:
             return
-        self._check_configuration()
         if self.database is not None and self.storage is None:
-            self.storage = attach_storage(self)
+            self.storage = attach_storage(self)  # before the check: it provides AsyncSession
+        self._check_configuration()
         self.incoming.freeze()
         self.outgoing.freeze()
         transport = self.transport

@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from mersal.app import App
 from mersal.errors import ConfigurationError, MersalError
@@ -21,7 +22,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = commands.add_parser("run", help="run an app's worker until SIGINT or SIGTERM")
     run.add_argument("target", help="module:attribute naming an App (or a function returning one)")
     run.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    add_adapter_commands(commands)
     args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is not None:
+        try:
+            return int(handler(args))
+        except MersalError as error:
+            print(f"mersal: {error}", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -32,6 +41,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mersal: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def add_adapter_commands(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add the commands of the installed adapters (`db` from mersal_sqlalchemy)."""
+    try:
+        from mersal_sqlalchemy.cli import add_db_commands
+    except ImportError:
+        return
+    add_db_commands(commands)
 
 
 def load_app(target: str) -> App:

@@ -65,6 +65,10 @@ class Storage(Protocol):
         """Bind sends to the caller's session: outbox rows in its transaction, then commit."""
         ...
 
+    async def pending(self) -> int:
+        """How many committed messages still wait in the outbox to be sent."""
+        ...
+
 
 def attach_storage(app: App) -> Storage:
     """The storage for `app.database`, from the adapter package that handles its URL."""

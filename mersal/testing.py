@@ -121,7 +121,7 @@ class Harness:
         return self._broker
 
     async def idle(self, timeout: float = 5.0, *, include_delayed: bool = True) -> None:
-        """Wait until no message is queued, in flight or (optionally) waiting for its time."""
+        """Wait until no message is queued, in flight, in an outbox or (optionally) delayed."""
         broker = self.broker
         async with asyncio.timeout(timeout):
             calm = 0
@@ -130,9 +130,16 @@ class Harness:
                     all(queue.idle for queue in broker.queues.values())
                     and (not include_delayed or not broker.delayed)
                     and all(app.in_flight == 0 for app in self.apps)
+                    and await self._outboxes_empty()
                 )
                 calm = calm + 1 if quiet else 0
                 await asyncio.sleep(0 if calm else 0.001)
+
+    async def _outboxes_empty(self) -> bool:
+        for app in self.apps:
+            if app.storage is not None and await app.storage.pending():
+                return False
+        return True
 
     def sent_of(self, message_type: type) -> list[Any]:
         """The messages of this type that were sent, as objects, in order."""

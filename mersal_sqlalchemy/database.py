@@ -1,0 +1,211 @@
+"""The database: engines for the supported URLs, the SQL clock, and the schema check at start."""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import Connection, column, event, func, insert, inspect, select, table
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.sql.elements import ColumnElement
+
+from mersal.errors import ConfigurationError
+from mersal.transport import mask
+from mersal_sqlalchemy.tables import (
+    DEFAULT_INBOX,
+    DEFAULT_OUTBOX,
+    HEAD_REVISION,
+    REVISIONS,
+    Tables,
+)
+
+DRIVERS = {
+    "postgresql": "postgresql+asyncpg",
+    "postgres": "postgresql+asyncpg",
+    "postgresql+asyncpg": "postgresql+asyncpg",
+    "sqlite": "sqlite+aiosqlite",
+    "sqlite+aiosqlite": "sqlite+aiosqlite",
+}
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+SQLITE_MIN_VERSION = (3, 35, 0)  # UPDATE ... RETURNING
+SHARED_VERSION_TABLE = "alembic_version"
+
+
+def database_url(database: str) -> URL:
+    """The SQLAlchemy URL for `database`, with the async driver we support for its backend."""
+    try:
+        url = make_url(database)
+    except ArgumentError:
+        raise ConfigurationError(
+            f"database {mask(database)!r} is not a database URL: use "
+            "'postgresql+asyncpg://user:password@host/name' or 'sqlite+aiosqlite:///file.db'"
+        ) from None
+    driver = DRIVERS.get(url.drivername)
+    if driver is None:
+        raise ConfigurationError(
+            f"database {mask(database)!r} uses {url.drivername!r}, which Mersal does not support: "
+            "use 'postgresql+asyncpg://...' or 'sqlite+aiosqlite:///file.db'"
+        )
+    url = url.set(drivername=driver)
+    if url.get_backend_name() == "sqlite":
+        if url.database in (None, "", ":memory:"):
+            raise ConfigurationError(
+                f"database {mask(database)!r} is an in-memory SQLite database, where every "
+                "connection sees a database of its own: use a file, 'sqlite+aiosqlite:///app.db'"
+            )
+        if sqlite3.sqlite_version_info < SQLITE_MIN_VERSION:
+            raise ConfigurationError(
+                f"SQLite {sqlite3.sqlite_version} is too old for the outbox: it needs 3.35 or later"
+            )
+    return url
+
+
+def make_engine(database: str | URL, **options: Any) -> AsyncEngine:
+    """An async engine for `database`; on SQLite, tuned for concurrent writers (WAL, IMMEDIATE).
+
+    `options` go to `sqlalchemy.ext.asyncio.create_async_engine` (pool_size, echo, ...).
+    """
+    url = database if isinstance(database, URL) else database_url(database)
+    engine = create_async_engine(url, **options)
+    if is_sqlite(engine):
+        tune_sqlite(engine)
+    return engine
+
+
+def is_postgresql(engine: AsyncEngine) -> bool:
+    """Whether the engine talks to PostgreSQL."""
+    return engine.dialect.name == "postgresql"
+
+
+def is_sqlite(engine: AsyncEngine) -> bool:
+    """Whether the engine talks to SQLite."""
+    return engine.dialect.name == "sqlite"
+
+
+def tune_sqlite(engine: AsyncEngine) -> None:
+    """WAL, a busy timeout, and BEGIN IMMEDIATE, so that concurrent writers wait their turn.
+
+    A transaction that reads before it writes would otherwise fail with "database is locked"
+    when another one holds the write lock; taking the write lock at BEGIN makes it wait.
+    """
+    sync_engine = engine.sync_engine
+
+    @event.listens_for(sync_engine, "connect")
+    def connect(dbapi_connection: Any, record: Any) -> None:
+        dbapi_connection.isolation_level = None  # sqlite3 no longer emits BEGIN itself
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        finally:
+            cursor.close()
+
+    @event.listens_for(sync_engine, "begin")
+    def begin(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def sql_time(engine: AsyncEngine, seconds: float = 0.0) -> ColumnElement[Any]:
+    """The database's current time plus `seconds`, as an SQL expression."""
+    if is_postgresql(engine):
+        return func.now() + timedelta(seconds=seconds) if seconds else func.now()
+    # SQLite keeps times as 'YYYY-MM-DD HH:MM:SS' text, the format of CURRENT_TIMESTAMP.
+    return func.datetime("now", f"{seconds:+.3f} seconds")
+
+
+def upgrade_command(database: str, tables: Tables) -> str:
+    """The command that creates or upgrades the tables (the password masked)."""
+    command = f"mersal db upgrade --database '{mask(database)}'"
+    if tables.outbox.name != DEFAULT_OUTBOX:
+        command += f" --outbox-table {tables.outbox.name}"
+    if tables.inbox.name != DEFAULT_INBOX:
+        command += f" --inbox-table {tables.inbox.name}"
+    return command
+
+
+@dataclass
+class Schema:
+    """What the database holds of our tables: which exist, what they lack, their revision."""
+
+    missing_tables: list[str] = field(default_factory=list)
+    missing_columns: dict[str, list[str]] = field(default_factory=dict)
+    versions: list[str] | None = None
+    shared_versions: list[str] | None = None
+
+    def problem(self) -> str | None:
+        """Why the app cannot use the tables as they are; None when it can."""
+        if self.missing_tables:
+            return f"the table(s) {', '.join(self.missing_tables)} do not exist"
+        if self.missing_columns:
+            name, columns = next(iter(self.missing_columns.items()))
+            return f"table {name} has no column(s) {', '.join(columns)}: it is out of date"
+        versions = self.versions
+        if versions is None:
+            versions = [v for v in self.shared_versions or () if v in REVISIONS]
+            return _version_problem(versions) if versions else None
+        return _version_problem(versions) if versions else "no migration of the tables is recorded"
+
+
+def _version_problem(versions: list[str]) -> str | None:
+    if HEAD_REVISION in versions:
+        return None
+    known = [v for v in versions if v in REVISIONS]
+    if known:
+        return f"the tables are at migration {known[0]}, behind {HEAD_REVISION}"
+    return (
+        f"the tables are at migration {', '.join(versions)}, which this version of "
+        f"mersal_sqlalchemy does not know (expected {HEAD_REVISION})"
+    )
+
+
+async def prepare_schema(engine: AsyncEngine, tables: Tables, database: str, create: bool) -> None:
+    """Check that the tables exist at our revision, or create them; a ConfigurationError if not."""
+    async with engine.begin() as connection:
+        schema = await connection.run_sync(read_schema, tables)
+        if create and schema.missing_tables:
+            await connection.run_sync(create_schema, tables, schema)
+            return
+    problem = schema.problem()
+    if problem is not None:
+        raise ConfigurationError(
+            f"{problem} in database {mask(database)}: run `{upgrade_command(database, tables)}`"
+        )
+
+
+def read_schema(connection: Connection, tables: Tables) -> Schema:
+    """Inspect the database for our tables, their columns and their recorded revision."""
+    inspector = inspect(connection)
+    existing = set(inspector.get_table_names())
+    schema = Schema()
+    for wanted in (tables.outbox, tables.inbox):
+        if wanted.name not in existing:
+            schema.missing_tables.append(wanted.name)
+            continue
+        present = {found["name"] for found in inspector.get_columns(wanted.name)}
+        missing = [c.name for c in wanted.columns if c.name not in present]
+        if missing:
+            schema.missing_columns[wanted.name] = missing
+    if tables.version.name in existing:
+        schema.versions = _versions(connection, tables.version.name)
+    if SHARED_VERSION_TABLE in existing:
+        schema.shared_versions = _versions(connection, SHARED_VERSION_TABLE)
+    return schema
+
+
+def _versions(connection: Connection, name: str) -> list[str]:
+    version = table(name, column("version_num"))
+    return [str(value) for value in connection.execute(select(version.c.version_num)).scalars()]
+
+
+def create_schema(connection: Connection, tables: Tables, schema: Schema) -> None:
+    """Create the missing tables and record them as migrated to our head revision."""
+    tables.metadata.create_all(connection, tables=[tables.outbox, tables.inbox])
+    if schema.versions is None:
+        tables.version.create(connection)
+    if not schema.versions:
+        connection.execute(insert(tables.version).values(version_num=HEAD_REVISION))

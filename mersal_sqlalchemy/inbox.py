@@ -1,0 +1,79 @@
+"""The SQL inbox: the message ids an app has handled, recorded in the handler's transaction."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+from sqlalchemy import Table, bindparam, delete, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+
+from mersal_sqlalchemy.database import is_postgresql, sql_time
+from mersal_sqlalchemy.tables import MESSAGE_ID_LENGTH
+
+
+def inbox_key(message_id: str) -> str:
+    """The id as stored: itself, or a digest of it when it is longer than the column."""
+    if len(message_id) <= MESSAGE_ID_LENGTH:
+        return message_id
+    return "sha256:" + hashlib.sha256(message_id.encode()).hexdigest()
+
+
+class Inbox:
+    """One app's handled message ids, kept for `retention` seconds after handling."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        table: Table,
+        app: str,
+        *,
+        retention: float,
+        cleanup_batch: int = 1_000,
+    ) -> None:
+        self.engine = engine
+        self.table = table
+        self.app = app
+        self.retention = retention
+        self.cleanup_batch = cleanup_batch
+        insert = postgresql.insert if is_postgresql(engine) else sqlite.insert
+        self._record = (
+            insert(table)
+            .values(app=bindparam("app"), message_id=bindparam("message_id"))
+            .on_conflict_do_nothing()
+            .returning(table.c.message_id)
+        )
+
+    async def record(self, session: AsyncSession, message_id: str) -> bool:
+        """Record the id in the session's transaction; False if it was handled already.
+
+        A copy being handled at the same moment holds the row: the insert waits for that
+        transaction and then finds the id (it committed) or records it (it rolled back).
+        """
+        parameters = {"app": self.app, "message_id": inbox_key(message_id)}
+        result = await session.execute(self._record, parameters)
+        return result.first() is not None
+
+    async def clean(self) -> int:
+        """Delete ids older than the retention window, in bounded batches; returns how many."""
+        table = self.table
+        expired = (
+            select(table.c.message_id)
+            .where(
+                table.c.app == self.app,
+                table.c.handled_at < sql_time(self.engine, -self.retention),
+            )
+            .limit(self.cleanup_batch)
+        )
+        statement = delete(table).where(
+            table.c.app == self.app, table.c.message_id.in_(expired.scalar_subquery())
+        )
+        total = 0
+        while True:
+            async with self.engine.begin() as connection:
+                deleted = (await connection.execute(statement)).rowcount
+            total += deleted
+            if deleted < self.cleanup_batch:
+                return total
+            await asyncio.sleep(0)

@@ -1,0 +1,149 @@
+"""The SQL outbox: rows written in the sender's transaction, claimed by the relay with a lease."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Row, Table, bindparam, delete, func, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+
+from mersal.messages import Envelope
+from mersal.outbox import OutboxRow
+from mersal.transport import Outgoing
+from mersal_sqlalchemy.database import is_postgresql, sql_time
+
+Executor = AsyncSession | AsyncConnection
+"""Where outbox rows are written: a session or a connection, inside its transaction."""
+
+MAX_REASON = 4_000
+
+NOTIFY = select(func.pg_notify(bindparam("channel"), bindparam("payload")))
+"""Announce new outbox rows: delivered to the listeners when the transaction commits."""
+
+
+def outbox_rows(app: str, outgoing: Sequence[Outgoing]) -> list[dict[str, Any]]:
+    """The outbox rows for the messages `app` sends, in the order it sent them."""
+    return [
+        {
+            "app": app,
+            "address": message.address,
+            "publish": message.publish,
+            "headers": json.dumps(message.envelope.headers, separators=(",", ":")),
+            "body": message.envelope.body,
+        }
+        for message in outgoing
+    ]
+
+
+async def write_outbox(
+    executor: Executor,
+    table: Table,
+    app: str,
+    outgoing: Sequence[Outgoing],
+    channel: str | None,
+) -> None:
+    """Insert the rows in one statement; on PostgreSQL also NOTIFY `channel` (once, at commit)."""
+    if not outgoing:
+        return
+    rows = outbox_rows(app, outgoing)
+    await executor.execute(table.insert(), rows if len(rows) > 1 else rows[0])
+    if channel is not None:
+        await executor.execute(NOTIFY, {"channel": channel, "payload": app})
+
+
+def row_of(record: Row[Any]) -> OutboxRow:
+    """The OutboxRow for a claimed database row."""
+    headers = json.loads(record.headers)
+    envelope = Envelope({str(k): str(v) for k, v in headers.items()}, bytes(record.body))
+    return OutboxRow(record.id, Outgoing(record.address, envelope, record.publish), record.attempts)
+
+
+class SqlOutboxStore:
+    """One app's rows in an outbox table: claimed with a lease, deleted once confirmed.
+
+    Only rows written by `app` are claimed, so that apps sharing one table each send their own
+    rows through their own transport. On PostgreSQL the claim skips rows another relay has
+    locked, so several relays of one app never claim one row at the same time.
+    """
+
+    def __init__(self, engine: AsyncEngine, table: Table, app: str, *, lease: float = 30.0) -> None:
+        self.engine = engine
+        self.table = table
+        self.app = app
+        self.lease = lease
+        self._postgresql = is_postgresql(engine)
+
+    async def claim(self, limit: int) -> list[OutboxRow]:
+        """Lease up to `limit` unsent rows of this app, oldest first (committed at once)."""
+        table = self.table
+        candidates = (
+            select(table.c.id)
+            .where(
+                table.c.app == self.app,
+                table.c.parked_at.is_(None),
+                or_(table.c.lease_until.is_(None), table.c.lease_until < sql_time(self.engine)),
+            )
+            .order_by(table.c.id)
+            .limit(limit)
+        )
+        if self._postgresql:
+            candidates = candidates.with_for_update(skip_locked=True)
+        statement = (
+            update(table)
+            .where(table.c.id.in_(candidates.scalar_subquery()))
+            .values(
+                lease_until=sql_time(self.engine, self.lease),
+                attempts=table.c.attempts + 1,
+            )
+            .returning(
+                table.c.id,
+                table.c.address,
+                table.c.publish,
+                table.c.headers,
+                table.c.body,
+                table.c.attempts,
+            )
+        )
+        async with self.engine.begin() as connection:
+            records = (await connection.execute(statement)).all()
+        return [row_of(record) for record in sorted(records, key=lambda record: record.id)]
+
+    async def delete(self, ids: Sequence[int]) -> None:
+        """Forget rows the broker confirmed."""
+        if ids:
+            async with self.engine.begin() as connection:
+                await connection.execute(delete(self.table).where(self.table.c.id.in_(ids)))
+
+    async def release(self, ids: Sequence[int]) -> None:
+        """Give back the lease on rows that could not be sent now."""
+        if ids:
+            statement = update(self.table).where(self.table.c.id.in_(ids))
+            async with self.engine.begin() as connection:
+                await connection.execute(statement.values(lease_until=None))
+
+    async def park(self, row_id: int, reason: str) -> None:
+        """Set a row aside, with the reason, until an operator deals with it."""
+        statement = (
+            update(self.table)
+            .where(self.table.c.id == row_id)
+            .values(
+                parked_reason=reason[:MAX_REASON],
+                parked_at=sql_time(self.engine),
+                lease_until=None,
+            )
+        )
+        async with self.engine.begin() as connection:
+            await connection.execute(statement)
+
+    async def pending(self) -> int:
+        """How many of this app's rows wait to be sent (parked rows not counted)."""
+        table = self.table
+        query = (
+            select(func.count())
+            .select_from(table)
+            .where(table.c.app == self.app, table.c.parked_at.is_(None))
+        )
+        async with self.engine.connect() as connection:
+            return int((await connection.execute(query)).scalar_one())

@@ -1,0 +1,357 @@
+"""SqlStorage: a session per message, the inbox, `app.transaction(session)`, and the relay."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.orm import Session
+
+from mersal.errors import ConfigurationError, MersalError
+from mersal.messages import describe
+from mersal.outbox import Relay
+from mersal.pipeline import MessageContext, Next, acknowledge
+from mersal.transaction import Commit, Hook, Transaction
+from mersal.transport import Outgoing
+from mersal_sqlalchemy.database import (
+    database_url,
+    is_postgresql,
+    is_sqlite,
+    make_engine,
+    prepare_schema,
+)
+from mersal_sqlalchemy.inbox import Inbox
+from mersal_sqlalchemy.listener import Listener
+from mersal_sqlalchemy.outbox import Executor, SqlOutboxStore, write_outbox
+from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, Tables, make_tables
+
+if TYPE_CHECKING:
+    from mersal.app import App
+
+log = logging.getLogger("mersal.sqlalchemy")
+
+SESSION = "mersal_sqlalchemy.session"
+"""The key of the message's AsyncSession in `MessageContext.items`."""
+
+GUARDED = "mersal.guarded"
+COMMITTING = "mersal.committing"
+
+
+class MessageSession(Session):
+    """The session class behind every AsyncSession the storage opens."""
+
+
+@event.listens_for(MessageSession, "before_commit")
+def _refuse_handler_commits(session: Session) -> None:
+    """A message's session commits only with its transaction, outbox and inbox rows included."""
+    if session.info.get(GUARDED) and not session.info.get(COMMITTING):
+        raise MersalError(
+            "do not commit the message's session in a handler: Mersal commits it after the "
+            "handlers, together with the outbox and inbox rows (raise to roll back)"
+        )
+
+
+def attach(
+    app: App,
+    *,
+    outbox_table: str = DEFAULT_OUTBOX,
+    inbox_table: str = DEFAULT_INBOX,
+    retention: timedelta | float = timedelta(days=7),
+    cleanup_interval: float = 300.0,
+    cleanup_batch: int = 1_000,
+    relay_batch: int = 500,
+    poll_interval: float = 5.0,
+    lease: float = 30.0,
+    listen: bool = True,
+    drain_timeout: float = 5.0,
+    create_tables: bool | None = None,
+    engine: AsyncEngine | None = None,
+    engine_options: Mapping[str, Any] | None = None,
+) -> SqlStorage:
+    """Give `app` the SQL outbox and inbox of `app.database` (or of `engine`).
+
+    `App(database=...)` calls this with the defaults when it starts; call it yourself before
+    the app starts to choose other options.
+    """
+    if isinstance(app.storage, SqlStorage):
+        raise ConfigurationError(f"app {app.name!r} already has its SQL storage attached")
+    tables = make_tables(outbox_table, inbox_table)
+    database = app.database
+    owns_engine = engine is None
+    if engine is None:
+        if database is None:
+            raise ConfigurationError(
+                "attach(app) needs App(database=...) or attach(app, engine=...)"
+            )
+        url = database_url(database)
+        options = {**_engine_defaults(url.get_backend_name(), app.concurrency)}
+        options.update(engine_options or {})
+        engine = make_engine(url, **options)
+    elif not (is_postgresql(engine) or is_sqlite(engine)):
+        raise ConfigurationError(
+            "attach(app, engine=...) needs a PostgreSQL or SQLite engine, "
+            f"not {engine.dialect.name}"
+        )
+    storage = SqlStorage(
+        app,
+        engine,
+        tables,
+        database=database or engine.url.render_as_string(hide_password=True),
+        owns_engine=owns_engine,
+        retention=_seconds(retention),
+        cleanup_interval=_positive("cleanup_interval", cleanup_interval),
+        cleanup_batch=int(_positive("cleanup_batch", cleanup_batch)),
+        relay_batch=int(_positive("relay_batch", relay_batch)),
+        poll_interval=_positive("poll_interval", poll_interval),
+        lease=_positive("lease", lease),
+        listen=listen,
+        drain_timeout=drain_timeout,
+        create_tables=is_sqlite(engine) if create_tables is None else create_tables,
+    )
+    app.handlers.provide(AsyncSession, storage.session_of)
+    app.incoming.insert_after("decode", "unit_of_work", storage.unit_of_work)
+    app.incoming.insert_after("unit_of_work", "inbox", storage.check_inbox)
+    app.storage = storage
+    return storage
+
+
+class SqlStorage:
+    """The SQL outbox and inbox of one app.
+
+    Each incoming message is handled in a session and transaction of its own, which commits
+    the handlers' writes, the outbox rows for what they sent and the inbox row together. The
+    relay sends committed rows; it is woken by local commits, by PostgreSQL notifications from
+    other processes, and by a slow poll.
+    """
+
+    def __init__(
+        self,
+        app: App,
+        engine: AsyncEngine,
+        tables: Tables,
+        *,
+        database: str,
+        owns_engine: bool,
+        retention: float,
+        cleanup_interval: float,
+        cleanup_batch: int,
+        relay_batch: int,
+        poll_interval: float,
+        lease: float,
+        listen: bool,
+        drain_timeout: float,
+        create_tables: bool,
+    ) -> None:
+        self.app = app
+        self.engine = engine
+        self.tables = tables
+        self.database = database
+        self.owns_engine = owns_engine
+        self.sessions = async_sessionmaker(
+            engine, expire_on_commit=False, sync_session_class=MessageSession
+        )
+        self.store = SqlOutboxStore(engine, tables.outbox, app.name, lease=lease)
+        self.inbox = Inbox(
+            engine, tables.inbox, app.name, retention=retention, cleanup_batch=cleanup_batch
+        )
+        self.cleanup_interval = cleanup_interval
+        self.relay_batch = relay_batch
+        self.poll_interval = poll_interval
+        self.listen = listen and is_postgresql(engine)
+        self.drain_timeout = drain_timeout
+        self.create_tables = create_tables
+        self.relay: Relay | None = None
+        self.listener: Listener | None = None
+        self._channel = tables.channel if is_postgresql(engine) else None
+        self._cleaner: asyncio.Task[None] | None = None
+
+    # Lifecycle.
+
+    async def start(self) -> None:
+        """Check (or create) the tables, then start the relay, the LISTEN and the inbox cleanup."""
+        await prepare_schema(self.engine, self.tables, self.database, self.create_tables)
+        self.relay = Relay(
+            self.store,
+            self.app.transport,
+            batch=self.relay_batch,
+            poll_interval=self.poll_interval,
+        )
+        self.relay.start()
+        if self.listen and self._channel is not None:
+            self.listener = Listener(self.engine, self._channel, self.app.name, self.wake)
+            await self.listener.start()
+        self._cleaner = asyncio.create_task(
+            self._clean_periodically(), name=f"mersal-inbox-cleanup-{self.app.name}"
+        )
+
+    async def stop(self) -> None:
+        """Stop the cleanup, the LISTEN and the relay (after a last bounded flush); disconnect."""
+        cleaner, self._cleaner = self._cleaner, None
+        if cleaner is not None:
+            cleaner.cancel()
+            await asyncio.gather(cleaner, return_exceptions=True)
+        listener, self.listener = self.listener, None
+        if listener is not None:
+            await listener.stop()
+        relay, self.relay = self.relay, None
+        if relay is not None:
+            await relay.stop()
+            await self._drain(relay)
+        if self.owns_engine:
+            await self.engine.dispose()
+
+    async def _drain(self, relay: Relay) -> None:
+        """Send what was committed just before the stop, within the drain timeout."""
+        if self.drain_timeout <= 0:
+            return
+        try:
+            async with asyncio.timeout(self.drain_timeout):
+                await relay.flush()
+        except Exception as error:
+            log.warning(
+                "app %r stopped with outbox rows unsent (%s: %s); its next start sends them",
+                self.app.name,
+                type(error).__name__,
+                error,
+            )
+
+    def wake(self) -> None:
+        """Have the relay look for rows now."""
+        if self.relay is not None:
+            self.relay.wake()
+
+    async def pending(self) -> int:
+        """How many of this app's outbox rows wait to be sent (parked ones not counted)."""
+        return await self.store.pending()
+
+    async def clean_inbox(self) -> int:
+        """Delete this app's inbox ids older than the retention window; returns how many."""
+        return await self.inbox.clean()
+
+    async def _clean_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.cleanup_interval * random.uniform(0.5, 1.5))
+            try:
+                deleted = await self.clean_inbox()
+            except Exception as error:
+                log.warning("inbox cleanup failed (%s: %s)", type(error).__name__, error)
+            else:
+                if deleted:
+                    log.info("removed %d expired message ids from the inbox", deleted)
+
+    # The incoming steps.
+
+    def session_of(self, context: MessageContext) -> AsyncSession:
+        """The message's session (what handlers get for a `session: AsyncSession` parameter)."""
+        session: AsyncSession | None = context.items.get(SESSION)
+        if session is None:
+            raise MersalError("there is a session only while a message is being handled")
+        return session
+
+    async def unit_of_work(self, context: MessageContext, next: Next[MessageContext]) -> None:
+        """Handle the message in a session of its own, committed by the message's transaction."""
+        session = self.sessions(info={GUARDED: True})
+        context.items[SESSION] = session
+        context.transaction.replace_commit(self._committer(session))
+        context.transaction.after_commit(self._waker(context.transaction))
+        try:
+            await next(context)
+        except BaseException:
+            await _discard(session)
+            raise
+        finally:
+            await asyncio.shield(session.close())
+
+    async def check_inbox(self, context: MessageContext, next: Next[MessageContext]) -> None:
+        """Skip a message this app has handled already (and ack it); record it otherwise."""
+        message_id = context.message_id
+        if message_id:
+            session = self.session_of(context)
+            if not await self.inbox.record(session, message_id):
+                log.info(
+                    "duplicate %s skipped: app %r handled it already",
+                    describe(context.headers),
+                    self.app.name,
+                )
+                context.transaction.rollback()
+                await session.rollback()
+                await acknowledge(context.delivery)
+                return
+        await next(context)
+
+    # Outside handlers.
+
+    @asynccontextmanager
+    async def transaction(self, session: Executor | None = None) -> AsyncIterator[Transaction]:
+        """Bind sends to `session` (or a session of our own): outbox rows in its transaction.
+
+        On a clean exit the rows are written and the session is committed; on an exception the
+        session is rolled back and nothing is sent.
+        """
+        executor: Executor = self.sessions() if session is None else session
+        transaction = Transaction(self._committer(executor), self.app)
+        transaction.after_commit(self._waker(transaction))
+        try:
+            yield transaction
+            await transaction.commit()
+        except BaseException:
+            transaction.rollback()
+            await _discard(executor)
+            raise
+        finally:
+            if session is None:
+                assert isinstance(executor, AsyncSession)
+                await asyncio.shield(executor.close())
+
+    def _committer(self, executor: Executor) -> Commit:
+        """A commit that writes the outbox rows into `executor`'s transaction and commits it."""
+        outbox, app, channel = self.tables.outbox, self.app.name, self._channel
+
+        async def commit(outgoing: Sequence[Outgoing]) -> None:
+            await write_outbox(executor, outbox, app, outgoing, channel)
+            if isinstance(executor, AsyncSession):
+                executor.info[COMMITTING] = True
+            await executor.commit()
+
+        return commit
+
+    def _waker(self, transaction: Transaction) -> Hook:
+        """An after-commit hook that wakes the relay if the transaction wrote outbox rows."""
+
+        async def wake_relay() -> None:
+            if transaction.outgoing:
+                self.wake()
+
+        return wake_relay
+
+
+async def _discard(executor: Executor) -> None:
+    """Roll back, keeping the error that led here rather than one from the rollback."""
+    try:
+        await asyncio.shield(executor.rollback())
+    except Exception as error:
+        log.warning("rollback failed (%s: %s)", type(error).__name__, error)
+
+
+def _engine_defaults(backend: str, concurrency: int) -> dict[str, Any]:
+    if backend == "postgresql":
+        return {"pool_size": min(max(concurrency, 5), 20), "max_overflow": 10}
+    return {}
+
+
+def _seconds(value: timedelta | float) -> float:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    return _positive("retention", seconds)
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigurationError(f"attach(app, {name}={value!r}) must be a number > 0")
+    return value

@@ -1,0 +1,154 @@
+"""The outbox and inbox tables (SQLAlchemy Core), under names you can choose."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+    func,
+    text,
+)
+
+from mersal.errors import ConfigurationError
+
+DEFAULT_OUTBOX = "mersal_outbox"
+DEFAULT_INBOX = "mersal_inbox"
+
+HEAD_REVISION = "mersal_0001"
+"""The Alembic revision (in migrations/versions) the tables below correspond to."""
+
+REVISIONS = (HEAD_REVISION,)
+"""Every revision of ours, oldest first."""
+
+APP_LENGTH = 200
+MESSAGE_ID_LENGTH = 255
+
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
+
+
+def check_identifier(name: object, what: str) -> str:
+    """`name` if it is a plain SQL identifier; a ConfigurationError if it is not."""
+    if not isinstance(name, str) or not IDENTIFIER.fullmatch(name):
+        raise ConfigurationError(
+            f"{what} = {name!r} is not a usable table name: use 1-40 letters, digits and '_', "
+            "not starting with a digit"
+        )
+    return name
+
+
+def migration_table_names(arguments: Mapping[str, str]) -> tuple[str, str]:
+    """The outbox and inbox names a migration works on, from Alembic's `-x` arguments."""
+    return (
+        check_identifier(arguments.get("outbox_table", DEFAULT_OUTBOX), "-x outbox_table"),
+        check_identifier(arguments.get("inbox_table", DEFAULT_INBOX), "-x inbox_table"),
+    )
+
+
+def version_table_name(outbox: str) -> str:
+    """The Alembic version table that records the migrations of the tables named after `outbox`."""
+    return f"{outbox}_alembic_version"
+
+
+@dataclass(frozen=True)
+class Tables:
+    """The outbox and inbox tables of one storage, and the table recording their migrations."""
+
+    metadata: MetaData
+    outbox: Table
+    inbox: Table
+    version: Table
+
+    @property
+    def channel(self) -> str:
+        """The PostgreSQL NOTIFY channel that announces new outbox rows (the outbox's name)."""
+        return self.outbox.name
+
+
+def make_tables(
+    outbox: str = DEFAULT_OUTBOX,
+    inbox: str = DEFAULT_INBOX,
+    metadata: MetaData | None = None,
+) -> Tables:
+    """The outbox and inbox tables on `metadata` (a new MetaData unless given)."""
+    check_identifier(outbox, "outbox table")
+    check_identifier(inbox, "inbox table")
+    if outbox == inbox:
+        raise ConfigurationError(f"the outbox and the inbox need two tables, not both {outbox!r}")
+    metadata = metadata if metadata is not None else MetaData()
+    return Tables(
+        metadata,
+        outbox_table(outbox, metadata),
+        inbox_table(inbox, metadata),
+        version_table(version_table_name(outbox), MetaData()),
+    )
+
+
+def outbox_table(name: str, metadata: MetaData) -> Table:
+    """The outbox: one row per committed outgoing message, until the broker confirms it."""
+    table = Table(
+        check_identifier(name, "outbox table"),
+        metadata,
+        Column(
+            "id",
+            BigInteger().with_variant(Integer, "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+        ),
+        Column("app", String(APP_LENGTH), nullable=False),
+        Column("address", Text, nullable=False),
+        Column("publish", Boolean, nullable=False),
+        Column("headers", Text, nullable=False),
+        Column("body", LargeBinary, nullable=False),
+        Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        Column("lease_until", DateTime(timezone=True), nullable=True),
+        Column("attempts", Integer, nullable=False, server_default=text("0")),
+        Column("parked_reason", Text, nullable=True),
+        Column("parked_at", DateTime(timezone=True), nullable=True),
+    )
+    unparked = table.c.parked_at.is_(None)
+    Index(
+        f"ix_{name}_claim",
+        table.c.app,
+        table.c.id,
+        postgresql_where=unparked,
+        sqlite_where=unparked,
+    )
+    return table
+
+
+def inbox_table(name: str, metadata: MetaData) -> Table:
+    """The inbox: the ids of the messages each app has handled, kept for the retention window."""
+    table = Table(
+        check_identifier(name, "inbox table"),
+        metadata,
+        Column("app", String(APP_LENGTH), nullable=False),
+        Column("message_id", String(MESSAGE_ID_LENGTH), nullable=False),
+        Column("handled_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        PrimaryKeyConstraint("app", "message_id"),
+    )
+    Index(f"ix_{name}_handled_at", table.c.handled_at)
+    return table
+
+
+def version_table(name: str, metadata: MetaData) -> Table:
+    """A table shaped like Alembic's version table."""
+    return Table(
+        name,
+        metadata,
+        Column("version_num", String(32), nullable=False),
+        PrimaryKeyConstraint("version_num", name=f"{name}_pkc"),
+    )

@@ -1,0 +1,252 @@
+"""Helpers for the SQL outbox tests: a business table, the apps, a broker sink, counting."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from lagom import Container
+from sqlalchemy import String, Table, func, select
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from mersal import App, Header, RetryPolicy
+from mersal.messages import Envelope
+from mersal.transport import Outgoing
+from mersal.transport.memory import MemoryTransport
+from mersal_sqlalchemy import SqlStorage, attach, make_engine
+
+
+class Base(DeclarativeBase):
+    """The test's own (business) tables."""
+
+
+class Order(Base):
+    """A business row that a handler writes."""
+
+    __tablename__ = "orders"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    order_id: Mapped[str] = mapped_column(String(50))
+
+
+ORDERS: Table = Order.__table__  # type: ignore[assignment]
+
+
+@dataclass
+class PlaceOrder:
+    """A command the orders app handles."""
+
+    order_id: str
+    fail: bool = False
+
+
+@dataclass
+class OrderPlaced:
+    """The event the orders app publishes for each order."""
+
+    order_id: str
+
+
+@dataclass
+class Ship:
+    """A command the tests send to the "sink" queue."""
+
+    n: int
+
+
+class Boom(Exception):
+    """A handler failure on purpose."""
+
+
+@dataclass
+class Probe:
+    """What the handlers saw."""
+
+    calls: int = 0
+    billed: list[str] = field(default_factory=list)
+    entered: asyncio.Event = field(default_factory=asyncio.Event)
+    gate: asyncio.Event | None = None
+
+
+class PlaceOrderHandler:
+    """Adds an order row and publishes OrderPlaced; raises afterwards for `fail=True`."""
+
+    def __init__(self, app: App, session: AsyncSession, probe: Probe) -> None:
+        self.app = app
+        self.session = session
+        self.probe = probe
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        """Handle one order."""
+        self.probe.calls += 1
+        self.probe.entered.set()
+        if self.probe.gate is not None:
+            await self.probe.gate.wait()
+        self.session.add(Order(order_id=message.order_id))
+        await self.app.publish(OrderPlaced(message.order_id))
+        if message.fail:
+            await self.session.flush()  # the row reached the database before the failure
+            raise Boom(f"order {message.order_id} fails on purpose")
+
+
+def orders_app(
+    database: str | None,
+    transport: Any,
+    probe: Probe,
+    **options: Any,
+) -> App:
+    """The orders app: one attempt, then the error queue; `options` go to `attach`."""
+    container = Container()
+    container[Probe] = probe
+    app = App(
+        "orders",
+        transport=transport,
+        database=database,
+        retry=RetryPolicy(immediate=0, delayed=[], error_queue="error"),
+        container=container,
+    )
+    app.register(PlaceOrder, PlaceOrderHandler)
+    app.route(PlaceOrder, "orders")
+    app.route(Ship, "sink")
+    if options:
+        attach(app, **options)
+    return app
+
+
+def billing_app(transport: str, probe: Probe) -> App:
+    """The billing app (no database): records every OrderPlaced."""
+    app = App("billing", transport=transport)
+
+    async def bill(message: OrderPlaced) -> None:
+        probe.billed.append(message.order_id)
+
+    app.register(OrderPlaced, bill)
+    app.subscribe(OrderPlaced)
+    return app
+
+
+def storage_of(app: App) -> SqlStorage:
+    """The app's SQL storage."""
+    assert isinstance(app.storage, SqlStorage)
+    return app.storage
+
+
+async def create_business_tables(database: str) -> None:
+    """Create the test's business tables in `database`."""
+    engine = make_engine(database)
+    try:
+        async with engine.begin() as connection:
+            await connection.run_sync(Base.metadata.create_all)
+    finally:
+        await engine.dispose()
+
+
+async def count(engine: AsyncEngine, table: Table, *where: Any) -> int:
+    """How many rows of `table` match `where`."""
+    query = select(func.count()).select_from(table).where(*where)
+    async with engine.connect() as connection:
+        return int((await connection.execute(query)).scalar_one())
+
+
+async def outbox_empty(storage: SqlStorage) -> bool:
+    """Whether the app has no outbox rows waiting."""
+    return await storage.pending() == 0
+
+
+async def until(
+    predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0, what: str = ""
+) -> None:
+    """Wait until `predicate` holds; fail the test if it does not within `timeout` seconds."""
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                result = predicate()
+                if inspect.isawaitable(result):
+                    result = await result
+                if result:
+                    return
+                await asyncio.sleep(0.005)
+    except TimeoutError:
+        pytest.fail(f"not within {timeout}s: {what or predicate}")
+
+
+class Sink:
+    """Records what reaches the memory broker of `url`, and keeps a "sink" queue."""
+
+    def __init__(self, url: str) -> None:
+        self.transport = MemoryTransport(url)
+        self.seen: list[Outgoing] = []
+
+    async def start(self, *queues: str) -> Sink:
+        """Declare the queues and start recording."""
+        await self.transport.start()
+        for queue in ("sink", *queues):
+            await self.transport.declare(queue)
+        self.transport.broker.observers.append(self.seen.append)
+        return self
+
+    def ids(self, address: str = "sink") -> list[str]:
+        """The message ids that reached `address`, in order."""
+        return [o.envelope.headers[Header.MESSAGE_ID] for o in self.seen if o.address == address]
+
+    def duplicates(self, address: str = "sink") -> dict[str, int]:
+        """Message ids that reached `address` more than once, with how often."""
+        return {k: n for k, n in Counter(self.ids(address)).items() if n > 1}
+
+    def queue_settled(self, name: str) -> bool:
+        """Whether `name` has nothing ready and nothing unacknowledged."""
+        queue = self.transport.broker.queues[name]
+        return not queue.ready and not queue.unacked
+
+
+class FlakyTransport:
+    """A memory transport whose `send` fails with ConnectionError the first `failures` times."""
+
+    def __init__(self, url: str, failures: int) -> None:
+        self.inner = MemoryTransport(url)
+        self.address = url
+        self.failures = failures
+        self.failed = 0
+
+    async def start(self) -> None:
+        """Connect."""
+        await self.inner.start()
+
+    async def stop(self) -> None:
+        """Disconnect."""
+        await self.inner.stop()
+
+    async def declare(self, queue: str, *, temporary: bool = False) -> None:
+        """Declare a queue."""
+        await self.inner.declare(queue, temporary=temporary)
+
+    async def bind(self, queue: str, topic: str) -> None:
+        """Bind a queue to a topic."""
+        await self.inner.bind(queue, topic)
+
+    async def send(self, messages: Sequence[Outgoing]) -> None:
+        """Fail while failures are left, then send."""
+        if self.failed < self.failures:
+            self.failed += 1
+            raise ConnectionError("the broker is down (on purpose)")
+        await self.inner.send(messages)
+
+    async def consume(self, queue: str, *, prefetch: int) -> Any:
+        """Consume from a queue."""
+        return await self.inner.consume(queue, prefetch=prefetch)
+
+
+def envelope_of(app: App, message: object, message_id: str) -> Envelope:
+    """The envelope `app` would send for `message`, with the given id."""
+    headers = {
+        Header.MESSAGE_ID: message_id,
+        Header.TYPE: app.types.name_of(type(message)),
+        Header.CONTENT_TYPE: app.codec.content_type,
+    }
+    return Envelope(headers, app.codec.encode(message))

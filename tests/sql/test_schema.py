@@ -1,0 +1,253 @@
+"""The tables: migrations, `mersal db upgrade`, the check at start, configurable names."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Connection, inspect, text
+from sqlalchemy.engine import make_url
+
+from mersal import App, ConfigurationError
+from mersal.cli import main
+from mersal_sqlalchemy import HEAD_REVISION, attach, make_engine, make_tables
+from mersal_sqlalchemy.cli import alembic_config, upgrade
+from tests.sql.conftest import sqlite_file
+from tests.sql.support import Probe, Ship, Sink, count, orders_app, storage_of, until
+
+
+def describe_schema(connection: Connection) -> dict[str, Any]:
+    """Tables, columns, primary keys and indexes, comparable between two databases."""
+    inspector = inspect(connection)
+    described: dict[str, Any] = {}
+    for name in sorted(inspector.get_table_names()):
+        columns = [
+            (c["name"], str(c["type"]), c["nullable"], c["default"] is not None)
+            for c in inspector.get_columns(name)
+        ]
+        indexes = sorted(
+            (i["name"], tuple(i["column_names"]), bool(i["unique"]))
+            for i in inspector.get_indexes(name)
+        )
+        primary_key = tuple(inspector.get_pk_constraint(name)["constrained_columns"])
+        described[name] = {"columns": columns, "indexes": indexes, "primary_key": primary_key}
+    return described
+
+
+async def schema_of(database: str) -> dict[str, Any]:
+    """The described schema of a database."""
+    engine = make_engine(database)
+    try:
+        async with engine.connect() as connection:
+            return await connection.run_sync(describe_schema)
+    finally:
+        await engine.dispose()
+
+
+def with_password(url: str, password: str) -> str:
+    """The same database URL with a password in it."""
+    return make_url(url).set(password=password).render_as_string(hide_password=False)
+
+
+@pytest.mark.integration
+async def test_db_upgrade_on_an_empty_database_creates_the_tables(
+    empty_postgres_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert await asyncio.to_thread(main, ["db", "upgrade", "--database", empty_postgres_url]) == 0
+    schema = await schema_of(empty_postgres_url)
+    assert {"mersal_outbox", "mersal_inbox", "mersal_outbox_alembic_version"} <= set(schema)
+    assert ("ix_mersal_outbox_claim", ("app", "id"), False) in schema["mersal_outbox"]["indexes"]
+    assert schema["mersal_inbox"]["primary_key"] == ("app", "message_id")
+    assert "are at revision head" in capsys.readouterr().out
+    # a second run finds nothing to do
+    assert await asyncio.to_thread(main, ["db", "upgrade", "--database", empty_postgres_url]) == 0
+
+
+@pytest.mark.integration
+async def test_an_app_on_a_database_without_the_tables_names_the_command(
+    empty_postgres_url: str, memory_url: str
+) -> None:
+    database = with_password(empty_postgres_url, "s3cret")
+    app = orders_app(database, memory_url, Probe())
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    message = str(raised.value)
+    assert "mersal_outbox" in message and "do not exist" in message
+    assert "mersal db upgrade --database" in message
+    assert "s3cret" not in message and ":***@" in message
+    assert not app.running
+
+
+@pytest.mark.integration
+async def test_an_app_on_tables_of_an_unknown_revision_fails_at_start(
+    postgres_url: str, memory_url: str
+) -> None:
+    engine = make_engine(postgres_url)
+    async with engine.begin() as connection:
+        await connection.execute(
+            text("UPDATE mersal_outbox_alembic_version SET version_num = 'mersal_0000'")
+        )
+    await engine.dispose()
+    with pytest.raises(ConfigurationError, match="mersal db upgrade"):
+        await orders_app(postgres_url, memory_url, Probe()).start()
+
+
+@pytest.mark.integration
+async def test_an_app_on_tables_missing_a_column_fails_at_start(
+    postgres_url: str, memory_url: str
+) -> None:
+    engine = make_engine(postgres_url)
+    async with engine.begin() as connection:
+        await connection.execute(text("ALTER TABLE mersal_outbox DROP COLUMN parked_reason"))
+    await engine.dispose()
+    with pytest.raises(ConfigurationError, match=r"parked_reason.*mersal db upgrade"):
+        await orders_app(postgres_url, memory_url, Probe()).start()
+
+
+async def test_an_embedded_sqlite_app_creates_its_tables(tmp_path: Path, memory_url: str) -> None:
+    database = sqlite_file(tmp_path)
+    for _ in range(2):  # the second start finds them
+        async with orders_app(database, memory_url, Probe()) as app:
+            storage = storage_of(app)
+            assert await count(storage.engine, storage.tables.outbox) == 0
+    schema = await schema_of(database)
+    assert {"mersal_outbox", "mersal_inbox", "mersal_outbox_alembic_version"} <= set(schema)
+
+
+async def test_the_migrations_create_the_tables_the_code_describes(
+    empty_database: str, tmp_path: Path
+) -> None:
+    await asyncio.to_thread(upgrade, empty_database)
+    migrated = await schema_of(empty_database)
+    if empty_database.startswith("sqlite"):
+        described = sqlite_file(tmp_path / "described")
+        (tmp_path / "described").mkdir()
+    else:
+        described = empty_database.replace("/mersal_test_", "/mersal_test_d_")
+        await create_database_next_to(empty_database, described)
+    try:
+        app = App("orders", database=described, transport="memory://")
+        attach(app, create_tables=True)
+        await app.start()
+        await app.stop()
+        assert await schema_of(described) == migrated
+    finally:
+        if not empty_database.startswith("sqlite"):
+            await drop_database_next_to(empty_database, described)
+
+
+async def create_database_next_to(existing: str, new: str) -> None:
+    """Create the database of URL `new` on the server of `existing`."""
+    await _admin(existing, f'CREATE DATABASE "{make_url(new).database}"')
+
+
+async def drop_database_next_to(existing: str, new: str) -> None:
+    """Drop the database of URL `new`."""
+    await _admin(existing, f'DROP DATABASE IF EXISTS "{make_url(new).database}" WITH (FORCE)')
+
+
+async def _admin(url: str, statement: str) -> None:
+    engine = make_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        async with engine.connect() as connection:
+            await connection.execute(text(statement))
+    finally:
+        await engine.dispose()
+
+
+def test_the_head_revision_in_the_code_is_the_head_of_the_migrations() -> None:
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory.from_config(alembic_config("sqlite:///unused.db", "a", "b"))
+    assert scripts.get_heads() == [HEAD_REVISION]
+
+
+@pytest.mark.parametrize("name", ["", "1outbox", "out box", "outbox;drop", "x" * 41, "a.b"])
+def test_table_names_must_be_plain_identifiers(name: str) -> None:
+    with pytest.raises(ConfigurationError, match="not a usable table name"):
+        make_tables(outbox=name)
+    with pytest.raises(ConfigurationError, match="not a usable table name"):
+        attach(App("orders", database="sqlite+aiosqlite:///x.db"), inbox_table=name)
+
+
+@pytest.mark.parametrize(
+    ("database", "complaint"),
+    [
+        ("mysql+aiomysql://u:pw@host/db", "does not support"),
+        ("sqlite+aiosqlite://", "in-memory"),
+        ("sqlite+aiosqlite:///:memory:", "in-memory"),
+        ("not a url", "not a database URL"),
+    ],
+)
+async def test_unsupported_databases_fail_at_start(database: str, complaint: str) -> None:
+    app = App("orders", database=database, transport="memory://")
+    with pytest.raises(ConfigurationError, match=complaint) as raised:
+        await app.start()
+    assert "pw" not in str(raised.value)
+
+
+@pytest.mark.integration
+async def test_tables_of_other_names_work_end_to_end(postgres_url: str, memory_url: str) -> None:
+    await asyncio.to_thread(
+        upgrade, postgres_url, outbox_table="billing_outbox", inbox_table="billing_inbox"
+    )
+    sink = await Sink(memory_url).start()
+    app = orders_app(
+        postgres_url,
+        memory_url,
+        Probe(),
+        outbox_table="billing_outbox",
+        inbox_table="billing_inbox",
+    )
+    async with app:
+        storage = storage_of(app)
+        assert storage.tables.channel == "billing_outbox"
+        async with app.transaction():
+            sent = await app.send(Ship(1))
+        await until(lambda: sink.ids() == [sent])
+    unmigrated = orders_app(postgres_url, memory_url, Probe(), outbox_table="other_outbox")
+    with pytest.raises(ConfigurationError, match="--outbox-table other_outbox"):
+        await unmigrated.start()
+
+
+@pytest.mark.parametrize(
+    "shared_versions",
+    [
+        None,  # tables made from make_tables(metadata=...) by the user's own tooling
+        ["abc123"],  # the user's own Alembic project, our tables created by it
+        ["abc123", HEAD_REVISION],  # ... or by our migrations through version_locations
+    ],
+)
+async def test_tables_migrated_by_your_own_alembic_project_are_accepted(
+    tmp_path: Path, memory_url: str, shared_versions: list[str] | None
+) -> None:
+    database = sqlite_file(tmp_path)
+    engine = make_engine(database)
+    async with engine.begin() as connection:
+        tables = make_tables()
+        await connection.run_sync(tables.metadata.create_all)
+        if shared_versions is not None:
+            await connection.execute(text("CREATE TABLE alembic_version (version_num TEXT)"))
+            for version in shared_versions:
+                await connection.execute(
+                    text("INSERT INTO alembic_version VALUES (:v)"), {"v": version}
+                )
+    await engine.dispose()
+    app = orders_app(database, memory_url, Probe(), create_tables=False)
+    async with app:
+        assert app.running
+
+
+async def test_a_version_table_without_a_revision_is_refused(
+    tmp_path: Path, memory_url: str
+) -> None:
+    database = sqlite_file(tmp_path)
+    await asyncio.to_thread(upgrade, database)
+    engine = make_engine(database)
+    async with engine.begin() as connection:
+        await connection.execute(text("DELETE FROM mersal_outbox_alembic_version"))
+    await engine.dispose()
+    with pytest.raises(ConfigurationError, match="no migration of the tables is recorded"):
+        await orders_app(database, memory_url, Probe()).start()
