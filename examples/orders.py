@@ -1,10 +1,16 @@
 """The orders + billing example: two services on one broker, with failures on purpose.
 
-The "orders" app takes `PlaceOrder` commands. Every K-th order's payment is declined: it is
-retried (immediately, then twice with a delay) and then dead-lettered to `orders.error`. Every
-other order publishes `OrderPlaced`, which the "billing" app subscribes to and invoices.
+The "orders" app takes `PlaceOrder` commands. Its handler stores the order through the
+message's database session and publishes `OrderPlaced` through the outbox: the row and the event
+commit together. Every K-th order's payment is declined: it is retried (immediately, then twice
+with a delay) and then dead-lettered to `orders.error`, leaving no row. The "billing" app
+subscribes to OrderPlaced and invoices.
 
     python -m examples.orders --orders 1000 --fail-every 50
+
+It runs on `memory://` and a SQLite file of its own; with `MERSAL_TRANSPORT` and
+`MERSAL_DATABASE` set (e.g. RabbitMQ and PostgreSQL, migrated with `mersal db upgrade`) it runs
+unchanged on those.
 
 Prints `key=value` figures and a one-line summary; exits 1 unless every order was either
 billed or dead-lettered.
@@ -17,12 +23,16 @@ import asyncio
 import logging
 import os
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lagom import Container
+from sqlalchemy import String, func, select
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from mersal import App, Header, MersalError, MessageContext, OutgoingContext, RetryPolicy, message
 from mersal.pipeline import Next, Step
@@ -49,6 +59,19 @@ class OrderPlaced:
     amount: float
 
 
+class Base(DeclarativeBase):
+    """The orders service's own tables."""
+
+
+class Order(Base):
+    """An accepted order, written in the same transaction as its OrderPlaced event."""
+
+    __tablename__ = "example_orders"
+
+    order_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    amount: Mapped[float]
+
+
 class PaymentDeclined(Exception):
     """The payment provider said no: here, on purpose, for every K-th order."""
 
@@ -60,6 +83,7 @@ class Stats:
     orders: int
     fail_every: int
     handled: int = 0
+    stored: int = 0
     published: int = 0
     billed: int = 0
     billed_amount: float = 0.0
@@ -104,6 +128,8 @@ class Stats:
                 f"handled ({self.handled}) + dead_lettered ({self.dead_lettered}) "
                 f"!= orders ({self.orders})"
             )
+        if self.stored != self.handled:
+            found.append(f"stored ({self.stored}) != handled ({self.handled})")
         if self.billed != self.published:
             found.append(f"billed ({self.billed}) != published ({self.published})")
         if self.failed_attempts != self.retried + self.dead_lettered:
@@ -117,9 +143,12 @@ class Stats:
 class PlaceOrderHandler:
     """Takes an order: declines the payment of every K-th one, accepts the rest."""
 
-    def __init__(self, app: App, context: MessageContext, stats: Stats) -> None:
+    def __init__(
+        self, app: App, context: MessageContext, session: AsyncSession, stats: Stats
+    ) -> None:
         self.app = app
         self.context = context
+        self.session = session
         self.stats = stats
 
     async def __call__(self, message: PlaceOrder) -> None:
@@ -131,6 +160,7 @@ class PlaceOrderHandler:
             raise PaymentDeclined(
                 f"card declined for {message.order_id} (attempt {self.context.attempt})"
             )
+        self.session.add(Order(order_id=message.order_id, amount=message.amount))
         await self.app.publish(OrderPlaced(message.order_id, message.amount))
         self.stats.handled += 1
 
@@ -149,13 +179,14 @@ def count_published(stats: Stats) -> Step[OutgoingContext]:
     return count
 
 
-def orders_app(transport: str, stats: Stats) -> App:
-    """The orders service: handles PlaceOrder, publishes OrderPlaced."""
+def orders_app(transport: str, database: str, stats: Stats) -> App:
+    """The orders service: stores each PlaceOrder, publishes OrderPlaced through the outbox."""
     container = Container()
     container[Stats] = stats
     app = App(
         "orders",
         transport=transport,
+        database=database,
         retry=RetryPolicy(immediate=1, delayed=[0.05, 0.1], error_queue=ERROR_QUEUE),
         container=container,
     )
@@ -194,10 +225,33 @@ def amount_of(number: int) -> float:
     return 5.0 + (number * 37 % 200) / 4
 
 
-async def place_orders(args: argparse.Namespace, transport: str) -> tuple[Stats, float, bool]:
+async def create_tables(database: str) -> None:
+    """Create the example's own table (the outbox and inbox come from `mersal db upgrade`)."""
+    engine = create_async_engine(database)
+    try:
+        async with engine.begin() as connection:
+            await connection.run_sync(Base.metadata.create_all)
+    finally:
+        await engine.dispose()
+
+
+async def count_orders(database: str) -> int:
+    """How many orders the database holds."""
+    engine = create_async_engine(database)
+    try:
+        async with engine.connect() as connection:
+            return int(await connection.scalar(select(func.count()).select_from(Order)) or 0)
+    finally:
+        await engine.dispose()
+
+
+async def place_orders(
+    args: argparse.Namespace, transport: str, database: str
+) -> tuple[Stats, float, bool]:
     """Run both apps, place the orders, wait until each is billed or dead-lettered."""
     stats = Stats(orders=args.orders, fail_every=args.fail_every)
-    orders = orders_app(transport, stats)
+    await create_tables(database)
+    orders = orders_app(transport, database, stats)
     billing = billing_app(transport, stats)
     # billing starts first, so that its subscription exists before anything is published.
     async with billing, orders:
@@ -216,6 +270,7 @@ async def place_orders(args: argparse.Namespace, transport: str) -> tuple[Stats,
         seconds = time.perf_counter() - started
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
+    stats.stored = await count_orders(database)
     return stats, seconds, finished
 
 
@@ -225,6 +280,7 @@ def report(stats: Stats, seconds: float, transport: str, quiet: bool) -> None:
     figures = {
         "orders": stats.orders,
         "handled": stats.handled,
+        "stored": stats.stored,
         "published": stats.published,
         "billed": stats.billed,
         "billed_amount": f"{stats.billed_amount:.2f}",
@@ -287,14 +343,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     configure_logging(args.verbose)
     transport = os.environ.get("MERSAL_TRANSPORT") or "memory://example"
-    if not args.quiet:
-        every = f"multiples of {args.fail_every} are declined" if args.fail_every else "none fails"
-        print(f"placing {args.orders} orders on {mask(transport)}; {every}", flush=True)
-    try:
-        stats, seconds, finished = asyncio.run(place_orders(args, transport))
-    except MersalError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    with tempfile.TemporaryDirectory(prefix="mersal-example-") as directory:
+        database = os.environ.get("MERSAL_DATABASE") or f"sqlite+aiosqlite:///{directory}/orders.db"
+        if not args.quiet:
+            every = f"multiples of {args.fail_every}" if args.fail_every else "none"
+            print(
+                f"placing {args.orders} orders on {mask(transport)} with {mask(database)}; "
+                f"declined: {every}",
+                flush=True,
+            )
+        try:
+            stats, seconds, finished = asyncio.run(place_orders(args, transport, database))
+        except MersalError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
     report(stats, seconds, transport, args.quiet)
     problems = stats.problems()
     if not finished:
