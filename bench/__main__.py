@@ -21,6 +21,7 @@ Run = Callable[[], Coroutine[Any, Any, Figures]]
 BENCHMARKS: dict[str, str] = {
     "inmemory": "bench.inmemory",
     "codec": "bench.codec",
+    "rabbitmq": "bench.rabbitmq",
 }
 """Every benchmark by name: a module with `async def run() -> dict[str, float | int]`."""
 

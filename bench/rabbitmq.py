@@ -1,0 +1,315 @@
+"""Round trips through an App on RabbitMQ, against raw aio-pika doing the same by hand.
+
+One run, in one process, on a vhost of its own (made with `rabbitmqctl`, deleted at the end):
+
+- Framework: an App sends small dataclass messages to its own queue (persistent, confirmed:
+  what the transport does), and a counting handler takes them.
+- Raw aio-pika, the same by hand: a confirming channel publishes persistent messages with the
+  same body through the default exchange into a durable queue, while a consumer on another
+  channel, with the App's prefetch and manual acks, decodes each into the dataclass and acks it.
+
+Full load: each sends `MESSAGES` from `IN_FLIGHT` concurrent senders; messages per second from
+the first send to the last handled, and this process's CPU time per message (the client is
+CPU-bound here, and CPU per message varies less than the rates when the broker shares the
+cores). Half load: then each sends at half the rate the framework reached, on a schedule that
+does not drift, for `HALF_LOAD_SECONDS` (at most `HALF_LOAD_MESSAGES`). Successive runs
+alternate which side goes first.
+
+Each message carries its send time (`time.perf_counter()`, same process) and the receiving
+side records now - sent, so the latencies are send to handler. Each side first sends `WARM_UP`
+unmeasured messages, which also opens the App's lazily created publishing channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import math
+import os
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import aio_pika
+import msgspec
+from aio_pika.abc import AbstractConnection, AbstractExchange, AbstractIncomingMessage
+
+from mersal import App
+
+MESSAGES = 10_000
+IN_FLIGHT = 128
+WARM_UP = 300
+HALF_LOAD_SECONDS = 5.0
+HALF_LOAD_MESSAGES = 3_000
+PHASE_TIMEOUT = 120.0
+NOTE = "a small note"
+
+HOST = os.environ.get("MERSAL_BENCH_RABBITMQ_HOST", "127.0.0.1")
+SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
+CONCURRENCY: int = inspect.signature(App).parameters["concurrency"].default
+PREFETCH = CONCURRENCY * 2  # what App.start asks its consumer for
+
+_runs = itertools.count()
+"""Runs so far in this process: odd runs measure raw aio-pika first, so order biases neither."""
+
+
+@dataclass
+class Ping:
+    """The benchmark's message: small, and stamped with the time it was sent."""
+
+    n: int
+    sent: float
+    note: str
+
+
+async def run() -> dict[str, float | int]:
+    """Both round trips at full load, then at half load, on a vhost that is gone afterwards."""
+    async with (
+        private_vhost() as url,
+        AppRoundTrip(url) as framework,
+        RawRoundTrip(url) as raw,
+    ):
+        paths: dict[str, RoundTrip] = {"rabbitmq": framework, "raw": raw}
+        order = list(paths) if next(_runs) % 2 == 0 else list(reversed(paths))
+        full = {name: await full_load(paths[name], MESSAGES) for name in order}
+        half_rate = full["rabbitmq"].rate / 2
+        half = {name: await half_load(paths[name], half_rate) for name in order}
+    app, plain = full["rabbitmq"], full["raw"]
+    figures: dict[str, float | int] = {
+        "rabbitmq_roundtrip_msgs_per_s": app.rate,
+        "raw_roundtrip_msgs_per_s": plain.rate,
+        "rabbitmq_ratio_to_raw": app.rate / plain.rate,
+        "rabbitmq_cpu_us_per_msg": app.cpu_us,
+        "raw_cpu_us_per_msg": plain.cpu_us,
+        "half_load_msgs_per_s": half_rate,
+    }
+    for name in paths:
+        for load, phase in (("half", half[name]), ("full", full[name])):
+            for percent in (50, 99):
+                figures[f"{name}_{load}_load_p{percent}_ms"] = percentile_ms(
+                    phase.latencies, percent
+                )
+    return figures
+
+
+# The two ways of making the round trip.
+
+
+class Tally:
+    """The messages of one phase that arrived, and each one's send-to-handler latency."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.latencies: list[float] = []
+        self.finished_at = 0.0
+        self.cpu_at_finish = 0.0
+        self.done = asyncio.Event()
+
+    def record(self, message: Ping) -> None:
+        """Count a message that reached its handler."""
+        now = time.perf_counter()
+        self.latencies.append(now - message.sent)
+        if len(self.latencies) == self.expected:
+            self.finished_at, self.cpu_at_finish = now, time.process_time()
+            self.done.set()
+
+    async def wait(self) -> None:
+        """Until every expected message has arrived; a `TimeoutError` naming the shortfall."""
+        try:
+            async with asyncio.timeout(PHASE_TIMEOUT):
+                await self.done.wait()
+        except TimeoutError:
+            raise TimeoutError(
+                f"only {len(self.latencies)} of {self.expected} messages arrived "
+                f"within {PHASE_TIMEOUT:g}s"
+            ) from None
+
+    def phase(self, started: float, cpu: float) -> Phase:
+        """The phase's figures, given when its first send began and the CPU time then."""
+        return Phase(
+            rate=self.expected / (self.finished_at - started),
+            latencies=self.latencies,
+            cpu_us=(self.cpu_at_finish - cpu) / self.expected * 1e6,
+        )
+
+
+class RoundTrip(Protocol):
+    """Sends a message to a queue and counts it in `tally` when it comes back."""
+
+    tally: Tally
+
+    async def send(self, message: Ping) -> None:
+        """Send one message; returns once the broker confirmed it."""
+        ...
+
+
+class AppRoundTrip:
+    """An App on RabbitMQ that sends to its own queue, with a counting handler."""
+
+    def __init__(self, url: str) -> None:
+        self.tally = Tally(0)
+        self.app = App(f"bench-{uuid.uuid4().hex[:8]}", transport=url)
+
+        async def count(message: Ping) -> None:
+            self.tally.record(message)
+
+        self.app.register(Ping, count)
+        self.app.route(Ping, self.app.name)
+
+    async def send(self, message: Ping) -> None:
+        """Send through the App: its outgoing pipeline, then a confirmed publish."""
+        await self.app.send(message)
+
+    async def __aenter__(self) -> AppRoundTrip:
+        await self.app.start()
+        try:
+            await full_load(self, WARM_UP)
+        except BaseException:
+            await self.app.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.app.stop()
+
+
+class RawRoundTrip:
+    """The same round trip by hand: a confirming publisher channel and an acking consumer."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.tally = Tally(0)
+        self.queue = f"bench-raw-{uuid.uuid4().hex[:8]}"
+        self._encoder = msgspec.json.Encoder()
+        self._decoder = msgspec.json.Decoder(Ping)
+        self._connection: AbstractConnection | None = None
+        self._exchange: AbstractExchange | None = None
+
+    async def send(self, message: Ping) -> None:
+        """Publish one persistent message and wait for its confirm."""
+        assert self._exchange is not None
+        body = aio_pika.Message(
+            self._encoder.encode(message), delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+        )
+        await self._exchange.publish(body, routing_key=self.queue)
+
+    async def _receive(self, message: AbstractIncomingMessage) -> None:
+        self.tally.record(self._decoder.decode(message.body))
+        await message.ack()
+
+    async def __aenter__(self) -> RawRoundTrip:
+        self._connection = await aio_pika.connect(self.url)
+        try:
+            publishing = await self._connection.channel(publisher_confirms=True)
+            self._exchange = publishing.default_exchange
+            consuming = await self._connection.channel()
+            await consuming.set_qos(prefetch_count=PREFETCH)
+            queue = await consuming.declare_queue(
+                self.queue, durable=True, arguments={"x-queue-type": "classic"}
+            )
+            await queue.consume(self._receive, no_ack=False)
+            await full_load(self, WARM_UP)
+        except BaseException:
+            await self._connection.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+
+
+# The phases.
+
+
+@dataclass
+class Phase:
+    """What one phase measured."""
+
+    rate: float
+    """Messages per second, first send to last handled."""
+    latencies: list[float]
+    """Seconds from send to handler, per message."""
+    cpu_us: float
+    """This process's CPU time per message, in microseconds (the broker's is not included)."""
+
+
+async def full_load(path: RoundTrip, count: int) -> Phase:
+    """Send `count` messages with `IN_FLIGHT` sends always outstanding."""
+    tally = path.tally = Tally(count)
+    numbers = itertools.count()
+
+    async def sender() -> None:
+        while (n := next(numbers)) < count:
+            await path.send(Ping(n, time.perf_counter(), NOTE))
+
+    started, cpu = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(sender() for _ in range(min(IN_FLIGHT, count))))
+    await tally.wait()
+    return tally.phase(started, cpu)
+
+
+async def half_load(path: RoundTrip, rate: float) -> Phase:
+    """Send at a steady `rate` per second, for `HALF_LOAD_SECONDS` or `HALF_LOAD_MESSAGES`."""
+    count = max(1, min(HALF_LOAD_MESSAGES, round(rate * HALF_LOAD_SECONDS)))
+    tally = path.tally = Tally(count)
+    interval = 1.0 / rate
+    sends: list[asyncio.Task[None]] = []
+    started, cpu = time.perf_counter(), time.process_time()
+    due = started
+    for n in range(count):
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sends.append(asyncio.create_task(path.send(Ping(n, time.perf_counter(), NOTE))))
+        due += interval  # from the schedule, not from now: a late send does not shift the rest
+    await asyncio.gather(*sends)
+    await tally.wait()
+    return tally.phase(started, cpu)
+
+
+def percentile_ms(seconds: list[float], percent: float) -> float:
+    """The nearest-rank percentile of latencies in seconds, in milliseconds."""
+    ordered = sorted(seconds)
+    rank = max(1, math.ceil(percent / 100 * len(ordered)))
+    return ordered[rank - 1] * 1000
+
+
+# The vhost.
+
+
+@asynccontextmanager
+async def private_vhost() -> AsyncIterator[str]:
+    """The URL of a new vhost that guest may use; the vhost and its queues go afterwards."""
+    name = f"mersal-bench-{uuid.uuid4().hex[:8]}"
+    await rabbitmqctl("add_vhost", name)
+    try:
+        await rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
+        yield f"amqp://guest:guest@{HOST}/{name}"
+    finally:
+        await rabbitmqctl("delete_vhost", name)
+
+
+async def rabbitmqctl(*args: str) -> None:
+    """Run `rabbitmqctl -q ARGS`; a `RuntimeError` with its output if it fails."""
+    command = shutil.which("rabbitmqctl", path=f"{os.environ.get('PATH', '')}:{SBIN}")
+    if command is None:
+        raise RuntimeError(
+            "the RabbitMQ benchmark makes a vhost of its own with rabbitmqctl, which is not "
+            "on PATH: run it where RabbitMQ's tools are installed (as root)"
+        )
+    process = await asyncio.create_subprocess_exec(
+        command,
+        "-q",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await process.communicate()
+    if process.returncode:
+        raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {output.decode(errors='replace')}")
