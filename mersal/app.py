@@ -8,7 +8,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from types import TracebackType
@@ -38,7 +38,7 @@ from mersal.pipeline import (
 from mersal.retry import RetryPolicy, RetryStep
 from mersal.serialization import Codec, JsonCodec
 from mersal.transaction import Transaction, current_transaction
-from mersal.transport import Consumer, Delivery, Transport, mask, transport_from
+from mersal.transport import Consumer, Delivery, Outgoing, Transport, mask, transport_from
 from mersal.worker import Worker
 
 log = logging.getLogger("mersal.app")
@@ -253,6 +253,11 @@ class App:
             finally:
                 current_transaction.reset(token)
 
+    async def send_committed(self, outgoing: Sequence[Outgoing]) -> None:
+        """Hand a committed transaction's messages to the transport (without an outbox)."""
+        if outgoing:
+            await self.transport.send(outgoing)
+
     def queue_for(self, message_type: type) -> str:
         """The queue `send` uses for a message type; a `ConfigurationError` if it has none."""
         queue = self._routes_get(message_type)
@@ -462,7 +467,7 @@ class _Replies:
 
 @asynccontextmanager
 async def _buffered(app: App) -> AsyncIterator[Transaction]:
-    transaction = Transaction(app.transport.send, app)
+    transaction = Transaction(app.send_committed, app)
     try:
         yield transaction
     except BaseException:

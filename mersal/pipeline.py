@@ -47,7 +47,7 @@ class MessageContext:
         self.message: Any = None
         self.message_type: type | None = None
         self.attempt = 1
-        self.transaction: Transaction = Transaction(app.transport.send, app)
+        self.transaction: Transaction = Transaction(app.send_committed, app)
         self.items: dict[str, Any] = {}
         self.handlers: list[Callable[[Any], Awaitable[object]]] = []
 
@@ -80,7 +80,7 @@ class MessageContext:
     def begin_attempt(self, attempt: int) -> None:
         """Start handling afresh: a new transaction, no handlers, no step state."""
         self.attempt = attempt
-        self.transaction = Transaction(self.app.transport.send, self.app)
+        self.transaction = Transaction(self.app.send_committed, self.app)
         self.items.clear()
         self.handlers.clear()
 
@@ -195,7 +195,10 @@ def decode_step(max_body_size: int) -> Step[MessageContext]:
             raise DecodeError(f"content type {content_type!r} is not {app.codec.content_type!r}")
         cls = app.types.resolve(name)
         context.message_type = cls
-        context.message = app.codec.decode(envelope.body, cls)
+        try:
+            context.message = app.codec.decode(envelope.body, cls)
+        except RecursionError:  # msgspec's answer to JSON nested deeper than the stack
+            raise DecodeError(f"body nests too deeply to decode as {cls.__qualname__}") from None
         if log.isEnabledFor(logging.DEBUG):
             log.debug("received %s on %s: %r", name, context.queue, envelope.body[:2048])
         await next(context)

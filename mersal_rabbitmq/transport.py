@@ -48,7 +48,7 @@ import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from functools import partial
 from typing import Any
@@ -58,7 +58,6 @@ import aio_pika
 import aiormq
 from aio_pika.abc import (
     AbstractChannel,
-    AbstractExchange,
     AbstractIncomingMessage,
     AbstractQueue,
     AbstractRobustConnection,
@@ -82,6 +81,7 @@ ACK_MODES = ("manual", "on_receive", "none")
 RECONNECT_INTERVAL = 1.0
 RESUBSCRIBE_DELAYS = (0.2, 0.5, 1.0, 2.0, 5.0)
 MAX_WAIT_MS = 4_200_000_000  # the largest two-digit bucket under RabbitMQ's 2**32 - 1 ms TTL cap
+PERSISTENT = int(aio_pika.DeliveryMode.PERSISTENT)
 SHORT_STRING = 255  # bytes in an AMQP short string (message_id, type, reply_to, ...)
 
 PROPERTY_HEADERS = (
@@ -91,6 +91,8 @@ PROPERTY_HEADERS = (
     ("reply_to", Header.REPLY_TO),
     ("content_type", Header.CONTENT_TYPE),
 )
+IN_PROPERTIES = frozenset(header for _, header in PROPERTY_HEADERS)
+"""Headers carried by AMQP properties alone (the receiver restores them from there)."""
 DEAD_LETTER_HEADERS = ("x-death", "x-first-death-", "x-last-death-")
 CHANNEL_ERRORS = (
     aiormq.exceptions.AMQPError,
@@ -277,8 +279,7 @@ class RabbitMQTransport:
 
     async def _open_publisher(self) -> _Publisher:
         channel = await self.open_channel(confirms=not self.fire_and_forget)
-        events = await channel.get_exchange(EVENTS, ensure=False)
-        return _Publisher(channel, events)
+        return _Publisher(channel, await channel.get_underlay_channel())
 
     def _on_reconnect(self, connection: object) -> None:
         self._restoring = asyncio.create_task(self._restore(), name="mersal-rabbitmq-restore")
@@ -305,10 +306,14 @@ class RabbitMQTransport:
                 f"is RabbitMQ at {mask(self.address)} reachable? Send again"
             ) from None
         try:
-            results = await asyncio.gather(
-                *(self._publish(publisher, outgoing, deadline) for outgoing in run),
-                return_exceptions=True,
-            )
+            if len(run) == 1:
+                results: list[BaseException | None] = [None]
+                await self._publish(publisher, run[0], deadline)
+            else:
+                results = await asyncio.gather(
+                    *(self._publish(publisher, outgoing, deadline) for outgoing in run),
+                    return_exceptions=True,
+                )
         except asyncio.CancelledError:
             publisher.retired = True  # confirms may still arrive for what was written
             raise
@@ -612,9 +617,9 @@ class RabbitMQDelivery:
 class _Publisher:
     """One pooled publishing channel and the message ids in flight on it."""
 
-    def __init__(self, channel: AbstractChannel, events: AbstractExchange) -> None:
+    def __init__(self, channel: AbstractChannel, underlay: aiormq.abc.AbstractChannel) -> None:
         self.channel = channel
-        self.events = events
+        self.underlay = underlay
         self.in_flight: set[str] = set()
         self.retired = False
 
@@ -625,10 +630,16 @@ class _Publisher:
 
     async def publish(self, exchange: str, routing_key: str, envelope: Envelope) -> bool:
         """Publish and wait for the confirm; False if the broker returned it as unroutable."""
-        target = self.events if exchange == EVENTS else self.channel.default_exchange
-        mandatory = exchange != EVENTS
+        if self.channel.is_closed:
+            raise aiormq.exceptions.ChannelInvalidStateError(f"{self.channel!r} closed")
         try:
-            result = await target.publish(amqp_message(envelope), routing_key, mandatory=mandatory)
+            result = await self.underlay.basic_publish(
+                envelope.body,
+                exchange=exchange,
+                routing_key=routing_key,
+                properties=amqp_properties(envelope),
+                mandatory=exchange != EVENTS,
+            )
         except aiormq.exceptions.PublishError:
             return False
         except aiormq.exceptions.DeliveryError as error:
@@ -652,6 +663,10 @@ class _PublisherPool:
 
     async def claim(self, ids: set[str]) -> _Publisher:
         """A channel with none of `ids` in flight, now marked as carrying them."""
+        for publisher in self._slots:  # the common case: an open channel is free for `ids`
+            if publisher is not None and publisher.usable and publisher.in_flight.isdisjoint(ids):
+                publisher.in_flight |= ids
+                return publisher
         while True:
             async with self._lock:
                 publisher = await self._find(ids)
@@ -862,20 +877,23 @@ class _Topology:
 # Messages.
 
 
-def amqp_message(envelope: Envelope) -> aio_pika.Message:
-    """An AMQP message: our headers as headers, the well-known ones as properties too."""
+def amqp_properties(envelope: Envelope) -> aiormq.spec.Basic.Properties:
+    """The AMQP properties: the well-known headers as properties, the others as AMQP headers."""
     headers = envelope.headers
-    amqp_headers: dict[str, Any] = dict(headers)
-    return aio_pika.Message(
-        envelope.body,
+    amqp_headers: dict[str, Any] = {
+        key: value
+        for key, value in headers.items()
+        if key not in IN_PROPERTIES or len(value.encode()) > SHORT_STRING
+    }
+    return aiormq.spec.Basic.Properties(
         headers=amqp_headers,
         message_id=_short(headers.get(Header.MESSAGE_ID)),
         correlation_id=_short(headers.get(Header.CORRELATION_ID)),
-        type=_short(headers.get(Header.TYPE)),
+        message_type=_short(headers.get(Header.TYPE)),
         reply_to=_short(headers.get(Header.REPLY_TO)),
         content_type=_short(headers.get(Header.CONTENT_TYPE)),
-        timestamp=_epoch(headers.get(Header.SENT_AT)),
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        timestamp=_timestamp(headers.get(Header.SENT_AT)),
+        delivery_mode=PERSISTENT,
     )
 
 
@@ -931,10 +949,10 @@ def _short(value: str | None) -> str | None:
     return value if value and len(value.encode()) <= SHORT_STRING else None
 
 
-def _epoch(value: str | None) -> float | None:
+def _timestamp(value: str | None) -> datetime | None:
     try:
-        return float(value) if value else None
-    except ValueError:
+        return datetime.fromtimestamp(float(value), tz=UTC) if value else None
+    except (ValueError, OverflowError, OSError):
         return None
 
 

@@ -25,7 +25,7 @@ from mersal import (
     Unroutable,
 )
 from mersal_rabbitmq import ConsumerLost, RabbitMQTransport
-from mersal_rabbitmq.transport import distinct_runs, wait_milliseconds, wait_queue_name
+from mersal_rabbitmq.transport import _Publisher, distinct_runs, wait_milliseconds, wait_queue_name
 
 pytestmark = pytest.mark.integration
 
@@ -97,8 +97,22 @@ async def test_a_sent_message_carries_amqp_properties_and_string_headers(
     assert message.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
     assert message.timestamp is not None
     assert abs(message.timestamp.timestamp() - float(sent.headers[Header.SENT_AT])) < 1.0
-    assert message.headers == sent.headers
+    in_properties = {
+        Header.MESSAGE_ID,
+        Header.CORRELATION_ID,
+        Header.TYPE,
+        Header.REPLY_TO,
+        Header.CONTENT_TYPE,
+    }
+    assert message.headers == {k: v for k, v in sent.headers.items() if k not in in_properties}
     assert json.loads(message.body) == {"x": 1}
+
+    consumer = await transport.consume(queue, prefetch=1)
+    await transport.send([Outgoing(queue, sent)])
+    delivery = await asyncio.wait_for(consumer.get(), 5)
+    assert delivery.envelope.headers == sent.headers  # restored from the properties
+    await delivery.ack()
+    await consumer.close()
 
 
 async def test_header_values_of_other_types_become_strings_and_lists_are_dropped(
@@ -371,10 +385,11 @@ async def test_an_unconfirmed_publish_is_outcome_unknown_and_can_be_sent_again(
     queue = f"{prefix}.in"
     transport = await started(make_transport, queue, publish_timeout=0.3, channels=1)
 
-    async def never_confirmed(*args: object, **kwargs: object) -> None:
+    async def never_confirmed(*args: object, **kwargs: object) -> bool:
         await asyncio.sleep(10)
+        return True
 
-    monkeypatch.setattr(aio_pika.Exchange, "publish", never_confirmed)
+    monkeypatch.setattr(_Publisher, "publish", never_confirmed)
     started_at = time.monotonic()
     with pytest.raises(OutcomeUnknown, match=r"not confirmed within 0\.3s"):
         await transport.send([Outgoing(queue, envelope("m-17"))])
@@ -431,7 +446,7 @@ async def test_a_publish_the_broker_nacks_raises_a_mersal_error(
     async def nacked(*args: object, **kwargs: object) -> None:
         raise aiormq.exceptions.DeliveryError(None, aiormq.spec.Basic.Nack(delivery_tag=1))
 
-    monkeypatch.setattr(aio_pika.Exchange, "publish", nacked)
+    monkeypatch.setattr(aiormq.Channel, "basic_publish", nacked)
     with pytest.raises(MersalError, match="RabbitMQ refused") as caught:
         await transport.send([Outgoing(queue, envelope("m-19"))])
     assert not isinstance(caught.value, OutcomeUnknown | Unroutable)
