@@ -58,10 +58,9 @@ import aio_pika
 import aiormq
 from aio_pika.abc import (
     AbstractChannel,
-    AbstractIncomingMessage,
-    AbstractQueue,
     AbstractRobustConnection,
 )
+from aiormq.abc import DeliveredMessage
 
 from mersal.errors import (
     ConfigurationError,
@@ -87,7 +86,7 @@ SHORT_STRING = 255  # bytes in an AMQP short string (message_id, type, reply_to,
 PROPERTY_HEADERS = (
     ("message_id", Header.MESSAGE_ID),
     ("correlation_id", Header.CORRELATION_ID),
-    ("type", Header.TYPE),
+    ("message_type", Header.TYPE),
     ("reply_to", Header.REPLY_TO),
     ("content_type", Header.CONTENT_TYPE),
 )
@@ -385,10 +384,10 @@ class RabbitMQConsumer:
         self.prefetch = max(1, prefetch)
         self._transport = transport
         self._channel: AbstractChannel | None = None
-        self._amqp_queue: AbstractQueue | None = None
+        self._underlay: aiormq.abc.AbstractChannel | None = None
         self._tag: str | None = None
         self._consuming = False
-        self._buffer: deque[tuple[AbstractChannel, AbstractIncomingMessage]] = deque()
+        self._buffer: deque[tuple[AbstractChannel, DeliveredMessage]] = deque()
         self._ready = asyncio.Event()
         self._outstanding: set[RabbitMQDelivery] = set()
         self._closed = False
@@ -454,10 +453,13 @@ class RabbitMQConsumer:
         channel = self._channel
         if channel is None or channel.is_closed:
             channel = await self._open()
-        queue = await channel.get_queue(self.queue, ensure=False)
+        underlay = await channel.get_underlay_channel()
         no_ack = self._transport.ack_mode == "none"
-        self._tag = await queue.consume(partial(self._on_message, channel), no_ack=no_ack)
-        self._amqp_queue = queue
+        consuming = await underlay.basic_consume(
+            self.queue, partial(self._on_message, channel), no_ack=no_ack
+        )
+        self._tag = consuming.consumer_tag
+        self._underlay = underlay
         self._consuming = True
 
     async def _open(self) -> AbstractChannel:
@@ -473,14 +475,14 @@ class RabbitMQConsumer:
         self._channel = channel
         return channel
 
-    async def _on_message(self, channel: AbstractChannel, message: AbstractIncomingMessage) -> None:
+    async def _on_message(self, channel: AbstractChannel, message: DeliveredMessage) -> None:
         if self._closed or channel is not self._channel:
             if self._transport.ack_mode == "manual":
                 with contextlib.suppress(Exception):
-                    await message.nack(requeue=True)
+                    await _nack(message, requeue=True)
             return
         if self._transport.ack_mode == "on_receive":
-            await message.ack()
+            await _ack(message)
         self._buffer.append((channel, message))
         self._ready.set()
 
@@ -550,12 +552,12 @@ class RabbitMQConsumer:
     # Closing.
 
     async def _cancel_consumer(self) -> None:
-        queue, tag, channel = self._amqp_queue, self._tag, self._channel
+        underlay, tag, channel = self._underlay, self._tag, self._channel
         self._consuming = False
-        if queue is None or tag is None or channel is None or channel.is_closed:
+        if underlay is None or tag is None or channel is None or channel.is_closed:
             return
         try:
-            await queue.cancel(tag)
+            await underlay.basic_cancel(tag)
         except Exception as error:  # closing anyway; the channel's close returns everything
             log.debug("cancelling the consumer of %r failed: %s", self.queue, error)
 
@@ -564,7 +566,7 @@ class RabbitMQConsumer:
             channel, message = self._buffer.popleft()
             if not channel.is_closed:
                 with contextlib.suppress(Exception):
-                    await message.nack(requeue=True)
+                    await _nack(message, requeue=True)
 
     async def _close_channel(self) -> None:
         channel, self._channel = self._channel, None
@@ -577,7 +579,7 @@ class RabbitMQDelivery:
 
     __slots__ = ("_consumer", "_message", "_settled", "envelope", "queue", "redelivered")
 
-    def __init__(self, consumer: RabbitMQConsumer, message: AbstractIncomingMessage) -> None:
+    def __init__(self, consumer: RabbitMQConsumer, message: DeliveredMessage) -> None:
         self._consumer = consumer
         self._message = message
         self._settled = False
@@ -587,11 +589,11 @@ class RabbitMQDelivery:
 
     async def ack(self) -> None:
         """Remove the message from its queue; raises if its channel died (it comes back)."""
-        await self._settle(self._message.ack)
+        await self._settle(partial(_ack, self._message))
 
     async def nack(self, requeue: bool = True) -> None:
         """Return the message to its queue; `requeue=False` lets the broker drop it."""
-        await self._settle(partial(self._message.nack, requeue=requeue))
+        await self._settle(partial(_nack, self._message, requeue=requeue))
 
     async def _settle(self, action: Callable[[], Awaitable[None]]) -> None:
         if self._settled:
@@ -897,20 +899,32 @@ def amqp_properties(envelope: Envelope) -> aiormq.spec.Basic.Properties:
     )
 
 
-def envelope_of(message: AbstractIncomingMessage) -> Envelope:
+def envelope_of(message: DeliveredMessage) -> Envelope:
     """Our envelope for a received message: its headers, else its properties; then its body."""
+    properties = message.header.properties
     headers: dict[str, str] = {}
-    for key, value in (message.headers or {}).items():
+    for key, value in (properties.headers or {}).items():
         text = header_text(value)
         if text is not None and not key.startswith(DEAD_LETTER_HEADERS):
             headers[key] = text
     for name, header in PROPERTY_HEADERS:
-        value = getattr(message, name, None)
+        value = getattr(properties, name, None)
         if value and header not in headers:
             headers[header] = str(value)
-    if Header.SENT_AT not in headers and isinstance(message.timestamp, datetime):
-        headers[Header.SENT_AT] = f"{message.timestamp.timestamp():.6f}"
+    timestamp = properties.timestamp
+    if Header.SENT_AT not in headers and isinstance(timestamp, datetime):
+        headers[Header.SENT_AT] = f"{timestamp.timestamp():.6f}"
     return Envelope(headers, message.body)
+
+
+async def _ack(message: DeliveredMessage) -> None:
+    assert message.delivery_tag is not None
+    await message.channel.basic_ack(message.delivery_tag)
+
+
+async def _nack(message: DeliveredMessage, *, requeue: bool) -> None:
+    assert message.delivery_tag is not None
+    await message.channel.basic_nack(message.delivery_tag, requeue=requeue)
 
 
 def header_text(value: object) -> str | None:
