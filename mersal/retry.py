@@ -141,6 +141,9 @@ class RetryStep:
             error,
         )
         envelope = context.envelope.copy(**error_headers(error, made, context.queue))
+        # A deliver-at that came with the message (forged, or left from a delay) must not hold
+        # the dead letter back: transports honour it at send time (RabbitMQ: a wait queue).
+        envelope.headers.pop(Header.DELIVER_AT, None)
         await self._forward(context, Outgoing(self.policy.error_queue, envelope), "dead-lettering")
 
     async def _forward(self, context: MessageContext, outgoing: Outgoing, what: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -123,13 +124,17 @@ def transport_from(value: str | Transport | None) -> Transport:
     )
 
 
+# A query parameter carrying a password (asyncpg reads `password` and `sslpassword` there).
+_QUERY_PASSWORD = re.compile(r"([?&][^=&#]*password[^=&#]*=)[^&#]*", re.IGNORECASE)
+
+
 def mask(url: str) -> str:
-    """The URL with any password replaced by `***`, fit for logs."""
+    """The URL with any password (user info or query) replaced by `***`, fit for logs."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
     credentials, at, host = rest.rpartition("@")
-    if not at:
-        return url
-    user, colon, _ = credentials.partition(":")
-    return f"{scheme}{sep}{user}{':***' if colon else ''}@{host}"
+    if at:
+        user, colon, _ = credentials.partition(":")
+        url = f"{scheme}{sep}{user}{':***' if colon else ''}@{host}"
+    return _QUERY_PASSWORD.sub(r"\1***", url)
