@@ -10,6 +10,7 @@ from mersal.errors import (
     OutcomeUnknown,
     RequestTimeout,
     Unroutable,
+    Unsendable,
 )
 from mersal.messages import Envelope, Header, message
 from mersal.pipeline import MessageContext, OutgoingContext, Pipeline
@@ -35,5 +36,6 @@ __all__ = [
     "RetryPolicy",
     "Transport",
     "Unroutable",
+    "Unsendable",
     "message",
 ]

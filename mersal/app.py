@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import re
 import time
@@ -176,6 +177,8 @@ class App:
     ) -> str:
         """Send a message to its route (or this app) to be delivered after `delay`."""
         seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+        if not math.isfinite(seconds):
+            raise MersalError(f"defer({delay!r}, ...) needs a finite delay in seconds")
         merged = dict(headers or {})
         merged[Header.DELIVER_AT] = f"{time.time() + max(0.0, seconds):.6f}"
         queue = self._routes_get(type(message)) or self.name

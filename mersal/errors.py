@@ -15,7 +15,11 @@ class DecodeError(MersalError):
     """A delivery cannot become a message: bad body, unknown or missing type, too large."""
 
 
-class Unroutable(MersalError):
+class Unsendable(MersalError):
+    """The broker can never take this message as it is (no such queue, too large)."""
+
+
+class Unroutable(Unsendable):
     """The broker had nowhere to put a message (no such queue or binding)."""
 
 

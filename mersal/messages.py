@@ -120,7 +120,8 @@ class TypeRegistry:
         if cls is None:
             cls = self._find_subclass(name)
         if cls is None:
-            raise DecodeError(f"unknown message type {name!r}: no registered class has that name")
+            shown = name if len(name) <= 200 else f"{name[:200]}...({len(name)} characters)"
+            raise DecodeError(f"unknown message type {shown!r}: no registered class has that name")
         return cls
 
     def _find_subclass(self, name: str) -> type | None:

@@ -10,7 +10,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mersal.errors import ConfigurationError, Unroutable
+from mersal.errors import ConfigurationError, Unsendable
 from mersal.messages import describe
 from mersal.transaction import Transaction
 from mersal.transport import Outgoing, Transport, mask
@@ -90,8 +90,8 @@ class Relay:
     """Publishes committed outbox rows with confirms and deletes them once confirmed.
 
     It runs when woken (a local commit, a notification from another process) and on a slow
-    poll as the safety net. A row the broker refuses for good (unroutable) is parked with its
-    reason; a transient failure gives the rows back and backs off.
+    poll as the safety net. A row the broker refuses for good (unroutable, too large) is parked
+    with its reason; a transient failure gives the rows back and backs off.
     """
 
     def __init__(
@@ -168,7 +168,7 @@ class Relay:
     async def _relay(self, rows: list[OutboxRow]) -> int:
         try:
             await self.transport.send([row.outgoing for row in rows])
-        except Unroutable:
+        except Unsendable:
             return await self._relay_one_by_one(rows)
         except BaseException:
             await asyncio.shield(self.store.release([row.id for row in rows]))
@@ -185,7 +185,7 @@ class Relay:
                 row = remaining[0]
                 try:
                     await self.transport.send([row.outgoing])
-                except Unroutable as error:
+                except Unsendable as error:
                     log.error(
                         "parking outbox row %d (%s): %s",
                         row.id,

@@ -191,7 +191,7 @@ def decode_step(max_body_size: int) -> Step[MessageContext]:
             raise DecodeError("the message has no type header, so no handler can be chosen")
         app = context.app
         content_type = envelope.headers.get(Header.CONTENT_TYPE)
-        if content_type and content_type != app.codec.content_type:
+        if content_type and media_type(content_type) != app.codec.content_type:
             raise DecodeError(f"content type {content_type!r} is not {app.codec.content_type!r}")
         cls = app.types.resolve(name)
         context.message_type = cls
@@ -204,6 +204,11 @@ def decode_step(max_body_size: int) -> Step[MessageContext]:
         await next(context)
 
     return decode
+
+
+def media_type(content_type: str) -> str:
+    """The media type of a content type, without parameters, in lower case."""
+    return content_type.partition(";")[0].strip().lower()
 
 
 async def activate_step(context: MessageContext, next: Next[MessageContext]) -> None:

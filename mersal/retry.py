@@ -21,6 +21,8 @@ log = logging.getLogger("mersal.retry")
 MAX_ERROR_TEXT = 4_096
 MAX_TRACEBACK = 16_384
 MAX_ATTEMPTS = 1_000
+MAX_HEADER_BYTES = 65_536
+CUT_TO = 1_024
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ class RetryStep:
         # A deliver-at that came with the message (forged, or left from a delay) must not hold
         # the dead letter back: transports honour it at send time (RabbitMQ: a wait queue).
         envelope.headers.pop(Header.DELIVER_AT, None)
+        envelope.headers = fit_headers(envelope.headers)
         await self._forward(context, Outgoing(self.policy.error_queue, envelope), "dead-lettering")
 
     async def _forward(self, context: MessageContext, outgoing: Outgoing, what: str) -> None:
@@ -175,6 +178,32 @@ def error_headers(error: BaseException, attempts: int, queue: str) -> dict[str, 
         Header.ERROR_QUEUE: queue,
         Header.FAILED_AT: now(),
     }
+
+
+def fit_headers(headers: dict[str, str], budget: int = MAX_HEADER_BYTES) -> dict[str, str]:
+    """The headers with the longest values cut (and absurd names dropped) to fit `budget` bytes.
+
+    A dead letter carries the original headers plus the error's; if those came in near the
+    broker's limit, the copy would not fit, and the message could never reach the error queue.
+    """
+    sizes = {key: len(key.encode()) + len(value.encode()) for key, value in headers.items()}
+    total = sum(sizes.values())
+    if total <= budget:
+        return headers
+    fitted: dict[str, str] = {}
+    for key, value in headers.items():
+        if len(key) > CUT_TO:
+            total -= sizes[key]
+            continue
+        fitted[key] = value
+    for key in sorted(fitted, key=lambda k: sizes[k], reverse=True):
+        value = fitted[key]
+        if total <= budget or len(value) <= CUT_TO:
+            break
+        cut = f"{value[:CUT_TO]}...[{len(value) - CUT_TO} characters cut]"
+        total -= sizes[key] - len(key.encode()) - len(cut.encode())
+        fitted[key] = cut
+    return fitted
 
 
 def _log_failure(context: MessageContext, error: Exception, made: int, then: str) -> None:

@@ -73,6 +73,7 @@ class Harness:
         self.retried: list[Recorded] = []
         self.dead_lettered: list[DeadLetter] = []
         self._url = f"memory://harness-{uuid.uuid4().hex}"
+        self._error_queues = {app.retry.error_queue for app in apps}
         self._broker: MemoryBroker | None = None
 
     async def __aenter__(self) -> Harness:
@@ -157,7 +158,7 @@ class Harness:
         envelope = outgoing.envelope
         headers = dict(envelope.headers)
         message = self._decode(envelope)
-        if Header.ERROR_TYPE in headers:
+        if Header.ERROR_TYPE in headers and outgoing.address in self._error_queues:
             self.dead_lettered.append(DeadLetter(outgoing.address, headers, message))
         elif outgoing.publish:
             self.published.append(Recorded(outgoing.address, headers, message))

@@ -68,6 +68,7 @@ from mersal.errors import (
     MersalError,
     OutcomeUnknown,
     Unroutable,
+    Unsendable,
 )
 from mersal.messages import Envelope, Header, describe
 from mersal.transport import Outgoing, mask
@@ -81,6 +82,8 @@ RECONNECT_INTERVAL = 1.0
 RESUBSCRIBE_DELAYS = (0.2, 0.5, 1.0, 2.0, 5.0)
 MAX_WAIT_MS = 4_200_000_000  # the largest two-digit bucket under RabbitMQ's 2**32 - 1 ms TTL cap
 PERSISTENT = int(aio_pika.DeliveryMode.PERSISTENT)
+DEFAULT_FRAME_MAX = 131_072  # RabbitMQ's default frame_max
+FRAME_SLACK = 4_096  # room for the properties and the frame's own fields
 SHORT_STRING = 255  # bytes in an AMQP short string (message_id, type, reply_to, ...)
 
 PROPERTY_HEADERS = (
@@ -247,6 +250,11 @@ class RabbitMQTransport:
             connection: AbstractRobustConnection = await aio_pika.connect_robust(
                 self.address, **options
             )
+        except ValueError as error:
+            raise ConfigurationError(
+                f"{mask(self.address)} is not a usable AMQP URL ({error}): "
+                "use amqp://user:password@host:port/vhost"
+            ) from None
         except (OSError, aiormq.exceptions.AMQPError) as error:
             raise MersalError(
                 f"cannot connect to RabbitMQ at {mask(self.address)}: "
@@ -634,12 +642,14 @@ class _Publisher:
         """Publish and wait for the confirm; False if the broker returned it as unroutable."""
         if self.channel.is_closed:
             raise aiormq.exceptions.ChannelInvalidStateError(f"{self.channel!r} closed")
+        properties = amqp_properties(envelope)
+        self._check_size(properties, envelope)
         try:
             result = await self.underlay.basic_publish(
                 envelope.body,
                 exchange=exchange,
                 routing_key=routing_key,
-                properties=amqp_properties(envelope),
+                properties=properties,
                 mandatory=exchange != EVENTS,
             )
         except aiormq.exceptions.PublishError:
@@ -650,6 +660,20 @@ class _Publisher:
                 "it may be short of memory or disk, or the queue is full; send it again later"
             ) from None
         return not isinstance(result, aiormq.abc.DeliveredMessage)
+
+    def _check_size(self, properties: aiormq.spec.Basic.Properties, envelope: Envelope) -> None:
+        """Refuse headers that do not fit one frame: RabbitMQ would close the connection."""
+        tune = getattr(self.underlay.connection, "connection_tune", None)
+        frame_max = getattr(tune, "frame_max", 0) or DEFAULT_FRAME_MAX
+        size = sum(
+            len(key.encode()) + len(str(value).encode()) + 8
+            for key, value in (properties.headers or {}).items()
+        )
+        if size > frame_max - FRAME_SLACK:
+            raise Unsendable(
+                f"the headers of {describe(envelope.headers)} take about {size} bytes, more than "
+                f"RabbitMQ's frame size ({frame_max}) allows; send smaller header values"
+            )
 
 
 class _PublisherPool:

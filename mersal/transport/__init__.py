@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -92,9 +93,10 @@ def delay_of(envelope: Envelope) -> float:
     if deliver_at is None:
         return 0.0
     try:
-        return max(0.0, float(deliver_at) - time.time())
+        delay = float(deliver_at) - time.time()
     except ValueError:
         return 0.0
+    return delay if 0.0 < delay < math.inf else 0.0
 
 
 def transport_from(value: str | Transport | None) -> Transport:

@@ -288,3 +288,23 @@ async def test_a_failing_handler_logs_each_attempt_with_the_message_id(
     assert "retrying now" in logged[0].getMessage()
     assert "retrying in 0.05s" in logged[1].getMessage()
     assert len(bus.dead_lettered) == 1
+
+
+@pytest.mark.parametrize(
+    "content_type", ["application/json; charset=utf-8", "Application/JSON", " application/json "]
+)
+async def test_json_with_parameters_or_another_case_is_json(content_type: str) -> None:
+    handled: list[Charge] = []
+
+    async def handle(message: Charge) -> None:
+        handled.append(message)
+
+    app = App("billing", retry=RetryPolicy(immediate=0, delayed=[], error_queue="errors"))
+    app.register(Charge, handle)
+    async with Harness(app) as bus:
+        envelope = raw({Header.TYPE: CHARGE, Header.CONTENT_TYPE: content_type}, GOOD_BODY)
+        await app.transport.send([Outgoing("billing", envelope)])
+        await bus.idle()
+
+    assert handled == [Charge("o-1", 1.5)]
+    assert bus.dead_lettered == []

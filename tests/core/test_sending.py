@@ -464,3 +464,18 @@ async def test_sending_to_a_queue_that_does_not_exist_raises_unroutable() -> Non
 
 async def noop(message: object) -> None:
     pass
+
+
+@pytest.mark.parametrize("delay", [float("inf"), float("nan")])
+async def test_defer_refuses_a_delay_that_is_not_finite(delay: float) -> None:
+    app = App("clock")
+    app.register(Remind, _ignore)
+    async with Harness(app) as bus:
+        with pytest.raises(MersalError, match="finite"):
+            await app.defer(delay, Remind("r-1"))
+        await bus.idle()
+    assert bus.deferred == []
+
+
+async def _ignore(message: Remind) -> None:
+    return None

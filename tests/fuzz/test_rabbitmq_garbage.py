@@ -159,13 +159,6 @@ async def test_garbage_from_a_foreign_producer_ends_in_the_error_queue_with_a_re
     assert not canaries_imported()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TimeoutError,
-    reason="a dead letter's headers (the original's plus up to 20 KiB of error headers) can pass "
-    "RabbitMQ's frame_max (128 KiB): the broker closes the app's whole connection, the delivery "
-    "comes back, and so on every second; the message never reaches the error queue",
-)
 async def test_a_delivery_with_huge_headers_still_reaches_the_error_queue(
     vhost: str, broker: Broker
 ) -> None:

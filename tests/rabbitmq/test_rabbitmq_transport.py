@@ -23,6 +23,7 @@ from mersal import (
     OutcomeUnknown,
     Outgoing,
     Unroutable,
+    Unsendable,
 )
 from mersal_rabbitmq import ConsumerLost, RabbitMQTransport
 from mersal_rabbitmq.transport import _Publisher, distinct_runs, wait_milliseconds, wait_queue_name
@@ -500,3 +501,15 @@ async def test_fire_and_forget_publishes_without_confirms_and_ignores_unroutable
 
     message = await broker.get(queue)
     assert message.message_id == "m-kept"
+
+
+async def test_headers_too_large_for_a_frame_are_unsendable_and_the_connection_lives(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    huge = envelope("m-huge", **{"x-note": "n" * 140_000})
+    with pytest.raises(Unsendable, match="frame size"):
+        await transport.send([Outgoing(queue, huge)])
+    await transport.send([Outgoing(queue, envelope("m-after"))])
+    assert (await broker.get(queue)).message_id == "m-after"

@@ -145,11 +145,6 @@ async def test_a_failed_start_leaks_the_password_nowhere(
     assert leaks == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mersal_rabbitmq lets yarl's ValueError for a malformed URL through (not masked "
-    "there either: the text has no URL); it should be a ConfigurationError naming the URL masked",
-)
 async def test_a_malformed_amqp_url_is_a_configuration_error() -> None:
     app = App("orders", transport="amqp://user:s3cret@127.0.0.1:notaport/")
 

@@ -181,11 +181,6 @@ async def test_a_failing_message_with_forged_error_headers_gets_the_real_ones(
     assert running.failed == ["m-1"] * 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mersal.testing.Harness files any message carrying an error-type header under "
-    "dead_lettered, by its headers rather than by the error queue it went to",
-)
 async def test_the_harness_records_a_message_with_a_forged_error_header_as_sent(
     running: Running,
 ) -> None:
