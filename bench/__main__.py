@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "inmemory": "bench.inmemory",
     "codec": "bench.codec",
     "rabbitmq": "bench.rabbitmq",
+    "outbox": "bench.outbox",
 }
 """Every benchmark by name: a module with `async def run() -> dict[str, float | int]`."""
 
