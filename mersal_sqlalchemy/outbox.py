@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import Row, Table, bindparam, delete, func, or_, select, update
+import msgspec
+from sqlalchemy import Insert, Row, Table, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from mersal.messages import Envelope
@@ -19,8 +20,8 @@ Executor = AsyncSession | AsyncConnection
 
 MAX_REASON = 4_000
 
-NOTIFY = select(func.pg_notify(bindparam("channel"), bindparam("payload")))
-"""Announce new outbox rows: delivered to the listeners when the transaction commits."""
+_headers_json = msgspec.json.Encoder()
+_headers_of = msgspec.json.Decoder(dict[str, str])
 
 
 def outbox_rows(app: str, outgoing: Sequence[Outgoing]) -> list[dict[str, Any]]:
@@ -30,7 +31,7 @@ def outbox_rows(app: str, outgoing: Sequence[Outgoing]) -> list[dict[str, Any]]:
             "app": app,
             "address": message.address,
             "publish": message.publish,
-            "headers": json.dumps(message.envelope.headers, separators=(",", ":")),
+            "headers": _headers_json.encode(message.envelope.headers).decode(),
             "body": message.envelope.body,
         }
         for message in outgoing
@@ -44,19 +45,29 @@ async def write_outbox(
     outgoing: Sequence[Outgoing],
     channel: str | None,
 ) -> None:
-    """Insert the rows in one statement; on PostgreSQL also NOTIFY `channel` (once, at commit)."""
+    """Insert the rows in one statement; on PostgreSQL it also NOTIFYs `channel` at commit."""
     if not outgoing:
         return
     rows = outbox_rows(app, outgoing)
-    await executor.execute(table.insert(), rows if len(rows) > 1 else rows[0])
+    await executor.execute(insert_statement(table, channel, app), rows)
+
+
+@lru_cache(maxsize=64)
+def insert_statement(table: Table, channel: str | None, app: str) -> Insert:
+    """The outbox insert, built once; with a channel each row returns `pg_notify(channel, app)`.
+
+    PostgreSQL delivers identical notifications of one transaction once, at commit, so a
+    transaction that writes many rows still wakes the listening relays once.
+    """
+    statement = table.insert()
     if channel is not None:
-        await executor.execute(NOTIFY, {"channel": channel, "payload": app})
+        statement = statement.returning(func.pg_notify(channel, app))
+    return statement
 
 
 def row_of(record: Row[Any]) -> OutboxRow:
     """The OutboxRow for a claimed database row."""
-    headers = json.loads(record.headers)
-    envelope = Envelope({str(k): str(v) for k, v in headers.items()}, bytes(record.body))
+    envelope = Envelope(_headers_of.decode(record.headers), bytes(record.body))
     return OutboxRow(record.id, Outgoing(record.address, envelope, record.publish), record.attempts)
 
 

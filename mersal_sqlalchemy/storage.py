@@ -342,7 +342,8 @@ async def _discard(executor: Executor) -> None:
 
 def _engine_defaults(backend: str, concurrency: int) -> dict[str, Any]:
     if backend == "postgresql":
-        return {"pool_size": min(max(concurrency, 5), 20), "max_overflow": 10}
+        # one connection per concurrent message, plus the relay's, the listener's and a spare
+        return {"pool_size": max(concurrency + 3, 5), "max_overflow": 10}
     return {}
 
 

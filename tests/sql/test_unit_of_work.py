@@ -206,5 +206,5 @@ async def test_the_harness_waits_for_the_outbox_to_drain(database: str, memory_u
             await bus.idle(timeout=0.5)
         assert probe.billed == []
         relay.start()
-        await bus.idle()
+        await bus.idle(timeout=20)
         assert probe.billed == ["o-1"]
