@@ -43,9 +43,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
-import math
 import os
-import shutil
 import sys
 import time
 import uuid
@@ -62,6 +60,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engin
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import NullPool
 
+from bench.support import percentile_ms, private_vhost
 from mersal import App, MessageContext, message
 from mersal.messages import Envelope, Header
 from mersal.transport import Outgoing
@@ -85,8 +84,6 @@ PHASE_TIMEOUT = 120.0
 
 RELAY_BATCH: int = inspect.signature(attach).parameters["relay_batch"].default
 POSTGRES = os.environ.get("MERSAL_BENCH_POSTGRES", "postgresql+asyncpg://postgres@127.0.0.1:5432")
-RABBITMQ_HOST = os.environ.get("MERSAL_BENCH_RABBITMQ_HOST", "127.0.0.1")
-SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 ROOT = Path(__file__).resolve().parent.parent
 
 _runs = itertools.count()
@@ -126,7 +123,7 @@ class Order(Base):
 
 async def run() -> dict[str, float | int]:
     """Every phase on a database and a vhost of the run's own, gone afterwards."""
-    async with private_database() as database, private_vhost() as transport:
+    async with private_database() as database, private_vhost("mersal-bench-outbox") as transport:
         async with Chain(database, transport) as chain:
             await chain.full_load(WARM_UP)
             full = await chain.full_load(CHAINS)
@@ -313,15 +310,6 @@ def placing_orders(commits: dict[str, float]) -> type:
             self.context.transaction.after_commit(stamp)
 
     return PlaceOrderHandler
-
-
-def percentile_ms(seconds: list[float], percent: float) -> float:
-    """The nearest-rank percentile of latencies in seconds, in milliseconds."""
-    ordered = sorted(seconds)
-    if not ordered:
-        return math.nan
-    rank = max(1, math.ceil(percent / 100 * len(ordered)))
-    return ordered[rank - 1] * 1000
 
 
 # The relay alone, and raw aio-pika.
@@ -578,39 +566,11 @@ async def private_database() -> AsyncIterator[str]:
         await admin.dispose()
 
 
-@asynccontextmanager
-async def private_vhost() -> AsyncIterator[str]:
-    """The URL of a new vhost that guest may use; the vhost and its queues go afterwards."""
-    name = f"mersal-bench-outbox-{uuid.uuid4().hex[:8]}"
-    await rabbitmqctl("add_vhost", name)
-    try:
-        await rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
-        yield f"amqp://guest:guest@{RABBITMQ_HOST}/{name}"
-    finally:
-        await rabbitmqctl("delete_vhost", name)
-
-
-async def rabbitmqctl(*args: str) -> None:
-    """Run `rabbitmqctl -q ARGS`; a `RuntimeError` with its output if it fails."""
-    command = shutil.which("rabbitmqctl", path=f"{os.environ.get('PATH', '')}:{SBIN}")
-    if command is None:
-        raise RuntimeError(
-            "the outbox benchmark makes a vhost of its own with rabbitmqctl, which is not on "
-            "PATH: run it as root where RabbitMQ's tools are installed"
-        )
-    process = await asyncio.create_subprocess_exec(
-        command, "-q", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-    )
-    output, _ = await process.communicate()
-    if process.returncode:
-        raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {output.decode(errors='replace')}")
-
-
 async def chain_only() -> dict[str, float | int]:
     """The setup, a warm-up and one full-load chain: what to profile."""
     async with (
         private_database() as database,
-        private_vhost() as transport,
+        private_vhost("mersal-bench-outbox") as transport,
         Chain(database, transport) as chain,
     ):
         await chain.full_load(WARM_UP)

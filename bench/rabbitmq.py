@@ -25,13 +25,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
-import math
-import os
-import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +34,7 @@ import aio_pika
 import msgspec
 from aio_pika.abc import AbstractConnection, AbstractExchange, AbstractIncomingMessage
 
+from bench.support import percentile_ms, private_vhost
 from mersal import App
 
 MESSAGES = 10_000
@@ -49,8 +45,6 @@ HALF_LOAD_MESSAGES = 3_000
 PHASE_TIMEOUT = 120.0
 NOTE = "a small note"
 
-HOST = os.environ.get("MERSAL_BENCH_RABBITMQ_HOST", "127.0.0.1")
-SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 CONCURRENCY: int = inspect.signature(App).parameters["concurrency"].default
 PREFETCH = CONCURRENCY * 2  # what App.start asks its consumer for
 
@@ -273,43 +267,4 @@ async def half_load(path: RoundTrip, rate: float) -> Phase:
     return tally.phase(started, cpu)
 
 
-def percentile_ms(seconds: list[float], percent: float) -> float:
-    """The nearest-rank percentile of latencies in seconds, in milliseconds."""
-    ordered = sorted(seconds)
-    rank = max(1, math.ceil(percent / 100 * len(ordered)))
-    return ordered[rank - 1] * 1000
-
-
 # The vhost.
-
-
-@asynccontextmanager
-async def private_vhost() -> AsyncIterator[str]:
-    """The URL of a new vhost that guest may use; the vhost and its queues go afterwards."""
-    name = f"mersal-bench-{uuid.uuid4().hex[:8]}"
-    await rabbitmqctl("add_vhost", name)
-    try:
-        await rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
-        yield f"amqp://guest:guest@{HOST}/{name}"
-    finally:
-        await rabbitmqctl("delete_vhost", name)
-
-
-async def rabbitmqctl(*args: str) -> None:
-    """Run `rabbitmqctl -q ARGS`; a `RuntimeError` with its output if it fails."""
-    command = shutil.which("rabbitmqctl", path=f"{os.environ.get('PATH', '')}:{SBIN}")
-    if command is None:
-        raise RuntimeError(
-            "the RabbitMQ benchmark makes a vhost of its own with rabbitmqctl, which is not "
-            "on PATH: run it where RabbitMQ's tools are installed (as root)"
-        )
-    process = await asyncio.create_subprocess_exec(
-        command,
-        "-q",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    output, _ = await process.communicate()
-    if process.returncode:
-        raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {output.decode(errors='replace')}")
