@@ -1,17 +1,32 @@
-"""`mersal db upgrade`: apply the outbox and inbox migrations (Alembic) to a database."""
+"""`mersal db upgrade` applies the migrations; `mersal outbox list|retry|purge` repairs rows."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+from sqlalchemy import MetaData, Table, delete, func, inspect, select, update
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.sql.elements import ColumnElement
+
+from mersal.cli import align, positive_int
+from mersal.dead_letters import first_line, iso
 from mersal.errors import ConfigurationError, MersalError
+from mersal.messages import Header
 from mersal.transport import mask
-from mersal_sqlalchemy.database import database_url
-from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, make_tables
+from mersal_sqlalchemy.database import database_url, is_postgresql, make_engine
+from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, make_tables, outbox_table
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -100,3 +115,313 @@ def alembic_config(database: str, outbox_table: str, inbox_table: str) -> Config
     config = Config(cmd_opts=options)
     config.set_main_option("script_location", str(MIGRATIONS).replace("%", "%%"))
     return config
+
+
+# mersal outbox list|retry|purge
+
+LIST_LIMIT = 100
+LIST_COLUMNS = ("ID", "APP", "KIND", "ADDRESS", "TYPE", "MESSAGE-ID", "ATTEMPTS", "CREATED")
+PARKED_COLUMNS = ("PARKED", "REASON")
+REASON_WIDTH = 200
+
+_stored_headers = msgspec.json.Decoder(dict[str, str])
+
+
+def add_outbox_commands(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add `outbox list|retry|purge` to the `mersal` command's subcommands."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--database",
+        default=None,
+        metavar="URL",
+        help="the database URL (default: $MERSAL_DATABASE)",
+    )
+    common.add_argument(
+        "--outbox-table",
+        default=DEFAULT_OUTBOX,
+        metavar="NAME",
+        help=f"the outbox table ({DEFAULT_OUTBOX})",
+    )
+    outbox = commands.add_parser("outbox", help="look at, send again or delete outbox rows")
+    actions = outbox.add_subparsers(dest="outbox_command", required=True)
+    listing = actions.add_parser(
+        "list", parents=[common], help="one line per row, oldest first (parked: with the reason)"
+    )
+    listing.add_argument("--parked", action="store_true", help="only the parked rows")
+    listing.add_argument("--app", default=None, metavar="NAME", help="only the rows this app sent")
+    listing.add_argument(
+        "--limit",
+        type=positive_int,
+        default=LIST_LIMIT,
+        metavar="N",
+        help=f"at most N rows ({LIST_LIMIT})",
+    )
+    listing.set_defaults(handler=outbox_command(outbox_list))
+    retry = actions.add_parser(
+        "retry", parents=[common], help="un-park rows, so that their app's relay sends them again"
+    )
+    retry.add_argument("ids", nargs="*", type=int, metavar="ID", help="the rows to un-park")
+    retry.add_argument("--all", action="store_true", help="every parked row")
+    retry.add_argument("--app", default=None, metavar="NAME", help="only the rows this app sent")
+    retry.set_defaults(handler=outbox_command(outbox_retry))
+    purge = actions.add_parser(
+        "purge", parents=[common], help="delete parked rows (the messages are never sent)"
+    )
+    purge.add_argument("ids", nargs="+", type=int, metavar="ID", help="the parked rows to delete")
+    purge.set_defaults(handler=outbox_command(outbox_purge))
+
+
+@dataclass(frozen=True)
+class ListedRow:
+    """An outbox row as `mersal outbox list` shows it (the body left out)."""
+
+    id: int
+    app: str
+    address: str
+    publish: bool
+    type_name: str | None
+    message_id: str | None
+    attempts: int
+    created_at: datetime | None
+    parked_at: datetime | None
+    parked_reason: str | None
+
+    @property
+    def parked(self) -> bool:
+        """Whether the relay has set the row aside."""
+        return self.parked_at is not None
+
+    def cells(self, parked_columns: bool) -> tuple[str, ...]:
+        """The row's cells for LIST_COLUMNS, and PARKED_COLUMNS if `parked_columns`."""
+        cells = (
+            str(self.id),
+            self.app,
+            "publish" if self.publish else "send",
+            self.address,
+            self.type_name or "-",
+            self.message_id or "-",
+            str(self.attempts),
+            iso(self.created_at),
+        )
+        if not parked_columns:
+            return cells
+        if not self.parked:
+            return (*cells, "-", "-")
+        return (*cells, iso(self.parked_at), first_line(self.parked_reason, REASON_WIDTH))
+
+
+async def list_rows(
+    engine: AsyncEngine,
+    table: Table,
+    *,
+    parked: bool = False,
+    app: str | None = None,
+    limit: int = LIST_LIMIT,
+) -> tuple[list[ListedRow], int]:
+    """Up to `limit` rows, oldest first, and how many match in all."""
+    where: list[ColumnElement[bool]] = []
+    if parked:
+        where.append(table.c.parked_at.is_not(None))
+    if app is not None:
+        where.append(table.c.app == app)
+    query = (
+        select(
+            table.c.id,
+            table.c.app,
+            table.c.address,
+            table.c.publish,
+            table.c.headers,
+            table.c.attempts,
+            table.c.created_at,
+            table.c.parked_at,
+            table.c.parked_reason,
+        )
+        .where(*where)
+        .order_by(table.c.id)
+        .limit(limit)
+    )
+    counting = select(func.count()).select_from(table).where(*where)
+    async with engine.connect() as connection:
+        records = (await connection.execute(query)).all()
+        total = int((await connection.execute(counting)).scalar_one())
+    rows = []
+    for record in records:
+        headers = _headers(record.headers)
+        rows.append(
+            ListedRow(
+                id=record.id,
+                app=record.app,
+                address=record.address,
+                publish=bool(record.publish),
+                type_name=headers.get(Header.TYPE),
+                message_id=headers.get(Header.MESSAGE_ID),
+                attempts=record.attempts,
+                created_at=record.created_at,
+                parked_at=record.parked_at,
+                parked_reason=record.parked_reason,
+            )
+        )
+    return rows, total
+
+
+def _headers(stored: str) -> dict[str, str]:
+    try:
+        return _stored_headers.decode(stored)
+    except msgspec.DecodeError:
+        return {}
+
+
+async def retry_rows(
+    engine: AsyncEngine, table: Table, ids: Sequence[int] | None, *, app: str | None = None
+) -> list[int]:
+    """Un-park rows (all parked ones for `ids=None`); returns the ids of those un-parked.
+
+    On PostgreSQL the apps' relays are notified, so they send the rows at once rather than
+    at their next poll.
+    """
+    statement = (
+        update(table)
+        .where(table.c.parked_at.is_not(None))
+        .values(parked_at=None, parked_reason=None, lease_until=None)
+        .returning(table.c.id, table.c.app)
+    )
+    if ids is not None:
+        statement = statement.where(table.c.id.in_(ids))
+    if app is not None:
+        statement = statement.where(table.c.app == app)
+    async with engine.begin() as connection:
+        records = (await connection.execute(statement)).all()
+        if is_postgresql(engine):
+            for name in sorted({record.app for record in records}):
+                await connection.execute(select(func.pg_notify(table.name, name)))
+    return sorted(record.id for record in records)
+
+
+class NotParked(MersalError):
+    """`purge` was asked to delete rows that are not parked: nothing was deleted."""
+
+
+async def purge_rows(engine: AsyncEngine, table: Table, ids: Sequence[int]) -> list[int]:
+    """Delete these parked rows; a NotParked error (and nothing deleted) if any is not parked."""
+    query = select(table.c.id, table.c.parked_at).where(table.c.id.in_(ids))
+    if is_postgresql(engine):
+        query = query.with_for_update()
+    async with engine.begin() as connection:
+        found = {record.id: record.parked_at for record in await connection.execute(query)}
+        missing = sorted({i for i in ids if i not in found})
+        waiting = sorted({i for i in ids if i in found and found[i] is None})
+        if missing or waiting:
+            problems = []
+            if waiting:
+                problems.append(f"not parked (the relay sends them): {_ids(waiting)}")
+            if missing:
+                problems.append(f"not in the outbox: {_ids(missing)}")
+            raise NotParked(f"nothing purged; rows {'; '.join(problems)}")
+        await connection.execute(
+            delete(table).where(table.c.id.in_(ids), table.c.parked_at.is_not(None))
+        )
+    return sorted(set(ids))
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return ", ".join(str(i) for i in ids)
+
+
+OutboxAction = Callable[[AsyncEngine, Table, argparse.Namespace], Awaitable[int]]
+
+
+def outbox_command(action: OutboxAction) -> Callable[[argparse.Namespace], int]:
+    """A command handler running `action` on the outbox table through a short-lived engine."""
+
+    def run(args: argparse.Namespace) -> int:
+        database = args.database or os.environ.get("MERSAL_DATABASE")
+        if not database:
+            raise ConfigurationError(
+                f"mersal outbox {args.outbox_command} needs --database URL or MERSAL_DATABASE"
+            )
+        url = database_url(database)
+        if url.get_backend_name() == "sqlite" and not Path(url.database or "").is_file():
+            raise ConfigurationError(f"there is no SQLite database at {mask(database)}")
+        table = outbox_table(args.outbox_table, MetaData())
+        return asyncio.run(with_outbox(url, database, table, args, action))
+
+    return run
+
+
+async def with_outbox(
+    url: URL, database: str, table: Table, args: argparse.Namespace, action: OutboxAction
+) -> int:
+    """Run `action` on `table` at `url`, turning database errors into masked MersalErrors."""
+    engine = make_engine(url)
+    try:
+        async with engine.connect() as connection:
+            exists = await connection.run_sync(lambda sync: inspect(sync).has_table(table.name))
+        if not exists:
+            upgrade = f"mersal db upgrade --database '{mask(database)}'"
+            if table.name != DEFAULT_OUTBOX:
+                upgrade += f" --outbox-table {table.name}"
+            raise ConfigurationError(
+                f"there is no table {table.name} in {mask(database)}: check --outbox-table, "
+                f"or create it with `{upgrade}`"
+            )
+        return await action(engine, table, args)
+    except (SQLAlchemyError, OSError) as error:
+        raise MersalError(f"the outbox in {mask(database)}: {_reason(error, url)}") from None
+    finally:
+        await engine.dispose()
+
+
+def _reason(error: BaseException, url: URL) -> str:
+    """The error's own text (the driver's, without SQLAlchemy's additions), no password in it."""
+    original = error.orig if isinstance(error, DBAPIError) and error.orig is not None else error
+    text = f"{type(original).__name__}: {original}".strip()
+    if url.password:
+        text = text.replace(str(url.password), "***")
+    return text
+
+
+async def outbox_list(engine: AsyncEngine, table: Table, args: argparse.Namespace) -> int:
+    """`mersal outbox list`: a line per row, parked rows with when and why."""
+    rows, total = await list_rows(engine, table, parked=args.parked, app=args.app, limit=args.limit)
+    what = ("parked " if args.parked else "") + "outbox row(s)"
+    of_app = f" of app {args.app!r}" if args.app is not None else ""
+    if not rows:
+        print(f"no {what}{of_app}")
+        return 0
+    parked_columns = any(row.parked for row in rows)
+    header = (*LIST_COLUMNS, *PARKED_COLUMNS) if parked_columns else LIST_COLUMNS
+    for line in align([header, *(row.cells(parked_columns) for row in rows)]):
+        print(line)
+    if total > len(rows):
+        footer = f"the first {len(rows)} of {total} {what}{of_app} (--limit N for more)"
+    else:
+        footer = f"{total} {what}{of_app}"
+    if not args.parked:
+        footer += f", {sum(row.parked for row in rows)} of them parked"
+    print(footer)
+    return 0
+
+
+async def outbox_retry(engine: AsyncEngine, table: Table, args: argparse.Namespace) -> int:
+    """`mersal outbox retry`: un-park rows; print how many."""
+    if bool(args.ids) == bool(args.all):
+        raise ConfigurationError("mersal outbox retry needs row ids or --all (not both)")
+    ids = None if args.all else args.ids
+    retried = await retry_rows(engine, table, ids, app=args.app)
+    listed = f": {_ids(retried)}" if retried else ""
+    print(f"un-parked {len(retried)} row(s){listed}; their apps' relays send them again")
+    left = sorted(set(ids or ()) - set(retried))
+    if left:
+        of_app = f" of app {args.app!r}" if args.app is not None else ""
+        print(
+            f"mersal: not parked rows{of_app} (or not in the outbox): {_ids(left)}", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
+async def outbox_purge(engine: AsyncEngine, table: Table, args: argparse.Namespace) -> int:
+    """`mersal outbox purge`: delete parked rows, refusing if any named row is not parked."""
+    purged = await purge_rows(engine, table, args.ids)
+    print(f"purged {len(purged)} parked row(s): {_ids(purged)}")
+    return 0

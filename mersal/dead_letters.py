@@ -1,0 +1,318 @@
+"""The error queue from an operator's side: look at dead letters, and send them back to be handled.
+
+Everything goes through the Transport protocol: messages are taken from the error queue with a
+consumer and held unacknowledged while they are looked at; what is not replayed goes back with
+`nack(requeue=True)`, so looking consumes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Collection
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from mersal.errors import ConfigurationError, MersalError
+from mersal.messages import Envelope, Header
+from mersal.transport import Delivery, Outgoing, Transport
+
+log = logging.getLogger("mersal.dead_letters")
+
+IDLE = 0.5
+"""Seconds without a new delivery after which the queue counts as read to its end."""
+
+MAX_TAKE = 65_535
+"""The most messages held at once (an AMQP prefetch count is 16 bits)."""
+
+ERROR_HEADERS = (
+    Header.ERROR_TYPE,
+    Header.ERROR_MESSAGE,
+    Header.ERROR_TRACEBACK,
+    Header.ERROR_ATTEMPTS,
+    Header.ERROR_QUEUE,
+    Header.FAILED_AT,
+)
+"""The headers dead-lettering adds: why the message failed, where, when."""
+
+RETRY_HEADERS = (Header.ATTEMPT, Header.DELIVER_AT)
+"""The headers of a delayed retry: the attempts made so far and when to deliver."""
+
+TIME_HEADERS = frozenset({Header.SENT_AT, Header.FAILED_AT, Header.DELIVER_AT})
+
+SUMMARY_COLUMNS = ("MESSAGE-ID", "TYPE", "ERROR", "ATTEMPTS", "SOURCE", "FAILED-AT", "MESSAGE")
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A message in an error queue: its envelope, and why it is there."""
+
+    envelope: Envelope
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """All of the message's headers, the error headers included."""
+        return self.envelope.headers
+
+    @property
+    def message_id(self) -> str | None:
+        """The message's id, if it has one."""
+        return self.envelope.message_id
+
+    @property
+    def type_name(self) -> str | None:
+        """The message's wire type name, if it has one."""
+        return self.envelope.type_name
+
+    @property
+    def error_type(self) -> str | None:
+        """The qualified name of the exception that made it fail."""
+        return self.headers.get(Header.ERROR_TYPE)
+
+    @property
+    def error_message(self) -> str | None:
+        """The failure's message."""
+        return self.headers.get(Header.ERROR_MESSAGE)
+
+    @property
+    def attempts(self) -> int | None:
+        """How often it was handled before it was dead-lettered."""
+        try:
+            return int(self.headers.get(Header.ERROR_ATTEMPTS, ""))
+        except ValueError:
+            return None
+
+    @property
+    def source_queue(self) -> str | None:
+        """The queue it failed in, where a replay sends it."""
+        return self.headers.get(Header.ERROR_QUEUE) or None
+
+    @property
+    def failed_at(self) -> datetime | None:
+        """When it was dead-lettered."""
+        return epoch_time(self.headers.get(Header.FAILED_AT))
+
+
+def epoch_time(value: str | None) -> datetime | None:
+    """A header's epoch-seconds time as a UTC datetime; None if absent or not a time."""
+    if not value:
+        return None
+    try:
+        return datetime.fromtimestamp(float(value), tz=UTC)
+    except (ValueError, OverflowError, OSError):
+        return None
+
+
+def iso(moment: datetime | None) -> str:
+    """`moment` as an ISO 8601 UTC time to the second, or '-'."""
+    if moment is None:
+        return "-"
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def first_line(text: str | None, width: int = 80) -> str:
+    """The first non-blank line of `text`, cut to `width` characters; '-' for none."""
+    line = next((line.strip() for line in (text or "").splitlines() if line.strip()), "")
+    if not line:
+        return "-"
+    line = " ".join(line.split())
+    return line if len(line) <= width else f"{line[: width - 3]}..."
+
+
+def summary(letter: DeadLetter) -> tuple[str, ...]:
+    """The cells of `letter`'s line in `mersal dlq list` (see SUMMARY_COLUMNS)."""
+    attempts = letter.attempts
+    return (
+        letter.message_id or "-",
+        letter.type_name or "-",
+        letter.error_type or "-",
+        "-" if attempts is None else str(attempts),
+        letter.source_queue or "-",
+        iso(letter.failed_at),
+        first_line(letter.error_message),
+    )
+
+
+def describe(letter: DeadLetter) -> str:
+    """Every header and the body of a dead letter, as text for an operator."""
+    lines = ["headers:"]
+    for name in sorted(letter.headers):
+        value = letter.headers[name]
+        if name in TIME_HEADERS and (moment := epoch_time(value)) is not None:
+            value = f"{value} ({iso(moment)})"
+        first, *rest = value.splitlines() or [""]
+        lines.append(f"  {name}: {first}")
+        lines.extend(f"      {line}" for line in rest)
+    lines.append(f"body ({len(letter.envelope.body)} bytes):")
+    lines.append(body_text(letter.envelope.body))
+    return "\n".join(lines)
+
+
+def body_text(body: bytes) -> str:
+    """The body as indented JSON if it is UTF-8 JSON, else its Python repr."""
+    try:
+        decoded = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return repr(body)
+    return json.dumps(decoded, indent=2, ensure_ascii=False)
+
+
+def replayable(envelope: Envelope) -> Envelope:
+    """The envelope without the error and retry headers: sent again, it gets every retry anew.
+
+    The message id stays, so an app with an inbox that did handle a copy skips this one.
+    """
+    headers = {
+        name: value
+        for name, value in envelope.headers.items()
+        if name not in ERROR_HEADERS and name not in RETRY_HEADERS
+    }
+    return Envelope(headers, envelope.body)
+
+
+@dataclass(eq=False)
+class Held:
+    """A dead letter taken from its queue: acked once replayed, otherwise given back."""
+
+    delivery: Delivery
+    letter: DeadLetter
+    settled: bool = False
+
+    async def ack(self) -> None:
+        """Remove the message from the error queue for good."""
+        self.settled = True
+        await self.delivery.ack()
+
+    async def give_back(self) -> None:
+        """Return the message to the error queue, in its place (once; later calls do nothing)."""
+        if self.settled:
+            return
+        self.settled = True
+        try:
+            await self.delivery.nack(requeue=True)
+        except Exception as error:  # the broker returns it anyway when the connection closes
+            log.warning(
+                "could not return %s to %r (%s: %s); the broker returns it when the "
+                "connection closes",
+                self.letter.message_id,
+                self.delivery.queue,
+                type(error).__name__,
+                error,
+            )
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What became of one dead letter chosen for replay."""
+
+    letter: DeadLetter
+    queue: str | None
+    sent: bool
+    problem: str | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether it was sent and removed from the error queue."""
+        return self.sent and self.problem is None
+
+
+class DeadLetters:
+    """The messages of one error queue, looked at and replayed through a started transport.
+
+    The transport must acknowledge deliveries explicitly (RabbitMQ's default `ack_mode`): with
+    acks on receipt, looking at a message would remove it.
+    """
+
+    def __init__(self, transport: Transport, queue: str = "error", *, idle: float = IDLE) -> None:
+        if not queue or not isinstance(queue, str):
+            raise ConfigurationError("DeadLetters(queue=...) must name the error queue")
+        if not idle > 0:
+            raise ConfigurationError(f"DeadLetters(idle={idle!r}) must be > 0 seconds")
+        self.transport = transport
+        self.queue = queue
+        self.idle = idle
+
+    @asynccontextmanager
+    async def take(self, limit: int) -> AsyncIterator[list[Held]]:
+        """Hold up to `limit` messages, oldest first; on exit, those not acked go back.
+
+        Taking stops at `limit` messages or once no delivery came for `idle` seconds.
+        """
+        check_limit(limit)
+        consumer = await self.transport.consume(self.queue, prefetch=limit)
+        held: list[Held] = []
+        try:
+            while len(held) < limit:
+                try:
+                    async with asyncio.timeout(self.idle):
+                        delivery = await consumer.get()
+                except TimeoutError:
+                    break
+                held.append(Held(delivery, DeadLetter(delivery.envelope.copy())))
+            yield held
+        finally:
+            await consumer.close()  # first, so that what goes back is not delivered to us again
+            for item in held:
+                await item.give_back()
+
+    async def peek(self, limit: int = 100) -> list[DeadLetter]:
+        """Up to `limit` messages of the queue, oldest first, all left in it."""
+        async with self.take(limit) as held:
+            return [item.letter for item in held]
+
+    async def find(self, message_ids: Collection[str], *, limit: int = 1_000) -> list[DeadLetter]:
+        """The messages with these ids among the first `limit`, all left in the queue."""
+        async with self.take(limit) as held:
+            return [item.letter for item in held if item.letter.message_id in message_ids]
+
+    async def replay(
+        self,
+        message_ids: Collection[str] | None = None,
+        *,
+        to: str | None = None,
+        limit: int = 1_000,
+    ) -> list[Replay]:
+        """Send messages back to their source queue (or `to`), each acked once the send returned.
+
+        `message_ids=None` replays every message among the first `limit`. The others, and
+        those that could not be sent, stay in the error queue.
+        """
+        async with self.take(limit) as held:
+            chosen = [
+                item
+                for item in held
+                if message_ids is None or item.letter.message_id in message_ids
+            ]
+            return [await self._replay(item, to) for item in chosen]
+
+    async def _replay(self, item: Held, to: str | None) -> Replay:
+        letter = item.letter
+        queue = to or letter.source_queue
+        if queue is None:
+            problem = f"it has no {Header.ERROR_QUEUE} header: name the queue to replay it to"
+            return Replay(letter, None, sent=False, problem=problem)
+        if queue == self.queue:
+            return Replay(letter, queue, sent=False, problem="that is the error queue itself")
+        try:
+            await self.transport.send([Outgoing(queue, replayable(letter.envelope))])
+        except MersalError as error:
+            return Replay(letter, queue, sent=False, problem=f"{type(error).__name__}: {error}")
+        try:
+            await item.ack()
+        except MersalError as error:
+            problem = (
+                f"sent, but it could not be removed from {self.queue!r} ({error}); it will "
+                "be there again"
+            )
+            return Replay(letter, queue, sent=True, problem=problem)
+        return Replay(letter, queue, sent=True)
+
+
+def check_limit(limit: int) -> None:
+    """A ConfigurationError unless 1 <= limit <= MAX_TAKE."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_TAKE:
+        raise ConfigurationError(f"limit={limit!r} must be a whole number from 1 to {MAX_TAKE}")

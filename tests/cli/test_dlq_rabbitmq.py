@@ -1,0 +1,176 @@
+"""`mersal dlq list|show|replay` end to end on RabbitMQ, run in-process as `main([...])`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from uuid import uuid4
+
+import pytest
+
+from mersal import App, Header, MessageContext, RetryPolicy, message
+from tests.cli.conftest import Queues, mersal, until
+
+pytestmark = pytest.mark.integration
+
+
+@message("tests.cli.PlaceOrder.v1")
+@dataclass
+class PlaceOrder:
+    """A command that fails while the orders service is broken."""
+
+    order_id: str
+
+
+class OutOfStock(Exception):
+    """The handler's failure, on purpose."""
+
+
+@dataclass
+class Orders:
+    """The orders app on RabbitMQ and what its handler saw."""
+
+    app: App
+    error_queue: str
+    broken: bool = True
+    handled: list[tuple[str, int, dict[str, str]]] = field(default_factory=list)
+
+    async def place(self, command: PlaceOrder, context: MessageContext) -> None:
+        """Fail while broken; record the message otherwise."""
+        if self.broken:
+            raise OutOfStock(f"no stock for {command.order_id}")
+        self.handled.append((command.order_id, context.attempt, dict(context.headers)))
+
+
+def orders_app(url: str, queues: Queues) -> Orders:
+    """The orders app: one attempt, then its own error queue (both deleted after the test)."""
+    prefix = f"cli-{uuid4().hex[:10]}"
+    error_queue = f"{prefix}.error"
+    app = App(
+        f"{prefix}.orders",
+        transport=url,
+        retry=RetryPolicy(immediate=0, delayed=[], error_queue=error_queue),
+    )
+    queues.names.update({app.name, error_queue})
+    orders = Orders(app, error_queue)
+    app.register(PlaceOrder, orders.place)
+    app.route(PlaceOrder, app.name)
+    return orders
+
+
+async def count_is(queues: Queues, queue: str, expected: int) -> bool:
+    """Whether `queue` holds `expected` ready messages."""
+    return await queues.count(queue) == expected
+
+
+async def test_list_show_and_replay_a_failed_message(
+    amqp_url: str, queues: Queues, capsys: pytest.CaptureFixture[str]
+) -> None:
+    orders = orders_app(amqp_url, queues)
+    app, error = orders.app, orders.error_queue
+    options = ("--transport", amqp_url, "--queue", error)
+    async with app:
+        message_id = await app.send(PlaceOrder("o-1"))
+        await until(lambda: count_is(queues, error, 1), "the message in the error queue")
+
+        assert await mersal("dlq", "list", *options) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].split() == [
+            "MESSAGE-ID",
+            "TYPE",
+            "ERROR",
+            "ATTEMPTS",
+            "SOURCE",
+            "FAILED-AT",
+            "MESSAGE",
+        ]
+        cells = lines[1].split(maxsplit=6)
+        assert cells[:5] == [
+            message_id,
+            "tests.cli.PlaceOrder.v1",
+            f"{__name__}.OutOfStock",
+            "1",
+            app.name,
+        ]
+        assert cells[5].endswith("Z") and cells[6] == "no stock for o-1"
+        assert lines[2] == f"1 message(s) in {error!r}, all left there"
+        await until(lambda: count_is(queues, error, 1), "the message back in the error queue")
+
+        assert await mersal("dlq", "show", message_id, *options) == 0
+        shown = capsys.readouterr().out
+        assert shown.startswith(f"message {message_id} in {error!r}:\nheaders:\n")
+        assert f"  {Header.ERROR_TYPE}: {__name__}.OutOfStock\n" in shown
+        assert f"  {Header.ERROR_MESSAGE}: no stock for o-1\n" in shown
+        assert f"  {Header.ERROR_ATTEMPTS}: 1\n" in shown
+        assert f"  {Header.ERROR_QUEUE}: {app.name}\n" in shown
+        assert f"  {Header.ERROR_TRACEBACK}: Traceback (most recent call last):" in shown
+        assert shown.endswith('{\n  "order_id": "o-1"\n}\n')
+        await until(lambda: count_is(queues, error, 1), "the message still in the error queue")
+
+        orders.broken = False
+        assert await mersal("dlq", "replay", message_id, *options) == 0
+        out = capsys.readouterr().out
+        assert f"replayed {message_id} (tests.cli.PlaceOrder.v1) to {app.name!r}" in out
+        assert out.endswith(f"replayed 1 of 1 message(s) from {error!r}\n")
+        await until(lambda: len(orders.handled) == 1, "the replayed message handled")
+        await until(lambda: count_is(queues, error, 0), "the error queue empty")
+
+    order_id, attempt, headers = orders.handled[0]
+    assert (order_id, attempt) == ("o-1", 1)  # a fresh set of retries
+    assert headers[Header.MESSAGE_ID] == message_id
+    assert not {Header.ERROR_TYPE, Header.ERROR_QUEUE, Header.ATTEMPT} & set(headers)
+
+
+async def test_replay_all_to_another_queue_and_what_cannot_be_found(
+    amqp_url: str, queues: Queues, capsys: pytest.CaptureFixture[str]
+) -> None:
+    orders = orders_app(amqp_url, queues)
+    app, error = orders.app, orders.error_queue
+    options = ("--transport", amqp_url, "--queue", error)
+    elsewhere = f"{app.name}.elsewhere"
+    queues.names.add(elsewhere)
+    async with app:
+        ids = [await app.send(PlaceOrder(f"o-{n}")) for n in (1, 2)]
+        await until(lambda: count_is(queues, error, 2), "both messages in the error queue")
+        await app.transport.declare(elsewhere)
+
+        assert await mersal("dlq", "replay", ids[0], "no-such-id", "--to", elsewhere, *options) == 1
+        output = capsys.readouterr()
+        assert f"replayed {ids[0]} (tests.cli.PlaceOrder.v1) to {elsewhere!r}" in output.out
+        assert "no message 'no-such-id'" in output.err
+        await until(lambda: count_is(queues, elsewhere, 1), "the message in the other queue")
+        await until(lambda: count_is(queues, error, 1), "the other message left in error")
+
+        assert await mersal("dlq", "replay", "--all", "--to", f"{app.name}.nowhere", *options) == 1
+        assert "Unroutable" in capsys.readouterr().err
+        await until(lambda: count_is(queues, error, 1), "the unroutable one still in error")
+
+        assert await mersal("dlq", "show", "no-such-id", *options) == 1
+        assert "no message 'no-such-id'" in capsys.readouterr().err
+
+
+async def test_the_commands_explain_what_they_need(
+    amqp_url: str,
+    queues: Queues,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MERSAL_TRANSPORT", raising=False)
+    assert await mersal("dlq", "list") == 2
+    assert "needs --transport URL or MERSAL_TRANSPORT" in capsys.readouterr().err
+
+    assert await mersal("dlq", "list", "--transport", "memory://") == 2
+    assert "in-process broker" in capsys.readouterr().err
+
+    missing = f"cli-{uuid4().hex[:10]}.error"
+    monkeypatch.setenv("MERSAL_TRANSPORT", amqp_url)
+    assert await mersal("dlq", "list", "--queue", missing) == 2
+    assert f"no queue named {missing!r}" in capsys.readouterr().err
+
+    assert await mersal("dlq", "replay", "--queue", missing) == 2
+    assert "message ids or --all" in capsys.readouterr().err
+
+    wrong = amqp_url.replace("guest:guest@", "guest:s3cret-pw@")
+    assert await mersal("dlq", "list", "--transport", wrong) == 2
+    error = capsys.readouterr().err
+    assert "cannot connect to RabbitMQ" in error
+    assert "s3cret-pw" not in error and "guest:***@" in error
