@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 from lagom import Container
 
@@ -43,8 +43,6 @@ from mersal.transport import Consumer, Delivery, Outgoing, Transport, mask, tran
 from mersal.worker import Worker
 
 log = logging.getLogger("mersal.app")
-
-M = TypeVar("M")
 
 QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}")
 
