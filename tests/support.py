@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
+
+from mersal.transport import Consumer, Outgoing, Transport
 
 SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 
@@ -20,3 +23,35 @@ def rabbitmqctl(*args: str) -> str:
     if result.returncode:
         raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {result.stderr or result.stdout}")
     return result.stdout
+
+
+class DelegatingTransport:
+    """A transport that hands every call to `inner`: tests override what they change (send)."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.address = inner.address
+
+    async def start(self) -> None:
+        """Connect."""
+        await self.inner.start()
+
+    async def stop(self) -> None:
+        """Disconnect."""
+        await self.inner.stop()
+
+    async def declare(self, queue: str, *, temporary: bool = False) -> None:
+        """Declare a queue."""
+        await self.inner.declare(queue, temporary=temporary)
+
+    async def bind(self, queue: str, topic: str) -> None:
+        """Bind a queue to a topic."""
+        await self.inner.bind(queue, topic)
+
+    async def send(self, messages: Sequence[Outgoing]) -> None:
+        """Send."""
+        await self.inner.send(messages)
+
+    async def consume(self, queue: str, *, prefetch: int) -> Consumer:
+        """Consume from a queue."""
+        return await self.inner.consume(queue, prefetch=prefetch)

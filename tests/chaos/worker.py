@@ -57,6 +57,7 @@ from mersal.cli import serve
 from mersal.pipeline import Next
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy import attach, make_engine
+from tests.support import DelegatingTransport
 
 log = logging.getLogger("chaos")
 
@@ -339,35 +340,14 @@ async def work(args: argparse.Namespace) -> None:
 # The driver.
 
 
-class FaultyTransport:
+class FaultyTransport(DelegatingTransport):
     """The driver's transport: the real RabbitMQ transport, and a kill around the relay's sends."""
 
     def __init__(self, inner: RabbitMQTransport, die_before: int, die_after: int) -> None:
-        self.inner = inner
-        self.address = inner.address
+        super().__init__(inner)
         self.die_before = die_before
         self.die_after = die_after
         self.sent = 0
-
-    async def start(self) -> None:
-        """Connect."""
-        await self.inner.start()
-
-    async def stop(self) -> None:
-        """Disconnect."""
-        await self.inner.stop()
-
-    async def declare(self, queue: str, *, temporary: bool = False) -> None:
-        """Declare a queue."""
-        await self.inner.declare(queue, temporary=temporary)
-
-    async def bind(self, queue: str, topic: str) -> None:
-        """Bind a queue to a topic."""
-        await self.inner.bind(queue, topic)
-
-    async def consume(self, queue: str, *, prefetch: int) -> Any:
-        """Consume from a queue."""
-        return await self.inner.consume(queue, prefetch=prefetch)
 
     async def send(self, messages: Sequence[Outgoing]) -> None:
         """Publish with confirms; die just before, or just after, as configured."""

@@ -20,6 +20,7 @@ from mersal.messages import Envelope
 from mersal.transport import Outgoing
 from mersal.transport.memory import MemoryTransport
 from mersal_sqlalchemy import SqlStorage, attach, make_engine
+from tests.support import DelegatingTransport
 
 
 class Base(DeclarativeBase):
@@ -205,30 +206,13 @@ class Sink:
         return not queue.ready and not queue.unacked
 
 
-class FlakyTransport:
+class FlakyTransport(DelegatingTransport):
     """A memory transport whose `send` fails with ConnectionError the first `failures` times."""
 
     def __init__(self, url: str, failures: int) -> None:
-        self.inner = MemoryTransport(url)
-        self.address = url
+        super().__init__(MemoryTransport(url))
         self.failures = failures
         self.failed = 0
-
-    async def start(self) -> None:
-        """Connect."""
-        await self.inner.start()
-
-    async def stop(self) -> None:
-        """Disconnect."""
-        await self.inner.stop()
-
-    async def declare(self, queue: str, *, temporary: bool = False) -> None:
-        """Declare a queue."""
-        await self.inner.declare(queue, temporary=temporary)
-
-    async def bind(self, queue: str, topic: str) -> None:
-        """Bind a queue to a topic."""
-        await self.inner.bind(queue, topic)
 
     async def send(self, messages: Sequence[Outgoing]) -> None:
         """Fail while failures are left, then send."""
@@ -236,10 +220,6 @@ class FlakyTransport:
             self.failed += 1
             raise ConnectionError("the broker is down (on purpose)")
         await self.inner.send(messages)
-
-    async def consume(self, queue: str, *, prefetch: int) -> Any:
-        """Consume from a queue."""
-        return await self.inner.consume(queue, prefetch=prefetch)
 
 
 def envelope_of(app: App, message: object, message_id: str) -> Envelope:
