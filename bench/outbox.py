@@ -60,7 +60,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engin
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import NullPool
 
-from bench.support import percentile_ms, private_vhost
+from bench.support import PHASE_TIMEOUT, Phase, Tally, percentile_ms, private_vhost
 from mersal import App, MessageContext, message
 from mersal.messages import Envelope, Header
 from mersal.transport import Outgoing
@@ -80,7 +80,6 @@ FILL_PER_TRANSACTION = 500
 TWIN_ROWS = 2_000
 TWIN_GRACE = 1.0
 """Seconds to keep counting after every id arrived, for copies that come late."""
-PHASE_TIMEOUT = 120.0
 
 RELAY_BATCH: int = inspect.signature(attach).parameters["relay_batch"].default
 POSTGRES = os.environ.get("MERSAL_BENCH_POSTGRES", "postgresql+asyncpg://postgres@127.0.0.1:5432")
@@ -134,7 +133,7 @@ async def run() -> dict[str, float | int]:
         twins = await two_instances(database, transport)
     return {
         "outbox_chain_msgs_per_s": full.rate,
-        "outbox_chain_cpu_ms": full.cpu_ms,
+        "outbox_chain_cpu_ms": full.cpu_seconds * 1e3,
         "outbox_full_load_p50_ms": percentile_ms(full.latencies, 50),
         "outbox_full_load_p99_ms": percentile_ms(full.latencies, 99),
         "outbox_half_load_msgs_per_s": half_rate,
@@ -154,65 +153,13 @@ async def run() -> dict[str, float | int]:
 # The chain.
 
 
-@dataclass
-class Phase:
-    """What one phase of the chain measured."""
-
-    rate: float
-    """Chains per second, first send to last OrderPlaced handled."""
-    latencies: list[float]
-    """Seconds from the orders commit to the billing handler, per chain."""
-    cpu_ms: float
-    """This process's CPU time per chain, in milliseconds."""
-
-
-class Tally:
-    """The chains of one phase that reached billing, and each one's commit-to-handler latency."""
-
-    def __init__(self, expected: int) -> None:
-        self.expected = expected
-        self.arrived = 0
-        self.latencies: list[float] = []
-        self.finished_at = 0.0
-        self.cpu_at_finish = 0.0
-        self.done = asyncio.Event()
-
-    def record(self, latency: float | None) -> None:
-        """Count a chain whose OrderPlaced reached billing (latency None: no commit stamp)."""
-        self.arrived += 1
-        if latency is not None:
-            self.latencies.append(latency)
-        if self.arrived == self.expected:
-            self.finished_at, self.cpu_at_finish = time.perf_counter(), time.process_time()
-            self.done.set()
-
-    async def wait(self) -> None:
-        """Until every expected chain has arrived; a `TimeoutError` naming the shortfall."""
-        try:
-            async with asyncio.timeout(PHASE_TIMEOUT):
-                await self.done.wait()
-        except TimeoutError:
-            raise TimeoutError(
-                f"only {self.arrived} of {self.expected} chains reached billing "
-                f"within {PHASE_TIMEOUT:g}s"
-            ) from None
-
-    def phase(self, started: float, cpu: float) -> Phase:
-        """The phase's figures, given when its first send began and the CPU time then."""
-        return Phase(
-            rate=self.expected / (self.finished_at - started),
-            latencies=self.latencies,
-            cpu_ms=(self.cpu_at_finish - cpu) / self.expected * 1e3,
-        )
-
-
 class Chain:
     """frontend -> PlaceOrder -> orders (ORM row + OrderPlaced via the outbox) -> billing."""
 
     def __init__(self, database: str, transport: str) -> None:
         self.commits: dict[str, float] = {}
         """perf_counter() at the orders commit, by OrderPlaced message id."""
-        self.tally = Tally(0)
+        self.tally = Tally(0, "chains reached billing")
         self.orders = App("orders", transport=transport, database=database)
         self.storage = attach(self.orders)
         self.billing = App("billing", transport=transport)
@@ -247,7 +194,7 @@ class Chain:
 
     async def full_load(self, count: int) -> Phase:
         """`count` chains with `IN_FLIGHT` sends always outstanding."""
-        tally = self.tally = Tally(count)
+        tally = self.tally = Tally(count, "chains reached billing")
         numbers = itertools.count()
 
         async def sender() -> None:
@@ -262,7 +209,7 @@ class Chain:
     async def half_load(self, rate: float) -> Phase:
         """Chains started at a steady `rate` per second, on a schedule that does not drift."""
         count = max(1, min(HALF_LOAD_MESSAGES, round(rate * HALF_LOAD_SECONDS)))
-        tally = self.tally = Tally(count)
+        tally = self.tally = Tally(count, "chains reached billing")
         interval = 1.0 / rate
         sends: list[asyncio.Task[None]] = []
         started, cpu = time.perf_counter(), time.process_time()
@@ -283,12 +230,12 @@ class Chain:
         started, cpu = time.perf_counter(), time.process_time()
         for _ in range(samples):
             await asyncio.sleep(IDLE_PAUSE)
-            tally = self.tally = Tally(1)
+            tally = self.tally = Tally(1, "chains reached billing")
             await self.place()
             await tally.wait()
             latencies.extend(tally.latencies)
         elapsed = time.perf_counter() - started
-        return Phase(samples / elapsed, latencies, (time.process_time() - cpu) / samples * 1e3)
+        return Phase(samples / elapsed, latencies, (time.process_time() - cpu) / samples)
 
 
 def placing_orders(commits: dict[str, float]) -> type:
@@ -577,7 +524,7 @@ async def chain_only() -> dict[str, float | int]:
         full = await chain.full_load(CHAINS)
     return {
         "outbox_chain_msgs_per_s": full.rate,
-        "outbox_chain_cpu_ms": full.cpu_ms,
+        "outbox_chain_cpu_ms": full.cpu_seconds * 1e3,
         "outbox_full_load_p50_ms": percentile_ms(full.latencies, 50),
         "outbox_full_load_p99_ms": percentile_ms(full.latencies, 99),
     }

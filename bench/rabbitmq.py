@@ -34,7 +34,7 @@ import aio_pika
 import msgspec
 from aio_pika.abc import AbstractConnection, AbstractExchange, AbstractIncomingMessage
 
-from bench.support import percentile_ms, private_vhost
+from bench.support import Phase, Tally, percentile_ms, private_vhost
 from mersal import App
 
 MESSAGES = 10_000
@@ -42,7 +42,6 @@ IN_FLIGHT = 128
 WARM_UP = 300
 HALF_LOAD_SECONDS = 5.0
 HALF_LOAD_MESSAGES = 3_000
-PHASE_TIMEOUT = 120.0
 NOTE = "a small note"
 
 CONCURRENCY: int = inspect.signature(App).parameters["concurrency"].default
@@ -78,8 +77,8 @@ async def run() -> dict[str, float | int]:
         "rabbitmq_roundtrip_msgs_per_s": app.rate,
         "raw_roundtrip_msgs_per_s": plain.rate,
         "rabbitmq_ratio_to_raw": app.rate / plain.rate,
-        "rabbitmq_cpu_us_per_msg": app.cpu_us,
-        "raw_cpu_us_per_msg": plain.cpu_us,
+        "rabbitmq_cpu_us_per_msg": app.cpu_seconds * 1e6,
+        "raw_cpu_us_per_msg": plain.cpu_seconds * 1e6,
         "half_load_msgs_per_s": half_rate,
     }
     for name in paths:
@@ -92,44 +91,6 @@ async def run() -> dict[str, float | int]:
 
 
 # The two ways of making the round trip.
-
-
-class Tally:
-    """The messages of one phase that arrived, and each one's send-to-handler latency."""
-
-    def __init__(self, expected: int) -> None:
-        self.expected = expected
-        self.latencies: list[float] = []
-        self.finished_at = 0.0
-        self.cpu_at_finish = 0.0
-        self.done = asyncio.Event()
-
-    def record(self, message: Ping) -> None:
-        """Count a message that reached its handler."""
-        now = time.perf_counter()
-        self.latencies.append(now - message.sent)
-        if len(self.latencies) == self.expected:
-            self.finished_at, self.cpu_at_finish = now, time.process_time()
-            self.done.set()
-
-    async def wait(self) -> None:
-        """Until every expected message has arrived; a `TimeoutError` naming the shortfall."""
-        try:
-            async with asyncio.timeout(PHASE_TIMEOUT):
-                await self.done.wait()
-        except TimeoutError:
-            raise TimeoutError(
-                f"only {len(self.latencies)} of {self.expected} messages arrived "
-                f"within {PHASE_TIMEOUT:g}s"
-            ) from None
-
-    def phase(self, started: float, cpu: float) -> Phase:
-        """The phase's figures, given when its first send began and the CPU time then."""
-        return Phase(
-            rate=self.expected / (self.finished_at - started),
-            latencies=self.latencies,
-            cpu_us=(self.cpu_at_finish - cpu) / self.expected * 1e6,
-        )
 
 
 class RoundTrip(Protocol):
@@ -150,7 +111,7 @@ class AppRoundTrip:
         self.app = App(f"bench-{uuid.uuid4().hex[:8]}", transport=url)
 
         async def count(message: Ping) -> None:
-            self.tally.record(message)
+            self.tally.record(time.perf_counter() - message.sent)
 
         self.app.register(Ping, count)
         self.app.route(Ping, self.app.name)
@@ -193,7 +154,7 @@ class RawRoundTrip:
         await self._exchange.publish(body, routing_key=self.queue)
 
     async def _receive(self, message: AbstractIncomingMessage) -> None:
-        self.tally.record(self._decoder.decode(message.body))
+        self.tally.record(time.perf_counter() - self._decoder.decode(message.body).sent)
         await message.ack()
 
     async def __aenter__(self) -> RawRoundTrip:
@@ -219,18 +180,6 @@ class RawRoundTrip:
 
 
 # The phases.
-
-
-@dataclass
-class Phase:
-    """What one phase measured."""
-
-    rate: float
-    """Messages per second, first send to last handled."""
-    latencies: list[float]
-    """Seconds from send to handler, per message."""
-    cpu_us: float
-    """This process's CPU time per message, in microseconds (the broker's is not included)."""
 
 
 async def full_load(path: RoundTrip, count: int) -> Phase:

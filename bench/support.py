@@ -1,4 +1,4 @@
-"""What several benchmarks share: a private RabbitMQ vhost, and latency percentiles."""
+"""What several benchmarks share: a private RabbitMQ vhost, phase tallies, percentiles."""
 
 from __future__ import annotations
 
@@ -6,12 +6,15 @@ import asyncio
 import math
 import os
 import shutil
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 RABBITMQ_HOST = os.environ.get("MERSAL_BENCH_RABBITMQ_HOST", "127.0.0.1")
 SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
+PHASE_TIMEOUT = 120.0
 
 
 @asynccontextmanager
@@ -49,3 +52,55 @@ def percentile_ms(seconds: list[float], percent: float) -> float:
         return math.nan
     rank = max(1, math.ceil(percent / 100 * len(ordered)))
     return ordered[rank - 1] * 1000
+
+
+@dataclass
+class Phase:
+    """What one phase measured."""
+
+    rate: float
+    """Items (messages, chains) per second, first send to last arrival."""
+    latencies: list[float]
+    """Seconds per item, as the benchmark defines its latency."""
+    cpu_seconds: float
+    """This process's CPU time per item (the broker's and the database's not included)."""
+
+
+class Tally:
+    """The items of one phase that arrived, each with its latency (None: not measured)."""
+
+    def __init__(self, expected: int, what: str = "messages arrived") -> None:
+        self.expected = expected
+        self.what = what
+        self.arrived = 0
+        self.latencies: list[float] = []
+        self.finished_at = 0.0
+        self.cpu_at_finish = 0.0
+        self.done = asyncio.Event()
+
+    def record(self, latency: float | None) -> None:
+        """Count an arrival."""
+        self.arrived += 1
+        if latency is not None:
+            self.latencies.append(latency)
+        if self.arrived == self.expected:
+            self.finished_at, self.cpu_at_finish = time.perf_counter(), time.process_time()
+            self.done.set()
+
+    async def wait(self) -> None:
+        """Until every expected item has arrived; a `TimeoutError` naming the shortfall."""
+        try:
+            async with asyncio.timeout(PHASE_TIMEOUT):
+                await self.done.wait()
+        except TimeoutError:
+            raise TimeoutError(
+                f"only {self.arrived} of {self.expected} {self.what} within {PHASE_TIMEOUT:g}s"
+            ) from None
+
+    def phase(self, started: float, cpu: float) -> Phase:
+        """The phase's figures, given when its first send began and the CPU time then."""
+        return Phase(
+            rate=self.expected / (self.finished_at - started),
+            latencies=self.latencies,
+            cpu_seconds=(self.cpu_at_finish - cpu) / self.expected,
+        )
