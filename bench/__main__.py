@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "codec": "bench.codec",
     "rabbitmq": "bench.rabbitmq",
     "outbox": "bench.outbox",
+    "sqlite": "bench.sqlite",
 }
 """Every benchmark by name: a module with `async def run() -> dict[str, float | int]`."""
 

@@ -17,34 +17,58 @@ from typing import Any
 
 from lagom import Container
 
-from mersal.errors import ConfigurationError, MersalError, NotRunning, RequestTimeout
+from mersal.errors import (
+    ConfigurationError,
+    DecodeError,
+    MersalError,
+    NotRunning,
+    RequestTimeout,
+    Unsendable,
+)
 from mersal.handlers import Handlers
 from mersal.messages import Header, TypeRegistry, describe
-from mersal.outbox import Storage, attach_storage
+from mersal.outbox import Storage, attach_storage, unreachable_reply
 from mersal.pipeline import (
     MessageContext,
     OutgoingContext,
     Pipeline,
-    ack_step,
     activate_step,
+    check_headers,
     commit_step,
     correlation_step,
     current_message,
     decode_step,
     dispatch_step,
+    handled,
     headers_step,
     send_step,
     serialize_step,
 )
-from mersal.retry import RetryPolicy, RetryStep
+from mersal.retry import RetryPolicy, RetryStep, after_failure, attempts_made, log_failure
 from mersal.serialization import Codec, JsonCodec
+from mersal.settle import ACK, Failure, Outcome, Settler, cancelled_by_owner
 from mersal.transaction import Transaction, current_transaction
-from mersal.transport import Consumer, Delivery, Outgoing, Transport, mask, transport_from
+from mersal.transport import (
+    Consumer,
+    Delivery,
+    Outgoing,
+    Transport,
+    limits_of,
+    mask,
+    transport_from,
+)
 from mersal.worker import Worker
 
 log = logging.getLogger("mersal.app")
 
 QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}")
+MAX_PREFETCH = 65_535  # an AMQP prefetch count is 16 bits
+WAITING_PER_SLOT = 8
+STOPPED_SHORT = Failure(
+    "mersal.errors.MersalError",
+    "the incoming pipeline ended early and no step decided what becomes of the message: a step "
+    "that does not call next must set context.outcome",
+)
 
 
 class App:
@@ -62,10 +86,14 @@ class App:
         codec: Codec | None = None,
         max_body_size: int = 1024 * 1024,
         grace_period: float = 30.0,
+        handler_timeout: float | None = 300.0,
+        prefetch: int | None = None,
     ) -> None:
         check_queue_name(name, "App(name)")
-        if not isinstance(concurrency, int) or concurrency < 1:
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigurationError(f"App(concurrency={concurrency!r}) must be an int >= 1")
+        self.prefetch = check_prefetch(prefetch, concurrency)
+        self.handler_timeout = check_timeout(handler_timeout)
         self.name = name
         self.transport = transport_from(transport)
         self.database = database or os.environ.get("MERSAL_DATABASE") or None
@@ -84,10 +112,10 @@ class App:
                 ("retry", RetryStep(self.retry)),
                 ("decode", decode_step(max_body_size)),
                 ("activate", activate_step),
-                ("dispatch", dispatch_step),
+                ("dispatch", dispatch_step(self.handler_timeout)),
                 ("commit", commit_step),
-                ("ack", ack_step),
-            ]
+            ],
+            end=handled,
         )
         self.outgoing: Pipeline[OutgoingContext] = Pipeline(
             [
@@ -175,9 +203,13 @@ class App:
     ) -> str:
         """Send a message to its route (or this app) to be delivered after `delay`."""
         seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
-        if not math.isfinite(seconds):
-            raise MersalError(f"defer({delay!r}, ...) needs a finite delay in seconds")
-        merged = dict(headers or {})
+        limit = limits_of(self.transport).max_delay
+        if not math.isfinite(seconds) or seconds > limit:
+            raise Unsendable(
+                f"defer({delay!r}, ...) needs a finite delay of at most {limit:.0f}s, the longest "
+                "the transport can hold a message"
+            )
+        merged = check_headers(headers)
         merged[Header.DELIVER_AT] = f"{time.time() + max(0.0, seconds):.6f}"
         queue = self._routes_get(type(message)) or self.name
         return await self._emit(message, queue, False, merged, partition_key)
@@ -198,7 +230,10 @@ class App:
             raise MersalError(
                 f"{describe(incoming.headers)} has no reply-to header, so there is nowhere to reply"
             )
-        return await self._emit(message, reply_to, False, headers, partition_key)
+        merged = check_headers(headers)
+        if incoming.headers.get(Header.TEMPORARY_REPLY_TO) == "true":
+            merged[Header.TEMPORARY_REPLY_TO] = "true"
+        return await self._emit(message, reply_to, False, merged, partition_key)
 
     async def request(
         self,
@@ -214,9 +249,10 @@ class App:
             self.types.add(reply_type)
         replies = await self._reply_queue()
         message_id = str(uuid.uuid4())
-        merged = dict(headers or {})
+        merged = check_headers(headers)
         merged[Header.MESSAGE_ID] = message_id
         merged[Header.REPLY_TO] = replies.queue
+        merged[Header.TEMPORARY_REPLY_TO] = "true"
         waiter = replies.expect(message_id)
         try:
             await self._emit(
@@ -237,8 +273,15 @@ class App:
 
         With a database, the sends become outbox rows in `session`'s transaction (or in a
         session of the app's own when none is given), committed at the end of the block.
+        Inside a handler (or another block) it joins the transaction already there: the sends
+        leave with the message's, and if the block raises, the whole attempt fails.
         """
         self._check_running()
+        current = current_transaction.get()
+        if current is not None and current.owner is self and current.open:
+            async with _joined(current, session) as joined:
+                yield joined
+            return
         if self.storage is not None:
             manager = self.storage.transaction(session)
         elif session is not None:
@@ -255,9 +298,16 @@ class App:
                 current_transaction.reset(token)
 
     async def send_committed(self, outgoing: Sequence[Outgoing]) -> None:
-        """Hand a committed transaction's messages to the transport (without an outbox)."""
+        """Hand a committed transaction's messages to the transport (without an outbox).
+
+        Every message is tried; the first failure is raised. A reply whose requester's temporary
+        queue is gone is dropped (logged): it has no one to reach.
+        """
         if outgoing:
-            await self.transport.send(outgoing)
+            results = await self.transport.send_each(outgoing)
+            for sent, result in zip(outgoing, results, strict=True):
+                if result is not None and not unreachable_reply(sent, result):
+                    raise result
 
     def queue_for(self, message_type: type) -> str:
         """The queue `send` uses for a message type; a `ConfigurationError` if it has none."""
@@ -287,7 +337,7 @@ class App:
         direct: bool = False,
     ) -> str:
         self._check_running()
-        merged = dict(headers) if headers else {}
+        merged = check_headers(headers)
         if partition_key is not None:
             merged[Header.PARTITION_KEY] = str(partition_key)
         incoming = current_message.get()
@@ -295,9 +345,7 @@ class App:
             incoming = None
         transaction: Transaction | None = None
         if not direct:
-            transaction = (
-                incoming.transaction if incoming is not None else current_transaction.get()
-            )
+            transaction = current_transaction.get()
             if transaction is not None and transaction.owner is not self:
                 transaction = None
         context = OutgoingContext(message, address, publish, merged, incoming, transaction)
@@ -313,8 +361,13 @@ class App:
 
     @property
     def healthy(self) -> bool:
-        """Running and still receiving (false once the worker lost its consumer for good)."""
-        return self._running and self._worker is not None and self._worker.failed is None
+        """Running, still receiving, and no outbox row parked for an operator to deal with."""
+        return (
+            self._running
+            and self._worker is not None
+            and self._worker.failed is None
+            and (self.storage is None or not self.storage.parked)
+        )
 
     @property
     def in_flight(self) -> int:
@@ -331,6 +384,7 @@ class App:
         self.incoming.freeze()
         self.outgoing.freeze()
         transport = self.transport
+        self.settler = Settler(transport, self.retry.error_queue)
         await transport.start()
         try:
             await transport.declare(self.name)
@@ -339,13 +393,13 @@ class App:
                 await transport.bind(self.name, self.types.name_of(message_type))
             if self.storage is not None:
                 await self.storage.start()
-            consumer = await transport.consume(self.name, prefetch=self.concurrency * 2)
+            consumer = await transport.consume(self.name, prefetch=self.prefetch)
         except BaseException:
             if self.storage is not None:
                 await self.storage.stop()
             await transport.stop()
             raise
-        self._worker = Worker(consumer, self._handle, self.concurrency)
+        self._worker = Worker(consumer, self._handle, self.settler, concurrency=self.concurrency)
         self._running = True
         self._worker.start()
         log.info("app %r started on %s", self.name, mask(transport.address))
@@ -387,10 +441,40 @@ class App:
     ) -> None:
         await self.stop()
 
-    async def _handle(self, delivery: Delivery) -> None:
-        await self.incoming.run(MessageContext(self, delivery))
+    async def _handle(self, delivery: Delivery) -> Outcome:
+        """Run the incoming pipeline; whatever happens, say how to settle the delivery."""
+        context = MessageContext(self, delivery)
+        try:
+            await self.incoming.run(context)
+        except asyncio.CancelledError as error:
+            if cancelled_by_owner():
+                raise
+            return self._escaped(context, error)
+        except BaseException as error:
+            return self._escaped(context, error)
+        if context.outcome is None:
+            outcome = Outcome.dead_letter(STOPPED_SHORT, attempts_made(context.envelope) + 1)
+            log_failure(context, outcome, outcome.attempts, STOPPED_SHORT)
+            return outcome
+        return context.outcome
+
+    def _escaped(self, context: MessageContext, error: BaseException) -> Outcome:
+        """A failure outside the retry step: one attempt, then the policy's next stage."""
+        made = attempts_made(context.envelope) + 1
+        outcome = after_failure(self.retry, error, made, immediate=False)
+        assert outcome is not None
+        log_failure(context, outcome, made, outcome.failure)
+        return outcome
 
     def _check_configuration(self) -> None:
+        longest = max(self.retry.delayed, default=0.0)
+        limit = limits_of(self.transport).max_delay
+        if longest > limit:
+            raise ConfigurationError(
+                f"RetryPolicy(delayed=[..., {longest:g}, ...]) waits longer than the {limit:.0f}s "
+                f"the transport {mask(self.transport.address)} can hold a message: use shorter "
+                "delays"
+            )
         for message_type in self._subscriptions:
             if not self.handlers.has_handler(message_type):
                 raise ConfigurationError(
@@ -425,9 +509,9 @@ class _Replies:
     def __init__(self, app: App, queue: str, consumer: Consumer) -> None:
         self.app = app
         self.queue = queue
-        self.consumer = consumer
         self._waiting: dict[str, asyncio.Future[Any]] = {}
-        self._task = asyncio.create_task(self._receive(), name=f"mersal-replies-{queue}")
+        self._worker = Worker(consumer, self._handle, app.settler, concurrency=1)
+        self._worker.start()
 
     def expect(self, message_id: str) -> asyncio.Future[Any]:
         """A future that the reply caused by `message_id` resolves."""
@@ -440,30 +524,50 @@ class _Replies:
         self._waiting.pop(message_id, None)
 
     async def close(self) -> None:
-        """Stop receiving replies; waiting requests fail."""
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        await self.consumer.close()
-        for waiter in self._waiting.values():
+        """Fail the waiting requests at once, then stop receiving replies."""
+        waiting, self._waiting = self._waiting, {}
+        for waiter in waiting.values():
             if not waiter.done():
                 waiter.set_exception(NotRunning(f"app {self.app.name!r} stopped"))
+        await self._worker.stop(grace=0.0)
 
-    async def _receive(self) -> None:
-        while True:
-            delivery = await self.consumer.get()
-            envelope = delivery.envelope
-            waiter = self._waiting.get(envelope.headers.get(Header.CAUSATION_ID, ""))
-            if waiter is None:
-                log.warning(
-                    "dropping a reply nobody waits for (late?): %s", describe(envelope.headers)
-                )
-            elif not waiter.done():
-                try:
-                    cls = self.app.types.resolve(envelope.headers.get(Header.TYPE, ""))
-                    waiter.set_result(self.app.codec.decode(envelope.body, cls))
-                except MersalError as error:
-                    waiter.set_exception(error)
-            await delivery.ack()
+    async def _handle(self, delivery: Delivery) -> Outcome:
+        envelope = delivery.envelope
+        waiter = self._waiting.get(envelope.headers.get(Header.CAUSATION_ID, ""))
+        if waiter is None or waiter.done():
+            log.warning("dropping a reply nobody waits for (late?): %s", describe(envelope.headers))
+            return ACK
+        try:
+            cls = self.app.types.resolve(envelope.headers.get(Header.TYPE, ""))
+            reply = self.app.codec.decode(envelope.body, cls)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:
+            failure = Failure.of(error)
+            waiter.set_exception(DecodeError(f"the reply could not be decoded: {failure}"))
+            log.error("a reply could not be decoded (%s): %s", failure, describe(envelope.headers))
+            return Outcome.dead_letter(failure, 1)
+        waiter.set_result(reply)
+        return ACK
+
+
+@asynccontextmanager
+async def _joined(transaction: Transaction, session: object) -> AsyncIterator[Transaction]:
+    """The transaction already there, for a block inside it; a failed block dooms it."""
+    if session is not None and session is not transaction.session:
+        raise ConfigurationError(
+            "app.transaction(session) inside a handler joins the message's own transaction, "
+            "which writes through the message's session: pass that session (ask for "
+            "AsyncSession in the handler) or none"
+        )
+    try:
+        yield transaction
+    except BaseException as error:
+        transaction.doom(
+            f"an app.transaction() block inside the transaction failed ({Failure.of(error)}), "
+            "so the transaction cannot commit"
+        )
+        raise
 
 
 @asynccontextmanager
@@ -475,6 +579,28 @@ async def _buffered(app: App) -> AsyncIterator[Transaction]:
         transaction.rollback()
         raise
     await transaction.commit()
+
+
+def check_prefetch(prefetch: int | None, concurrency: int) -> int:
+    """The deliveries an app takes at once: handled, or waiting behind their partition key."""
+    if prefetch is None:
+        return min(MAX_PREFETCH, concurrency * (1 + WAITING_PER_SLOT))
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < concurrency:
+        raise ConfigurationError(
+            f"App(prefetch={prefetch!r}) must be an int >= concurrency ({concurrency})"
+        )
+    return min(prefetch, MAX_PREFETCH)
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    """A handler timeout in seconds (None: none), or a `ConfigurationError`."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ConfigurationError(
+            f"App(handler_timeout={timeout!r}) must be a number of seconds > 0, or None"
+        )
+    return None if math.isinf(timeout) else float(timeout)
 
 
 def check_queue_name(name: str, what: str) -> None:

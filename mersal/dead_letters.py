@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 
 from mersal.errors import ConfigurationError, MersalError
 from mersal.messages import Envelope, Header
+from mersal.settle import ERROR_HEADERS
 from mersal.transport import Delivery, Outgoing, Transport
 
 log = logging.getLogger("mersal.dead_letters")
@@ -26,16 +27,6 @@ IDLE = 0.5
 
 MAX_TAKE = 65_535
 """The most messages held at once (an AMQP prefetch count is 16 bits)."""
-
-ERROR_HEADERS = (
-    Header.ERROR_TYPE,
-    Header.ERROR_MESSAGE,
-    Header.ERROR_TRACEBACK,
-    Header.ERROR_ATTEMPTS,
-    Header.ERROR_QUEUE,
-    Header.FAILED_AT,
-)
-"""The headers dead-lettering adds: why the message failed, where, when."""
 
 RETRY_HEADERS = (Header.ATTEMPT, Header.DELIVER_AT)
 """The headers of a delayed retry: the attempts made so far and when to deliver."""

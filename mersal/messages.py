@@ -33,6 +33,8 @@ class Header:
     ERROR_ATTEMPTS = "error-attempts"
     ERROR_QUEUE = "error-source-queue"
     FAILED_AT = "failed-at"
+    TEMPORARY_REPLY_TO = "temporary-reply-to"
+    """"true" on a request whose reply-to queue goes away with the requester, and on its reply."""
 
 
 @dataclass(slots=True)
@@ -64,16 +66,36 @@ class Envelope:
         return Envelope(merged, self.body)
 
 
+MAX_TYPE_NAME_BYTES = 255
+"""A type name is a topic (a routing key) when published: an AMQP short string."""
+
+
 def message(name: str) -> Callable[[T], T]:
     """Give a message class its wire type name, e.g. `@message("orders.PlaceOrder.v1")`."""
-    if not name or not name.strip() or any(c.isspace() for c in name):
-        raise ConfigurationError(f"message type name {name!r} must be non-empty without spaces")
+    check_type_name(name)
 
     def mark(cls: T) -> T:
         setattr(cls, NAME_ATTRIBUTE, name)
         return cls
 
     return mark
+
+
+def check_type_name(name: object) -> str:
+    """`name` if it can be a message type name; a `ConfigurationError` saying why not."""
+    if not isinstance(name, str) or not name.strip() or any(c.isspace() for c in name):
+        raise ConfigurationError(f"message type name {name!r} must be non-empty without spaces")
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError:
+        raise ConfigurationError(f"message type name {name!r} is not valid Unicode") from None
+    if size > MAX_TYPE_NAME_BYTES:
+        raise ConfigurationError(
+            f"message type name {name[:60]!r}... is {size} bytes long: a type name is a topic on "
+            f"the broker and must fit in {MAX_TYPE_NAME_BYTES} bytes; give the class a shorter "
+            'one with @message("...")'
+        )
+    return name
 
 
 def type_name_of(cls: type) -> str:
@@ -98,7 +120,7 @@ class TypeRegistry:
         known = self._by_type.get(cls)
         if known is not None:
             return known
-        name = type_name_of(cls)
+        name = check_type_name(type_name_of(cls))
         other = self._by_name.get(name)
         if other is not None and other is not cls:
             raise ConfigurationError(
@@ -131,7 +153,10 @@ class TypeRegistry:
                 continue
             for sub in _subclasses(base):
                 if sub not in self._by_type and type_name_of(sub) == name:
-                    self.add(sub)
+                    try:
+                        self.add(sub)
+                    except ConfigurationError:  # its name is taken, or unusable
+                        return None
                     return sub
         return None
 

@@ -7,11 +7,12 @@ import importlib
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mersal.errors import ConfigurationError, Unsendable
-from mersal.messages import describe
+from mersal.errors import ConfigurationError, MersalError, Unroutable, Unsendable
+from mersal.messages import Header, describe
+from mersal.settle import Failure, run_to_end
 from mersal.transaction import Transaction
 from mersal.transport import Outgoing, Transport, mask
 
@@ -23,11 +24,16 @@ log = logging.getLogger("mersal.outbox")
 
 @dataclass(slots=True)
 class OutboxRow:
-    """A committed outgoing message waiting in the outbox."""
+    """A committed outgoing message waiting in the outbox.
+
+    `problem` says why a row read from the database cannot become a message (its headers are
+    not a JSON object of strings, say): the relay parks it without trying.
+    """
 
     id: int
     outgoing: Outgoing
     attempts: int = 0
+    problem: str | None = None
 
 
 class OutboxStore(Protocol):
@@ -49,6 +55,10 @@ class OutboxStore(Protocol):
         """Set a row aside that can never be sent as it is, with the reason."""
         ...
 
+    async def count_parked(self) -> int:
+        """How many rows are parked, waiting for an operator."""
+        ...
+
 
 class Storage(Protocol):
     """What `App(database=...)` plugs in: unit of work, inbox, outbox writes and the relay."""
@@ -67,6 +77,11 @@ class Storage(Protocol):
 
     async def pending(self) -> int:
         """How many committed messages still wait in the outbox to be sent."""
+        ...
+
+    @property
+    def parked(self) -> int:
+        """How many of the app's outbox rows are parked, as last counted."""
         ...
 
 
@@ -90,8 +105,11 @@ class Relay:
     """Publishes committed outbox rows with confirms and deletes them once confirmed.
 
     It runs when woken (a local commit, a notification from another process) and on a slow
-    poll as the safety net. A row the broker refuses for good (unroutable, too large) is parked
-    with its reason; a transient failure gives the rows back and backs off.
+    poll as the safety net. Each row of a batch has its own outcome: confirmed rows are
+    deleted, a row the broker can never take (unroutable, too large, bad headers) is parked
+    with its reason, a row whose outcome is unknown is given back to be sent again, and a row
+    that keeps failing with an error nobody classified is parked after `max_failures` tries.
+    Nothing the broker confirmed is sent again by the relay.
     """
 
     def __init__(
@@ -102,15 +120,22 @@ class Relay:
         batch: int = 500,
         poll_interval: float = 5.0,
         max_backoff: float = 30.0,
+        max_failures: int = 5,
     ) -> None:
         self.store = store
         self.transport = transport
         self.batch = batch
         self.poll_interval = poll_interval
         self.max_backoff = max_backoff
+        self.max_failures = max_failures
         self.published = 0
         self.parked = 0
+        self.dropped = 0
+        self.parked_rows = 0
+        """The parked rows as last counted (at start, after parking, on each idle poll)."""
+        self._failures: dict[int, int] = {}
         self._wake = asyncio.Event()
+        self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
     def wake(self) -> None:
@@ -120,88 +145,148 @@ class Relay:
     def start(self) -> None:
         """Run the relay loop in the background."""
         if self._task is None:
+            self._stopping = False
             self._task = asyncio.create_task(self._run(), name="mersal-relay")
 
-    async def stop(self) -> None:
-        """Stop the loop; rows not yet confirmed stay in the outbox."""
+    async def stop(self, drain: float = 0.0) -> None:
+        """Stop after sending what waits, for at most `drain` seconds; then stop mid-way.
+
+        A batch cut off mid-way still ends cleanly: confirmed rows are deleted, the others'
+        leases are released, so that the next start (or another instance) sends them at once.
+        """
         task, self._task = self._task, None
-        if task is not None:
+        if task is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        if drain > 0:
+            await asyncio.wait([task], timeout=drain)
+        if not task.done():
+            log.warning("the outbox relay did not drain within %gs; stopping it", drain)
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(task, return_exceptions=True)
 
     async def flush(self) -> int:
         """Relay until the outbox has no claimable rows; returns how many were published."""
         total = 0
         while True:
-            rows = await self.store.claim(self.batch)
+            rows = await run_to_end(self.store.claim(self.batch))
             if not rows:
                 return total
             total += await self._relay(rows)
 
     async def _run(self) -> None:
         backoff = 0.0
+        recount = True
         while True:
             self._wake.clear()
+            parked = self.parked
             try:
+                if recount:
+                    self.parked_rows = await self.store.count_parked()
                 await self.flush()
                 backoff = 0.0
             except Exception as error:
                 backoff = min(self.max_backoff, max(0.1, backoff * 2))
                 log.warning(
-                    "outbox relay failed (%s: %s); trying again in %.1fs",
-                    type(error).__name__,
-                    error,
-                    backoff,
+                    "outbox relay failed (%s); trying again in %.1fs", Failure.of(error), backoff
                 )
-            if backoff:
-                await asyncio.sleep(backoff)
-            else:
-                await self._idle()
+            if self._stopping and not backoff:
+                return
+            recount = await self._idle(backoff or self.poll_interval) or self.parked != parked
 
-    async def _idle(self) -> None:
+    async def _idle(self, seconds: float) -> bool:
+        """Wait until woken or `seconds` passed; True if nobody woke it."""
         try:
-            async with asyncio.timeout(self.poll_interval):
+            async with asyncio.timeout(seconds):
                 await self._wake.wait()
         except TimeoutError:
-            pass
+            return True
+        return False
 
     async def _relay(self, rows: list[OutboxRow]) -> int:
+        sendable = [row for row in rows if row.problem is None]
         try:
-            await self.transport.send([row.outgoing for row in rows])
-        except Unsendable:
-            return await self._relay_one_by_one(rows)
-        except BaseException:
-            await asyncio.shield(self.store.release([row.id for row in rows]))
+            results = await self.transport.send_each([row.outgoing for row in sendable])
+        except BaseException:  # cut off: whatever was confirmed is unknown, so send all again
+            await run_to_end(self.store.release([row.id for row in rows]))
             raise
-        await self.store.delete([row.id for row in rows])
-        self.published += len(rows)
-        return len(rows)
+        verdicts: list[tuple[OutboxRow, Exception | str | None]] = [
+            (row, f"cannot read the row: {row.problem}") for row in rows if row.problem
+        ]
+        verdicts += zip(sendable, results, strict=True)
+        plan = _Plan()
+        for row, result in verdicts:
+            self._judge(row, result, plan)
+        await run_to_end(self._carry_out(plan))
+        if plan.retry:
+            raise plan.retry_error or MersalError("outbox rows could not be sent")
+        return len(plan.sent)
 
-    async def _relay_one_by_one(self, rows: list[OutboxRow]) -> int:
-        sent: list[int] = []
-        remaining = list(rows)
-        try:
-            while remaining:
-                row = remaining[0]
-                try:
-                    await self.transport.send([row.outgoing])
-                except Unsendable as error:
-                    log.error(
-                        "parking outbox row %d (%s): %s",
-                        row.id,
-                        describe(row.outgoing.envelope.headers),
-                        error,
-                    )
-                    await self.store.park(row.id, f"{type(error).__name__}: {error}")
-                    self.parked += 1
-                else:
-                    sent.append(row.id)
-                remaining.pop(0)
-        except BaseException:
-            await asyncio.shield(self.store.release([row.id for row in remaining]))
-            raise
-        finally:
-            if sent:
-                await asyncio.shield(self.store.delete(sent))
-                self.published += len(sent)
-        return len(sent)
+    def _judge(self, row: OutboxRow, result: Exception | str | None, plan: _Plan) -> None:
+        """Decide what becomes of one row of a batch."""
+        if result is None:
+            plan.sent.append(row.id)
+        elif isinstance(result, str):
+            plan.park.append((row, result))
+        elif unreachable_reply(row.outgoing, result):
+            plan.dropped.append(row.id)
+        elif isinstance(result, Unsendable):
+            plan.park.append((row, f"{type(result).__name__}: {Failure.of(result).message}"))
+        elif isinstance(result, MersalError):  # the broker's state, not the row: try again
+            plan.retry.append(row.id)
+            plan.retry_error = plan.retry_error or result
+        else:
+            failures = self._failures.get(row.id, 0) + 1
+            if failures >= self.max_failures:
+                plan.park.append((row, f"failed {failures} times: {Failure.of(result)}"))
+            else:
+                self._failures[row.id] = failures
+                plan.retry.append(row.id)
+                plan.retry_error = plan.retry_error or result
+
+    async def _carry_out(self, plan: _Plan) -> None:
+        done = [*plan.sent, *plan.dropped]
+        if done:
+            await self.store.delete(done)
+        for row, reason in plan.park:
+            log.error(
+                "parking outbox row %d (%s to %r): %s",
+                row.id,
+                describe(row.outgoing.envelope.headers),
+                row.outgoing.address,
+                reason,
+            )
+            await self.store.park(row.id, reason)
+        if plan.retry:
+            await self.store.release(plan.retry)
+        for row_id in (*done, *(row.id for row, _ in plan.park)):
+            self._failures.pop(row_id, None)
+        self.published += len(plan.sent)
+        self.dropped += len(plan.dropped)
+        self.parked += len(plan.park)
+
+
+@dataclass
+class _Plan:
+    """What a batch's rows come to: deleted (sent or dropped), parked, or tried again."""
+
+    sent: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    park: list[tuple[OutboxRow, str]] = field(default_factory=list)
+    retry: list[int] = field(default_factory=list)
+    retry_error: Exception | None = None
+
+
+def unreachable_reply(outgoing: Outgoing, error: Exception) -> bool:
+    """Whether a send failed only because it is a reply to a temporary queue now gone (logged)."""
+    headers = outgoing.envelope.headers
+    if not isinstance(error, Unroutable) or headers.get(Header.TEMPORARY_REPLY_TO) != "true":
+        return False
+    log.warning(
+        "dropping %s: it replies to the temporary queue %r, which is gone (its requester "
+        "stopped), so there is no one to reach",
+        describe(headers),
+        outgoing.address,
+    )
+    return True

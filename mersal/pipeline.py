@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from mersal.errors import ConfigurationError, DecodeError
+from mersal.errors import ConfigurationError, DecodeError, MersalError, Unsendable
 from mersal.messages import Envelope, Header
+from mersal.settle import ACK, Outcome
 from mersal.transaction import Transaction
-from mersal.transport import Delivery, Outgoing
+from mersal.transport import Delivery, Outgoing, check, limits_of
 
 if TYPE_CHECKING:
     from mersal.app import App
@@ -25,8 +27,16 @@ Next = Callable[[C], Awaitable[None]]
 Step = Callable[[C, Next[C]], Awaitable[None]]
 
 
+class HandlerTimeout(MersalError):
+    """A handler did not finish within the app's `handler_timeout`."""
+
+
 class MessageContext:
-    """The message being handled: its headers, decoded body, attempt and transaction."""
+    """The message being handled: its headers, decoded body, attempt, transaction and outcome.
+
+    Steps and handlers read it; a step decides what becomes of the delivery by setting
+    `outcome` (the worker settles the delivery after the pipeline, never a step).
+    """
 
     __slots__ = (
         "app",
@@ -37,6 +47,7 @@ class MessageContext:
         "items",
         "message",
         "message_type",
+        "outcome",
         "transaction",
     )
 
@@ -47,7 +58,8 @@ class MessageContext:
         self.message: Any = None
         self.message_type: type | None = None
         self.attempt = 1
-        self.transaction: Transaction = Transaction(app.send_committed, app)
+        self.outcome: Outcome | None = None
+        self.transaction: Transaction = self._new_transaction()
         self.items: dict[str, Any] = {}
         self.handlers: list[Callable[[Any], Awaitable[object]]] = []
 
@@ -78,11 +90,17 @@ class MessageContext:
         return self.delivery.queue
 
     def begin_attempt(self, attempt: int) -> None:
-        """Start handling afresh: a new transaction, no handlers, no step state."""
+        """Start handling afresh: a new transaction, no handlers, no step state, no outcome."""
         self.attempt = attempt
-        self.transaction = Transaction(self.app.send_committed, self.app)
+        self.outcome = None
+        self.transaction = self._new_transaction()
         self.items.clear()
         self.handlers.clear()
+
+    def _new_transaction(self) -> Transaction:
+        message_id = self.envelope.headers.get(Header.MESSAGE_ID)
+        seed = f"{self.app.name}\x00{message_id}" if message_id else None
+        return Transaction(self.app.send_committed, self.app, seed=seed)
 
 
 @dataclass(slots=True)
@@ -99,12 +117,16 @@ class OutgoingContext:
 
 
 class Pipeline(Generic[C]):
-    """An ordered list of named steps; each receives the context and the rest of the chain."""
+    """An ordered list of named steps; each receives the context and the rest of the chain.
 
-    def __init__(self, steps: list[tuple[str, Step[C]]]) -> None:
+    `end` runs after the last step, when every step called the next one.
+    """
+
+    def __init__(self, steps: list[tuple[str, Step[C]]], end: Next[C] | None = None) -> None:
         self._steps = list(steps)
         if len(set(self.names)) != len(self._steps):
             raise ConfigurationError(f"pipeline step names must be unique: {self.names}")
+        self._end: Next[C] = end if end is not None else _end
         self._chain: Next[C] | None = None
 
     @property
@@ -140,7 +162,7 @@ class Pipeline(Generic[C]):
     def freeze(self) -> Next[C]:
         """Compose the steps into one callable; the pipeline can no longer change."""
         if self._chain is None:
-            chain: Next[C] = _end
+            chain: Next[C] = self._end
             for _, step in reversed(self._steps):
                 chain = _link(step, chain)
             self._chain = chain
@@ -172,6 +194,12 @@ def _link(step: Step[C], rest: Next[C]) -> Next[C]:
 
 async def _end(context: object) -> None:
     return None
+
+
+async def handled(context: MessageContext) -> None:
+    """The end of the incoming pipeline: every step ran, so the message was dealt with."""
+    if context.outcome is None:
+        context.outcome = ACK
 
 
 # The incoming steps the core provides (the retry step lives in mersal.retry).
@@ -218,42 +246,38 @@ async def activate_step(context: MessageContext, next: Next[MessageContext]) -> 
     await next(context)
 
 
-async def dispatch_step(context: MessageContext, next: Next[MessageContext]) -> None:
-    """Call every handler, in registration order."""
-    token = current_message.set(context)
-    try:
+def dispatch_step(timeout: float | None) -> Step[MessageContext]:
+    """Call every handler, in registration order, all within `timeout` seconds."""
+
+    async def dispatch(context: MessageContext, next: Next[MessageContext]) -> None:
         message = context.message
-        for handler in context.handlers:
-            await handler(message)
-    finally:
-        current_message.reset(token)
-    await next(context)
+        try:
+            async with asyncio.timeout(timeout) as deadline:
+                for handler in context.handlers:
+                    await handler(message)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise HandlerTimeout(_too_slow(context, timeout)) from None
+        if deadline.expired():  # a handler swallowed the cancellation and returned late
+            raise HandlerTimeout(_too_slow(context, timeout))
+        await next(context)
+
+    return dispatch
+
+
+def _too_slow(context: MessageContext, timeout: float | None) -> str:
+    name = context.message_type.__qualname__ if context.message_type else "the message"
+    return (
+        f"the handlers of {name} did not finish within {timeout:g}s: make them faster or "
+        "raise App(handler_timeout=...)"
+    )
 
 
 async def commit_step(context: MessageContext, next: Next[MessageContext]) -> None:
     """Commit the message's transaction: what the handlers sent leaves now, in order."""
     await context.transaction.commit()
     await next(context)
-
-
-async def ack_step(context: MessageContext, next: Next[MessageContext]) -> None:
-    """Acknowledge the delivery, last of all."""
-    await acknowledge(context.delivery)
-    await next(context)
-
-
-async def acknowledge(delivery: Delivery) -> None:
-    """Ack a delivery; a failed ack is logged, since the broker will deliver it again."""
-    try:
-        await delivery.ack()
-    except Exception as error:
-        log.warning(
-            "could not ack %s from %s (%s: %s); the broker will deliver it again",
-            delivery.envelope.message_id,
-            delivery.queue,
-            type(error).__name__,
-            error,
-        )
 
 
 # The outgoing steps.
@@ -266,7 +290,10 @@ def headers_step(app: App) -> Step[OutgoingContext]:
     async def add_headers(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
         headers = context.headers
         if Header.MESSAGE_ID not in headers:
-            headers[Header.MESSAGE_ID] = str(uuid.uuid4())
+            transaction = context.transaction
+            headers[Header.MESSAGE_ID] = (
+                transaction.message_id() if transaction is not None else str(uuid.uuid4())
+            )
         headers[Header.TYPE] = types.name_of(type(context.message))
         headers[Header.SENT_AT] = now()
         headers[Header.CONTENT_TYPE] = content_type
@@ -301,10 +328,11 @@ def serialize_step(encode: Callable[[object], bytes]) -> Step[OutgoingContext]:
 
 
 def send_step(app: App) -> Step[OutgoingContext]:
-    """Buffer the message in its transaction, or hand it to the transport if it has none."""
+    """Refuse what the transport could never carry; buffer the rest, or send it if unbuffered."""
 
     async def send(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
         outgoing = Outgoing(context.address, context.envelope, context.publish)
+        check(outgoing, limits_of(app.transport))
         if context.transaction is not None:
             context.transaction.enlist(outgoing)
         else:
@@ -314,9 +342,26 @@ def send_step(app: App) -> Step[OutgoingContext]:
     return send
 
 
+def check_headers(headers: object) -> dict[str, str]:
+    """A copy of the headers a caller passed, refused (`Unsendable`) unless `str -> str`."""
+    if headers is None:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise Unsendable(f"headers= must be a mapping of strings to strings, not {headers!r:.100}")
+    copy = dict(headers)
+    for name, value in copy.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise Unsendable(
+                f"header {name!r:.100}: {value!r:.100} is not a string to a string: header names "
+                "and values are strings"
+            )
+    return copy
+
+
 def now() -> str:
     """The current time as the epoch-seconds string used in headers."""
     return f"{time.time():.6f}"
 
 
 current_message: ContextVar[MessageContext | None] = ContextVar("mersal_message", default=None)
+"""The message whose attempt is running (in its handlers and the tasks they start)."""

@@ -1,28 +1,27 @@
-"""Retries: immediate ones in process, delayed ones through the broker, then the error queue."""
+"""Retries: immediate ones in process, delayed ones through the broker, then the error queue.
+
+The policy says how often; the retry step decides, attempt by attempt; `mersal.settle` carries
+the decision out.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
-import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from mersal.errors import ConfigurationError, DecodeError
 from mersal.messages import Envelope, Header, describe
-from mersal.pipeline import MessageContext, Next, acknowledge, now
-from mersal.transport import Outgoing
+from mersal.pipeline import MessageContext, Next, current_message
+from mersal.settle import Failure, Outcome, Verdict, cancelled_by_owner
+from mersal.transaction import current_transaction
 
 log = logging.getLogger("mersal.retry")
 
-MAX_ERROR_TEXT = 4_096
-MAX_TRACEBACK = 16_384
 MAX_ATTEMPTS = 1_000
-MAX_HEADER_BYTES = 65_536
-CUT_TO = 1_024
 
 
 @dataclass(frozen=True)
@@ -91,127 +90,88 @@ def attempts_made(envelope: Envelope) -> int:
 
 
 class RetryStep:
-    """The outermost incoming step: retries failures and dead-letters what keeps failing."""
+    """The outermost incoming step: runs attempts and decides what a failure leads to.
 
-    def __init__(self, policy: RetryPolicy, backoff: float = 1.0) -> None:
+    Every way an attempt can end counts: a return, any exception (a `BaseException` too), a
+    `CancelledError` the handler raised itself, a handler timeout. Only the worker's own stop
+    cancels without counting. The step only decides (`context.outcome`); the worker settles.
+    """
+
+    def __init__(self, policy: RetryPolicy) -> None:
         self.policy = policy
-        self.backoff = backoff
 
     async def __call__(self, context: MessageContext, next: Next[MessageContext]) -> None:
-        """Run the rest of the pipeline, retrying and dead-lettering as the policy says."""
-        policy = self.policy
+        """Run the rest of the pipeline per attempt until one succeeds or the policy decides."""
         made = attempts_made(context.envelope)
-        first_round = 1 + policy.immediate
-        context.attempt = made + 1
         while True:
-            try:
-                await next(context)
+            context.begin_attempt(made + 1)
+            error = await run_attempt(context, next)
+            if error is None:
                 return
-            except Exception as error:
-                context.transaction.rollback()
-                made += 1
-                if isinstance(error, (DecodeError, *policy.fail_fast)):
-                    await self._dead_letter(context, error, made)
-                    return
-                if made < first_round:
-                    _log_failure(context, error, made, "retrying now")
-                    context.begin_attempt(made + 1)
-                    continue
-                step = made - first_round
-                if step < len(policy.delayed):
-                    await self._delay(context, error, made, policy.delayed[step])
-                else:
-                    await self._dead_letter(context, error, made)
-                return
-
-    async def _delay(
-        self, context: MessageContext, error: Exception, made: int, seconds: float
-    ) -> None:
-        _log_failure(context, error, made, f"retrying in {seconds:g}s")
-        envelope = context.envelope.copy(
-            **{Header.ATTEMPT: str(made), Header.DELIVER_AT: f"{time.time() + seconds:.6f}"}
-        )
-        await self._forward(context, Outgoing(context.queue, envelope), "the delayed retry")
-
-    async def _dead_letter(self, context: MessageContext, error: Exception, made: int) -> None:
-        log.error(
-            "moving %s to %r after %d attempt(s): %s: %s",
-            describe(context.headers),
-            self.policy.error_queue,
-            made,
-            type(error).__name__,
-            error,
-        )
-        envelope = context.envelope.copy(**error_headers(error, made, context.queue))
-        # A deliver-at that came with the message (forged, or left from a delay) must not hold
-        # the dead letter back: transports honour it at send time (RabbitMQ: a wait queue).
-        envelope.headers.pop(Header.DELIVER_AT, None)
-        envelope.headers = fit_headers(envelope.headers)
-        await self._forward(context, Outgoing(self.policy.error_queue, envelope), "dead-lettering")
-
-    async def _forward(self, context: MessageContext, outgoing: Outgoing, what: str) -> None:
-        try:
-            await context.app.transport.send((outgoing,))
-        except Exception as error:
-            log.error(
-                "%s of %s failed (%s: %s); returning it to %r",
-                what,
-                describe(context.headers),
-                type(error).__name__,
-                error,
-                context.queue,
-            )
-            await asyncio.sleep(self.backoff)
-            await context.delivery.nack(requeue=True)
+            made += 1
+            outcome = after_failure(self.policy, error, made)
+            if outcome is None:
+                log_failure(context, outcome, made, Failure.of(error))
+                continue
+            log_failure(context, outcome, made, outcome.failure)
+            context.outcome = outcome
             return
-        await acknowledge(context.delivery)
 
 
-def error_headers(error: BaseException, attempts: int, queue: str) -> dict[str, str]:
-    """The headers that tell an operator why a message is in the error queue."""
-    trace = "".join(traceback.format_exception(error))
-    return {
-        Header.ERROR_TYPE: f"{type(error).__module__}.{type(error).__qualname__}",
-        Header.ERROR_MESSAGE: str(error)[:MAX_ERROR_TEXT],
-        Header.ERROR_TRACEBACK: trace[-MAX_TRACEBACK:],
-        Header.ERROR_ATTEMPTS: str(attempts),
-        Header.ERROR_QUEUE: queue,
-        Header.FAILED_AT: now(),
-    }
+async def run_attempt(context: MessageContext, next: Next[MessageContext]) -> BaseException | None:
+    """Run one attempt with its transaction current; None if it succeeded, else what it raised.
 
-
-def fit_headers(headers: dict[str, str], budget: int = MAX_HEADER_BYTES) -> dict[str, str]:
-    """The headers with the longest values cut (and absurd names dropped) to fit `budget` bytes.
-
-    A dead letter carries the original headers plus the error's; if those came in near the
-    broker's limit, the copy would not fit, and the message could never reach the error queue.
+    When the attempt ends its transaction ends too, committed or not: a task the handler left
+    behind that sends later gets `TransactionClosed`.
     """
-    sizes = {key: len(key.encode()) + len(value.encode()) for key, value in headers.items()}
-    total = sum(sizes.values())
-    if total <= budget:
-        return headers
-    fitted: dict[str, str] = {}
-    for key, value in headers.items():
-        if len(key) > CUT_TO:
-            total -= sizes[key]
-            continue
-        fitted[key] = value
-    for key in sorted(fitted, key=lambda k: sizes[k], reverse=True):
-        value = fitted[key]
-        if total <= budget or len(value) <= CUT_TO:
-            break
-        cut = f"{value[:CUT_TO]}...[{len(value) - CUT_TO} characters cut]"
-        total -= sizes[key] - len(key.encode()) - len(cut.encode())
-        fitted[key] = cut
-    return fitted
+    transaction = context.transaction
+    message_token = current_message.set(context)
+    transaction_token = current_transaction.set(transaction)
+    try:
+        await next(context)
+    except asyncio.CancelledError as error:
+        if cancelled_by_owner():
+            raise
+        return error
+    except BaseException as error:
+        return error
+    finally:
+        transaction.rollback()
+        current_transaction.reset(transaction_token)
+        current_message.reset(message_token)
+    return None
 
 
-def _log_failure(context: MessageContext, error: Exception, made: int, then: str) -> None:
+def after_failure(
+    policy: RetryPolicy, error: BaseException, made: int, *, immediate: bool = True
+) -> Outcome | None:
+    """What follows the `made`-th failed attempt: None to retry at once, else the outcome."""
+    failure = Failure.of(error)
+    if isinstance(error, (DecodeError, *policy.fail_fast)):
+        return Outcome.dead_letter(failure, made)
+    first_round = 1 + policy.immediate
+    if immediate and made < first_round:
+        return None
+    step = max(0, made - first_round)
+    if step < len(policy.delayed):
+        return Outcome.retry_later(policy.delayed[step], made, failure)
+    return Outcome.dead_letter(failure, made)
+
+
+def log_failure(
+    context: MessageContext, outcome: Outcome | None, made: int, failure: Failure | None
+) -> None:
+    """Log a failed attempt: retried at WARNING, dead-lettered at ERROR."""
+    if outcome is not None and outcome.verdict is Verdict.DEAD_LETTER:
+        log.error(
+            "moving %s to %r after %d attempt(s): %s",
+            describe(context.headers),
+            context.app.retry.error_queue,
+            made,
+            failure,
+        )
+        return
+    then = "retrying now" if outcome is None else f"retrying in {outcome.delay:g}s"
     log.warning(
-        "handling %s failed on attempt %d: %s: %s; %s",
-        describe(context.headers),
-        made,
-        type(error).__name__,
-        error,
-        then,
+        "handling %s failed on attempt %d: %s; %s", describe(context.headers), made, failure, then
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 
@@ -11,30 +12,72 @@ from mersal.transport import Outgoing
 Commit = Callable[[Sequence[Outgoing]], Awaitable[None]]
 Hook = Callable[[], Awaitable[None]]
 
+MESSAGE_IDS = uuid.UUID("6d9a3c1e-51b4-4c7e-9a53-0c1f6f0e8f2a")
+"""The namespace of the message ids derived from an incoming message's id."""
+
 
 class TransactionClosed(MersalError):
     """A message was sent through a transaction that already committed or rolled back."""
 
 
 class Transaction:
-    """Buffers outgoing messages; `commit` hands them on in order, `rollback` forgets them."""
+    """Buffers outgoing messages; `commit` hands them on in order, `rollback` forgets them.
 
-    __slots__ = ("_after_commit", "_commit", "_done", "outgoing", "owner")
+    A transaction made for an incoming message (`seed`: the app and the message's id) gives the
+    messages sent through it ids derived from that seed and their place in the sending order,
+    so that a retry that sends the same messages sends them under the same ids.
+    """
 
-    def __init__(self, commit: Commit, owner: object = None) -> None:
+    __slots__ = (
+        "_after_commit",
+        "_commit",
+        "_done",
+        "_doomed",
+        "_seed",
+        "_sent",
+        "outgoing",
+        "owner",
+        "session",
+    )
+
+    def __init__(
+        self,
+        commit: Commit,
+        owner: object = None,
+        *,
+        seed: str | None = None,
+        session: object = None,
+    ) -> None:
         self.outgoing: list[Outgoing] = []
         self.owner = owner
+        self.session = session
         self._commit = commit
         self._after_commit: list[Hook] = []
         self._done = False
+        self._doomed: str | None = None
+        self._seed = seed
+        self._sent = 0
+
+    @property
+    def open(self) -> bool:
+        """Whether messages can still join the transaction."""
+        return not self._done
 
     def enlist(self, outgoing: Outgoing) -> None:
         """Add a message to send when the transaction commits."""
         if self._done:
             raise TransactionClosed(
-                "this transaction has ended: send from inside the handler or transaction block"
+                "this transaction has ended: send from inside the handler or transaction block, "
+                "not from a task that outlives it"
             )
         self.outgoing.append(outgoing)
+
+    def message_id(self) -> str:
+        """The id for the next message sent through this transaction."""
+        if self._seed is None:
+            return str(uuid.uuid4())
+        self._sent += 1
+        return str(uuid.uuid5(MESSAGE_IDS, f"{self._seed}\x00{self._sent}"))
 
     def replace_commit(self, commit: Commit) -> None:
         """Hand the buffered messages to `commit` instead (an outbox writes them as rows)."""
@@ -44,17 +87,29 @@ class Transaction:
         """Run `hook` once the transaction has committed (for example, wake the outbox relay)."""
         self._after_commit.append(hook)
 
+    def doom(self, reason: str) -> None:
+        """Make the commit fail with `reason`: something inside the transaction went wrong."""
+        if self._doomed is None:
+            self._doomed = reason
+
     async def commit(self) -> None:
         """Hand every buffered message on, in the order it was sent."""
+        if self._done:
+            raise TransactionClosed("this transaction has ended already")
         self._done = True
+        if self._doomed is not None:
+            self.outgoing.clear()
+            raise MersalError(self._doomed)
         await self._commit(self.outgoing)
         for hook in self._after_commit:
             await hook()
 
     def rollback(self) -> None:
-        """Forget every buffered message."""
-        self._done = True
-        self.outgoing.clear()
+        """Forget every buffered message (nothing, once committed)."""
+        if not self._done:
+            self._done = True
+            self.outgoing.clear()
 
 
 current_transaction: ContextVar[Transaction | None] = ContextVar("mersal_transaction", default=None)
+"""The transaction sends join: the attempt's inside a handler, or an `app.transaction()` block's."""

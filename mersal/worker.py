@@ -1,4 +1,8 @@
-"""The polling worker: pulls deliveries, runs them concurrently, one lane per partition key."""
+"""The polling worker: pulls deliveries, runs them concurrently, one lane per partition key.
+
+Each delivery is handled by `handle`, which says how to settle it (an `Outcome`), and is then
+settled by the `Settler`, exactly once, even when the worker is stopped meanwhile.
+"""
 
 from __future__ import annotations
 
@@ -8,24 +12,37 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from mersal.messages import describe
+from mersal.settle import RETURN, Failure, Outcome, Settler, Verdict, run_to_end
 from mersal.transport import Consumer, Delivery
 
 log = logging.getLogger("mersal.worker")
 
-Handle = Callable[[Delivery], Awaitable[None]]
+Handle = Callable[[Delivery], Awaitable[Outcome]]
 
 
 class Worker:
-    """Runs up to `concurrency` deliveries at once; those sharing a partition key run in order."""
+    """Handles up to `concurrency` deliveries at once; those sharing a partition key, in order.
+
+    A delivery waiting behind another of its key takes no place among the `concurrency`: it only
+    counts against the consumer's prefetch, so that other keys go on being fetched and handled
+    while one key is busy.
+    """
 
     def __init__(
-        self, consumer: Consumer, handle: Handle, concurrency: int, backoff: float = 1.0
+        self,
+        consumer: Consumer,
+        handle: Handle,
+        settler: Settler,
+        *,
+        concurrency: int,
+        backoff: float = 1.0,
     ) -> None:
         self.consumer = consumer
+        self.settler = settler
         self.concurrency = concurrency
         self.backoff = backoff
         self._handle = handle
-        self._room = asyncio.Semaphore(concurrency)
+        self._slots = asyncio.Semaphore(concurrency)
         self._lanes: dict[str, deque[Delivery]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._fetcher: asyncio.Task[None] | None = None
@@ -69,27 +86,26 @@ class Worker:
     def _fetch_ended(self, fetcher: asyncio.Task[None]) -> None:
         if not self._stopping and self.failed is not None:
             log.error(
-                "the worker stopped receiving (%s: %s); the app takes no more messages until "
-                "it is restarted",
-                type(self.failed).__name__,
-                self.failed,
+                "the worker stopped receiving (%s); the app takes no more messages until it is "
+                "restarted",
+                Failure.of(self.failed),
             )
 
     async def _fetch(self) -> None:
-        room, lanes = self._room, self._lanes
+        slots, lanes = self._slots, self._lanes
         while True:
-            await room.acquire()
+            await slots.acquire()
             try:
                 delivery = await self.consumer.get()
             except BaseException:
-                room.release()
+                slots.release()
                 raise
             key = delivery.envelope.partition_key
             if key is None:
                 self._spawn(self._run(delivery))
             elif key in lanes:
                 lanes[key].append(delivery)
-                room.release()  # it waits behind its key without taking a slot
+                slots.release()  # it waits behind its key without taking a slot
             else:
                 lanes[key] = deque()
                 self._spawn(self._run_lane(key, delivery))
@@ -100,46 +116,39 @@ class Worker:
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, delivery: Delivery) -> None:
-        try:
-            await self._settle(delivery)
-        finally:
-            self._room.release()
+        await self._settle(delivery)
 
     async def _run_lane(self, key: str, delivery: Delivery) -> None:
         lane = self._lanes[key]
         try:
-            await self._run(delivery)
-            while lane and not self._stopping:
-                await self._room.acquire()
-                await self._run(lane.popleft())
+            outcome = await self._settle(delivery)
+            while lane and not self._stopping and outcome.verdict is not Verdict.RETURN:
+                await self._slots.acquire()
+                outcome = await self._settle(lane.popleft())
         finally:
+            # A key whose message went back to the queue gives back the ones behind it too,
+            # so that none of them overtakes it.
             del self._lanes[key]
             while lane:
-                await self._return(lane.popleft())
+                await run_to_end(self.settler.settle(lane.popleft(), RETURN))
 
-    async def _settle(self, delivery: Delivery) -> None:
+    async def _settle(self, delivery: Delivery) -> Outcome:
+        """Handle one delivery (in a slot taken for it) and settle it; frees the slot."""
         try:
-            await self._handle(delivery)
-        except asyncio.CancelledError:
-            await asyncio.shield(self._return(delivery))
-            raise
-        except Exception:
-            log.exception(
-                "unexpected failure around %s; returning it in %gs",
-                describe(delivery.envelope.headers),
-                self.backoff,
-            )
-            await asyncio.sleep(self.backoff)
-            await self._return(delivery)
-
-    async def _return(self, delivery: Delivery) -> None:
-        try:
-            await delivery.nack(requeue=True)
-        except Exception as error:
-            log.warning(
-                "could not return %s to %s (%s: %s); the broker will deliver it again",
-                delivery.envelope.message_id,
-                delivery.queue,
-                type(error).__name__,
-                error,
-            )
+            try:
+                outcome = await self._handle(delivery)
+            except asyncio.CancelledError:
+                await run_to_end(self.settler.settle(delivery, RETURN))
+                raise
+            except Exception as error:  # the handle function itself failed: a bug
+                log.error(
+                    "unexpected failure around %s (%s); returning it in %gs",
+                    describe(delivery.envelope.headers),
+                    Failure.of(error),
+                    self.backoff,
+                )
+                outcome = Outcome.give_back(self.backoff)
+            await run_to_end(self.settler.settle(delivery, outcome))
+            return outcome
+        finally:
+            self._slots.release()

@@ -71,7 +71,7 @@ from mersal.errors import (
     Unsendable,
 )
 from mersal.messages import Envelope, Header, describe
-from mersal.transport import Outgoing, mask
+from mersal.transport import Limits, Outgoing, first_failure, mask, problem_of
 
 log = logging.getLogger("mersal.rabbitmq")
 
@@ -101,6 +101,12 @@ CHANNEL_ERRORS = (
     aiormq.exceptions.ChannelInvalidStateError,
     ConnectionError,
 )
+BROKER_REFUSALS = (
+    aiormq.exceptions.ChannelPreconditionFailed,
+    aiormq.exceptions.ChannelAccessRefused,
+    aiormq.exceptions.ChannelNotFoundEntity,
+)
+"""Channel closes with which RabbitMQ refuses what a publish carried (406, 403, 404)."""
 
 OpenChannel = Callable[[], Awaitable[AbstractChannel]]
 
@@ -156,6 +162,7 @@ class RabbitMQTransport:
         self.heartbeat = heartbeat
         self.publish_timeout = publish_timeout
         self.channels = channels
+        self.limits = Limits(max_delay=MAX_WAIT_MS / 1000)
         self._connection: AbstractRobustConnection | None = None
         self._topology = _Topology(self.open_channel, queue_type)
         self._pool = _PublisherPool(self._open_publisher, channels)
@@ -189,6 +196,7 @@ class RabbitMQTransport:
         self._pool = _PublisherPool(self._open_publisher, self.channels)
         self._connection = await self._connect()
         self._connection.reconnect_callbacks.add(self._on_reconnect)
+        self.limits = limits_for(self._connection)
         try:
             await self._topology.declare_exchange()
         except BaseException:
@@ -221,9 +229,32 @@ class RabbitMQTransport:
 
     async def send(self, messages: Sequence[Outgoing]) -> None:
         """Publish all messages, in order, each confirmed by the broker within publish_timeout."""
+        first_failure(await self.send_each(messages))
+
+    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
+        """Publish every message it can carry, in order; for each, None once confirmed, or why not.
+
+        A message the broker answered by closing the channel (it refused something in it) had
+        company on that channel: each such message is published again alone, on a channel of
+        its own, so that only the one the broker refuses is reported as refused.
+        """
         self._require_connection()
-        for run in distinct_runs(messages):
-            await self._send_run(run)
+        results: list[Exception | None] = [None] * len(messages)
+        fit: list[int] = []
+        for index, outgoing in enumerate(messages):
+            problem = problem_of(outgoing, self.limits)
+            if problem is None:
+                fit.append(index)
+            else:
+                results[index] = Unsendable(f"cannot send it to {outgoing.address!r}: {problem}")
+        for run in distinct_runs([messages[index] for index in fit]):
+            indices, fit = fit[: len(run)], fit[len(run) :]
+            for index, result in zip(indices, await self._send_run(run), strict=True):
+                results[index] = result
+        refused = [index for index, result in enumerate(results) if refused_by_broker(result)]
+        for index in refused:
+            results[index] = await self._send_alone(messages[index])
+        return results
 
     async def consume(self, queue: str, *, prefetch: int) -> RabbitMQConsumer:
         """Start receiving from an existing `queue`, at most `prefetch` unacknowledged."""
@@ -301,34 +332,52 @@ class RabbitMQTransport:
 
     # Sending.
 
-    async def _send_run(self, run: Sequence[Outgoing]) -> None:
+    async def _send_run(self, run: Sequence[Outgoing]) -> list[Exception | None]:
+        """Publish messages with distinct ids on one channel; each one's result."""
         ids = {o.envelope.message_id for o in run if o.envelope.message_id}
         deadline = asyncio.get_running_loop().time() + self.publish_timeout
         try:
             async with asyncio.timeout_at(deadline):
                 publisher = await self._claim(ids)
         except TimeoutError:
-            raise OutcomeUnknown(
+            unknown = OutcomeUnknown(
                 f"no channel to publish on within {self.publish_timeout:g}s: "
                 f"is RabbitMQ at {mask(self.address)} reachable? Send again"
-            ) from None
+            )
+            return [unknown] * len(run)
         try:
-            if len(run) == 1:
-                results: list[BaseException | None] = [None]
-                await self._publish(publisher, run[0], deadline)
-            else:
-                results = await asyncio.gather(
-                    *(self._publish(publisher, outgoing, deadline) for outgoing in run),
-                    return_exceptions=True,
-                )
+            results = await asyncio.gather(
+                *(self._publish(publisher, outgoing, deadline) for outgoing in run),
+                return_exceptions=True,
+            )
         except asyncio.CancelledError:
             publisher.retired = True  # confirms may still arrive for what was written
             raise
         finally:
             self._pool.release(publisher, ids)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        return [_result(result) for result in results]
+
+    async def _send_alone(self, outgoing: Outgoing) -> Exception | None:
+        """Publish one message on a channel of its own: the broker's refusal is then its own."""
+        deadline = asyncio.get_running_loop().time() + self.publish_timeout
+        try:
+            publisher = await self._open_publisher()
+        except CHANNEL_ERRORS as error:
+            return OutcomeUnknown(f"no channel to publish on ({type(error).__name__}): send again")
+        try:
+            await self._publish(publisher, outgoing, deadline)
+        except OutcomeUnknown as error:
+            if refused_by_broker(error):
+                return Unsendable(
+                    f"RabbitMQ refused {describe(outgoing.envelope.headers)} to "
+                    f"{outgoing.address!r} and closed the channel: {error.__cause__}"
+                )
+            return error
+        except MersalError as error:
+            return error
+        finally:
+            await _close_quietly(publisher.channel)
+        return None
 
     async def _claim(self, ids: set[str]) -> _Publisher:
         """A publishing channel for `ids`, trying again while the connection comes back."""
@@ -377,7 +426,7 @@ class RabbitMQTransport:
             return exchange, outgoing.address, False
         milliseconds = wait_milliseconds(delay)
         if milliseconds > MAX_WAIT_MS:
-            raise MersalError(
+            raise Unsendable(
                 f"a delay of {delay:.0f}s is over the {MAX_WAIT_MS // 1000}s RabbitMQ can wait"
             )
         queue = await self._topology.wait_queue(exchange, outgoing.address, milliseconds)
@@ -643,7 +692,6 @@ class _Publisher:
         if self.channel.is_closed:
             raise aiormq.exceptions.ChannelInvalidStateError(f"{self.channel!r} closed")
         properties = amqp_properties(envelope)
-        self._check_size(properties, envelope)
         try:
             result = await self.underlay.basic_publish(
                 envelope.body,
@@ -660,20 +708,6 @@ class _Publisher:
                 "it may be short of memory or disk, or the queue is full; send it again later"
             ) from None
         return not isinstance(result, aiormq.abc.DeliveredMessage)
-
-    def _check_size(self, properties: aiormq.spec.Basic.Properties, envelope: Envelope) -> None:
-        """Refuse headers that do not fit one frame: RabbitMQ would close the connection."""
-        tune = getattr(self.underlay.connection, "connection_tune", None)
-        frame_max = getattr(tune, "frame_max", 0) or DEFAULT_FRAME_MAX
-        size = sum(
-            len(key.encode()) + len(str(value).encode()) + 8
-            for key, value in (properties.headers or {}).items()
-        )
-        if size > frame_max - FRAME_SLACK:
-            raise Unsendable(
-                f"the headers of {describe(envelope.headers)} take about {size} bytes, more than "
-                f"RabbitMQ's frame size ({frame_max}) allows; send smaller header values"
-            )
 
 
 class _PublisherPool:
@@ -964,6 +998,25 @@ def header_text(value: object) -> str | None:
     if isinstance(value, datetime):
         return f"{value.timestamp():.6f}"
     return None
+
+
+def limits_for(connection: AbstractRobustConnection) -> Limits:
+    """What this broker connection carries: headers within one frame of the size agreed on."""
+    underlay = getattr(connection, "transport", None)
+    tune = getattr(getattr(underlay, "connection", None), "connection_tune", None)
+    frame_max = getattr(tune, "frame_max", 0) or DEFAULT_FRAME_MAX
+    return Limits(max_header_bytes=frame_max - FRAME_SLACK, max_delay=MAX_WAIT_MS / 1000)
+
+
+def refused_by_broker(result: BaseException | None) -> bool:
+    """Whether a publish failed because the broker closed its channel in answer to a refusal."""
+    return isinstance(result, OutcomeUnknown) and isinstance(result.__cause__, BROKER_REFUSALS)
+
+
+def _result(result: BaseException | None) -> Exception | None:
+    if result is None or isinstance(result, Exception):
+        return result
+    raise result  # a BaseException that is not an Exception: let it through
 
 
 def distinct_runs(messages: Sequence[Outgoing]) -> Iterator[list[Outgoing]]:

@@ -55,6 +55,15 @@ class Inbox:
         result = await session.execute(self._record, parameters)
         return result.first() is not None
 
+    async def seen(self, message_id: str) -> bool:
+        """Whether the id was recorded already (a read on a connection of its own)."""
+        table = self.table
+        query = select(table.c.message_id).where(
+            table.c.app == self.app, table.c.message_id == inbox_key(message_id)
+        )
+        async with self.engine.connect() as connection:
+            return (await connection.execute(query)).first() is not None
+
     async def clean(self) -> int:
         """Delete ids older than the retention window, in bounded batches; returns how many."""
         table = self.table

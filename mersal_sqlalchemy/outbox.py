@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 from sqlalchemy import Insert, Row, Table, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.sql.elements import ColumnElement
 
 from mersal.messages import Envelope
 from mersal.outbox import OutboxRow
@@ -66,9 +67,19 @@ def insert_statement(table: Table, channel: str | None, app: str) -> Insert:
 
 
 def row_of(record: Row[Any]) -> OutboxRow:
-    """The OutboxRow for a claimed database row."""
-    envelope = Envelope(_headers_of.decode(record.headers), bytes(record.body))
-    return OutboxRow(record.id, Outgoing(record.address, envelope, record.publish), record.attempts)
+    """The OutboxRow for a claimed database row; one that cannot be read says why."""
+    problem: str | None = None
+    try:
+        headers = _headers_of.decode(record.headers)
+    except (msgspec.DecodeError, TypeError) as error:
+        headers, problem = {}, f"its headers are not a JSON object of strings ({error})"
+    body = record.body
+    if not isinstance(body, bytes | bytearray | memoryview):
+        body, problem = b"", problem or f"its body is a {type(body).__name__}, not bytes"
+    address = record.address if isinstance(record.address, str) else ""
+    envelope = Envelope(headers, bytes(body))
+    outgoing = Outgoing(address, envelope, bool(record.publish))
+    return OutboxRow(record.id, outgoing, record.attempts, problem)
 
 
 class SqlOutboxStore:
@@ -148,13 +159,16 @@ class SqlOutboxStore:
         async with self.engine.begin() as connection:
             await connection.execute(statement)
 
+    async def count_parked(self) -> int:
+        """How many of this app's rows are parked."""
+        return await self._count(self.table.c.parked_at.is_not(None))
+
     async def pending(self) -> int:
         """How many of this app's rows wait to be sent (parked rows not counted)."""
+        return await self._count(self.table.c.parked_at.is_(None))
+
+    async def _count(self, condition: ColumnElement[bool]) -> int:
         table = self.table
-        query = (
-            select(func.count())
-            .select_from(table)
-            .where(table.c.app == self.app, table.c.parked_at.is_(None))
-        )
+        query = select(func.count()).select_from(table).where(table.c.app == self.app, condition)
         async with self.engine.connect() as connection:
             return int((await connection.execute(query)).scalar_one())

@@ -17,7 +17,8 @@ from sqlalchemy.orm import Session
 from mersal.errors import ConfigurationError, MersalError
 from mersal.messages import describe
 from mersal.outbox import Relay
-from mersal.pipeline import MessageContext, Next, acknowledge
+from mersal.pipeline import MessageContext, Next
+from mersal.settle import ACK, run_to_end
 from mersal.transaction import Commit, Hook, Transaction
 from mersal.transport import Outgoing
 from mersal_sqlalchemy.database import (
@@ -41,21 +42,78 @@ SESSION = "mersal_sqlalchemy.session"
 """The key of the message's AsyncSession in `MessageContext.items`."""
 
 GUARDED = "mersal.guarded"
-COMMITTING = "mersal.committing"
+ENDING = "mersal.ending"
+ROLLED_BACK = "mersal.rolled_back"
+
+REFUSED = (
+    "do not {} the message's session in a handler: Mersal commits it after the handlers, "
+    "together with the outbox and inbox rows, or rolls it back when a handler raises. Raise to "
+    "undo the message (it is retried), or undo part of it with a savepoint "
+    "(`async with session.begin_nested():`)"
+)
+
+
+LOST_ROLLBACK = (
+    "the message's session was rolled back while the handlers ran (a failed flush, or a "
+    "rollback outside Mersal), which undid its writes and its inbox row: the attempt fails and "
+    "the message is retried. Undo part of a message with a savepoint "
+    "(`async with session.begin_nested():`)"
+)
+
+
+class AlreadyHandled(MersalError):
+    """The inbox holds the message's id: another copy of it committed first."""
 
 
 class MessageSession(Session):
     """The session class behind every AsyncSession the storage opens."""
 
 
+class MessageAsyncSession(AsyncSession):
+    """The message's session: Mersal ends it (commit or rollback), never a handler."""
+
+    sync_session_class = MessageSession
+
+    async def commit(self) -> None:
+        """Refused in a handler: the message's transaction commits after the handlers."""
+        self._refuse_in_handler("commit")
+        await super().commit()
+
+    async def rollback(self) -> None:
+        """Refused in a handler: raise instead, or use a savepoint."""
+        self._refuse_in_handler("roll back")
+        await super().rollback()
+
+    async def close(self) -> None:
+        """Refused in a handler: the session belongs to the message."""
+        self._refuse_in_handler("close")
+        await super().close()
+
+    def _refuse_in_handler(self, what: str) -> None:
+        if self.info.get(GUARDED) and not self.info.get(ENDING):
+            raise MersalError(REFUSED.format(what))
+
+    async def end(self, commit: bool) -> None:
+        """Commit or roll back (and close) as Mersal, at the end of the message."""
+        self.info[ENDING] = True
+        if commit:
+            await super().commit()
+        else:
+            await super().rollback()
+
+
 @event.listens_for(MessageSession, "before_commit")
 def _refuse_handler_commits(session: Session) -> None:
     """A message's session commits only with its transaction, outbox and inbox rows included."""
-    if session.info.get(GUARDED) and not session.info.get(COMMITTING):
-        raise MersalError(
-            "do not commit the message's session in a handler: Mersal commits it after the "
-            "handlers, together with the outbox and inbox rows (raise to roll back)"
-        )
+    if session.info.get(GUARDED) and not session.info.get(ENDING):
+        raise MersalError(REFUSED.format("commit"))
+
+
+@event.listens_for(MessageSession, "after_rollback")
+def _note_rollbacks(session: Session) -> None:
+    """A rollback nobody asked Mersal for (the sync session's) takes the inbox row with it."""
+    if session.info.get(GUARDED) and not session.info.get(ENDING):
+        session.info[ROLLED_BACK] = True
 
 
 def attach(
@@ -116,6 +174,7 @@ def attach(
         create_tables=is_sqlite(engine) if create_tables is None else create_tables,
     )
     app.handlers.provide(AsyncSession, storage.session_of)
+    app.handlers.provide(MessageAsyncSession, storage.session_of)
     app.incoming.insert_after("decode", "unit_of_work", storage.unit_of_work)
     app.incoming.insert_after("unit_of_work", "inbox", storage.check_inbox)
     app.storage = storage
@@ -155,7 +214,7 @@ class SqlStorage:
         self.database = database
         self.owns_engine = owns_engine
         self.sessions = async_sessionmaker(
-            engine, expire_on_commit=False, sync_session_class=MessageSession
+            engine, class_=MessageAsyncSession, expire_on_commit=False
         )
         self.store = SqlOutboxStore(engine, tables.outbox, app.name, lease=lease)
         self.inbox = Inbox(
@@ -165,6 +224,7 @@ class SqlStorage:
         self.relay_batch = relay_batch
         self.poll_interval = poll_interval
         self.listen = listen and is_postgresql(engine)
+        self.inbox_at_commit = is_sqlite(engine)
         self.drain_timeout = drain_timeout
         self.create_tables = create_tables
         self.relay: Relay | None = None
@@ -202,25 +262,14 @@ class SqlStorage:
             await listener.stop()
         relay, self.relay = self.relay, None
         if relay is not None:
-            await relay.stop()
-            await self._drain(relay)
+            await relay.stop(self.drain_timeout)
         if self.owns_engine:
             await self.engine.dispose()
 
-    async def _drain(self, relay: Relay) -> None:
-        """Send what was committed just before the stop, within the drain timeout."""
-        if self.drain_timeout <= 0:
-            return
-        try:
-            async with asyncio.timeout(self.drain_timeout):
-                await relay.flush()
-        except Exception as error:
-            log.warning(
-                "app %r stopped with outbox rows unsent (%s: %s); its next start sends them",
-                self.app.name,
-                type(error).__name__,
-                error,
-            )
+    @property
+    def parked(self) -> int:
+        """How many of this app's outbox rows are parked, as the relay last counted them."""
+        return self.relay.parked_rows if self.relay is not None else 0
 
     def wake(self) -> None:
         """Have the relay look for rows now."""
@@ -259,32 +308,44 @@ class SqlStorage:
         """Handle the message in a session of its own, committed by the message's transaction."""
         session = self.sessions(info={GUARDED: True})
         context.items[SESSION] = session
-        context.transaction.replace_commit(self._committer(session))
-        context.transaction.after_commit(self._waker(context.transaction))
+        transaction = context.transaction
+        transaction.session = session
+        inbox_id = context.message_id if self.inbox_at_commit else ""
+        transaction.replace_commit(self._committer(session, inbox_id))
+        transaction.after_commit(self._waker(transaction))
         try:
             await next(context)
-        except BaseException:
-            await _discard(session)
-            raise
         finally:
-            await asyncio.shield(session.close())
+            await run_to_end(_end(session))
 
     async def check_inbox(self, context: MessageContext, next: Next[MessageContext]) -> None:
-        """Skip a message this app has handled already (and ack it); record it otherwise."""
+        """Skip a message this app has handled already (ack it); record it otherwise.
+
+        On PostgreSQL the id is recorded first, so that a copy being handled at the same time
+        waits for this one. On SQLite it is looked up first and recorded at commit, so that
+        the write transaction stays short; a copy that committed meanwhile is found then.
+        """
         message_id = context.message_id
-        if message_id:
-            session = self.session_of(context)
-            if not await self.inbox.record(session, message_id):
-                log.info(
-                    "duplicate %s skipped: app %r handled it already",
-                    describe(context.headers),
-                    self.app.name,
-                )
-                context.transaction.rollback()
-                await session.rollback()
-                await acknowledge(context.delivery)
+        if not message_id:
+            await next(context)
+            return
+        if self.inbox_at_commit:
+            seen = await self.inbox.seen(message_id)
+        else:
+            seen = not await self.inbox.record(self.session_of(context), message_id)
+        if not seen:
+            try:
+                await next(context)
                 return
-        await next(context)
+            except AlreadyHandled:
+                pass
+        log.info(
+            "duplicate %s skipped: app %r handled it already",
+            describe(context.headers),
+            self.app.name,
+        )
+        context.transaction.rollback()
+        context.outcome = ACK
 
     # Outside handlers.
 
@@ -296,28 +357,38 @@ class SqlStorage:
         session is rolled back and nothing is sent.
         """
         executor: Executor = self.sessions() if session is None else session
-        transaction = Transaction(self._committer(executor), self.app)
+        transaction = Transaction(self._committer(executor), self.app, session=executor)
         transaction.after_commit(self._waker(transaction))
         try:
             yield transaction
             await transaction.commit()
         except BaseException:
             transaction.rollback()
-            await _discard(executor)
+            await run_to_end(_discard(executor))
             raise
         finally:
             if session is None:
                 assert isinstance(executor, AsyncSession)
-                await asyncio.shield(executor.close())
+                await run_to_end(executor.close())
 
-    def _committer(self, executor: Executor) -> Commit:
-        """A commit that writes the outbox rows into `executor`'s transaction and commits it."""
+    def _committer(self, executor: Executor, inbox_id: str = "") -> Commit:
+        """A commit that writes the outbox rows (and the inbox row, if given) and commits.
+
+        A message's session that was rolled back behind Mersal's back lost its inbox row: the
+        commit fails rather than commit the handler's writes without it.
+        """
         outbox, app, channel = self.tables.outbox, self.app.name, self._channel
 
         async def commit(outgoing: Sequence[Outgoing]) -> None:
+            if isinstance(executor, MessageAsyncSession):
+                if executor.info.get(ROLLED_BACK):
+                    raise MersalError(LOST_ROLLBACK)
+                if inbox_id and not await self.inbox.record(executor, inbox_id):
+                    raise AlreadyHandled(f"message {inbox_id} was handled meanwhile")
+                await write_outbox(executor, outbox, app, outgoing, channel)
+                await executor.end(commit=True)
+                return
             await write_outbox(executor, outbox, app, outgoing, channel)
-            if isinstance(executor, AsyncSession):
-                executor.info[COMMITTING] = True
             await executor.commit()
 
         return commit
@@ -335,16 +406,30 @@ class SqlStorage:
 async def _discard(executor: Executor) -> None:
     """Roll back, keeping the error that led here rather than one from the rollback."""
     try:
-        await asyncio.shield(executor.rollback())
+        if isinstance(executor, MessageAsyncSession):
+            await executor.end(commit=False)
+        else:
+            await executor.rollback()
     except Exception as error:
         log.warning("rollback failed (%s: %s)", type(error).__name__, error)
+
+
+async def _end(session: MessageAsyncSession) -> None:
+    """Close the message's session; what it did not commit is rolled back."""
+    session.info[ENDING] = True
+    try:
+        await session.close()
+    except Exception as error:
+        log.warning("closing the message's session failed (%s: %s)", type(error).__name__, error)
 
 
 def _engine_defaults(backend: str, concurrency: int) -> dict[str, Any]:
     if backend == "postgresql":
         # one connection per concurrent message, plus the relay's, the listener's and a spare
         return {"pool_size": max(concurrency + 3, 5), "max_overflow": 10}
-    return {}
+    # SQLite writes one transaction at a time. One connection, handed out first come first
+    # served, makes writers queue in the process instead of racing for SQLite's lock.
+    return {"pool_size": 1, "max_overflow": 0, "pool_timeout": 300}
 
 
 def _seconds(value: timedelta | float) -> float:

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from mersal.transport import Consumer, Outgoing, Transport
+from mersal.transport import Consumer, Limits, Outgoing, Transport, first_failure
 
 SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 
@@ -26,11 +26,19 @@ def rabbitmqctl(*args: str) -> str:
 
 
 class DelegatingTransport:
-    """A transport that hands every call to `inner`: tests override what they change (send)."""
+    """A transport that hands every call to `inner`: tests override what they change.
+
+    `send` goes through `send_each`, so overriding `send_each` changes both.
+    """
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
         self.address = inner.address
+
+    @property
+    def limits(self) -> Limits:
+        """The inner transport's limits."""
+        return self.inner.limits
 
     async def start(self) -> None:
         """Connect."""
@@ -49,8 +57,12 @@ class DelegatingTransport:
         await self.inner.bind(queue, topic)
 
     async def send(self, messages: Sequence[Outgoing]) -> None:
-        """Send."""
-        await self.inner.send(messages)
+        """Send, raising the first failure."""
+        first_failure(await self.send_each(messages))
+
+    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
+        """Send each; for each, None or why not."""
+        return await self.inner.send_each(messages)
 
     async def consume(self, queue: str, *, prefetch: int) -> Consumer:
         """Consume from a queue."""

@@ -9,9 +9,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from mersal.errors import ConsumerClosed, MersalError, Unroutable
+from mersal.errors import ConsumerClosed, MersalError, Unroutable, Unsendable
 from mersal.messages import Envelope
-from mersal.transport import Outgoing, delay_of
+from mersal.transport import DEFAULT_LIMITS, Limits, Outgoing, delay_of, first_failure, problem_of
 
 
 @dataclass(slots=True)
@@ -181,14 +181,25 @@ class MemoryDelivery:
 class MemoryConsumer:
     """Takes messages from one queue, at most `prefetch` unacknowledged."""
 
-    def __init__(self, queue: MemoryQueue, prefetch: int) -> None:
+    def __init__(
+        self,
+        queue: MemoryQueue,
+        prefetch: int,
+        on_done: Callable[[MemoryConsumer], None] | None = None,
+    ) -> None:
         self.queue = queue
         self.prefetch = max(1, prefetch)
         self.unacked = 0
         self._closed = False
         self._room: asyncio.Future[None] | None = None
+        self._on_done = on_done
         self.outstanding: dict[MemoryDelivery, None] = {}
         queue.consumers += 1
+
+    @property
+    def done(self) -> bool:
+        """Closed, with every delivery it handed out settled."""
+        return self._closed and not self.outstanding
 
     async def get(self) -> MemoryDelivery:
         """The next message, waiting until one is ready and there is room for it."""
@@ -217,6 +228,8 @@ class MemoryConsumer:
         room, self._room = self._room, None
         if room is not None and not room.done():
             room.set_result(None)
+        if self.done and self._on_done is not None:
+            self._on_done(self)
 
     async def close(self) -> None:
         """Stop taking messages; wake a waiting `get` so that it raises `ConsumerClosed`."""
@@ -227,16 +240,22 @@ class MemoryConsumer:
         for waiter in [*self.queue.waiters, self._room]:
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
+        if self.done and self._on_done is not None:
+            self._on_done(self)
 
 
 class MemoryTransport:
-    """The `memory://[name]` transport: an in-process broker shared by the apps of one loop."""
+    """The `memory://[name]` transport: an in-process broker shared by the apps of one loop.
 
-    def __init__(self, url: str = "memory://") -> None:
+    It refuses what RabbitMQ would refuse (`limits`), so that code tried on it works there too.
+    """
+
+    def __init__(self, url: str = "memory://", *, limits: Limits = DEFAULT_LIMITS) -> None:
         self.address = url
         self.name = url.partition("://")[2] or "default"
+        self.limits = limits
         self._temporary: list[str] = []
-        self._consumers: list[MemoryConsumer] = []
+        self._consumers: dict[MemoryConsumer, None] = {}
         self._broker: MemoryBroker | None = None
 
     @property
@@ -252,7 +271,7 @@ class MemoryTransport:
 
     async def stop(self) -> None:
         """Return unacknowledged deliveries to their queues; remove temporary queues."""
-        for consumer in self._consumers:
+        for consumer in list(self._consumers):
             await consumer.close()
             for delivery in list(consumer.outstanding):
                 await delivery.nack(requeue=True)
@@ -272,16 +291,34 @@ class MemoryTransport:
         self.broker.bind(queue, topic)
 
     async def send(self, messages: Sequence[Outgoing]) -> None:
-        """Route each message now (or at its deliver-at time)."""
+        """Route each message now (or at its deliver-at time); raise the first failure."""
+        first_failure(await self.send_each(messages))
+
+    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
+        """Route each message it can carry; for each, None or why it could not go."""
         broker = self.broker
+        results: list[Exception | None] = []
         for outgoing in messages:
-            broker.route(outgoing)
+            problem = problem_of(outgoing, self.limits)
+            if problem is not None:
+                results.append(Unsendable(f"cannot send it to {outgoing.address!r}: {problem}"))
+                continue
+            try:
+                broker.route(outgoing)
+            except Unroutable as error:
+                results.append(error)
+            else:
+                results.append(None)
+        return results
 
     async def consume(self, queue: str, *, prefetch: int) -> MemoryConsumer:
         """Receive from an existing queue."""
         found = self.broker.queues.get(queue)
         if found is None:
             raise Unroutable(f"no queue named {queue!r} to consume from: declare it first")
-        consumer = MemoryConsumer(found, prefetch)
-        self._consumers.append(consumer)
+        consumer = MemoryConsumer(found, prefetch, self._forget)
+        self._consumers[consumer] = None
         return consumer
+
+    def _forget(self, consumer: MemoryConsumer) -> None:
+        self._consumers.pop(consumer, None)

@@ -312,7 +312,7 @@ def worker_app(args: argparse.Namespace, chaos: Chaos) -> App:
     app.register(Work, WorkHandler)
     app.register(Doom, DoomHandler)
     app.incoming.insert_before("retry", "chaos_raw_log", chaos.log_delivery)
-    app.incoming.insert_before("ack", "chaos_after_commit", chaos.after_commit)
+    app.incoming.insert_after("commit", "chaos_after_commit", chaos.after_commit)
     return app
 
 
@@ -349,14 +349,15 @@ class FaultyTransport(DelegatingTransport):
         self.die_after = die_after
         self.sent = 0
 
-    async def send(self, messages: Sequence[Outgoing]) -> None:
+    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
         """Publish with confirms; die just before, or just after, as configured."""
         if self.die_before and self.sent + len(messages) >= self.die_before:
             die(f"relay: {len(messages)} committed message(s) claimed, about to publish")
-        await self.inner.send(messages)
-        self.sent += len(messages)
+        results = await self.inner.send_each(messages)
+        self.sent += results.count(None)
         if self.die_after and self.sent >= self.die_after:
             die(f"relay: {self.sent} message(s) confirmed, their rows not deleted")
+        return results
 
 
 INSERT_INTENT = text("INSERT INTO intents (id, kind) VALUES (:id, :kind)")

@@ -27,9 +27,10 @@ Event = tuple[str, str]
 class RecordingDelivery:
     """A delivery that writes its ack/nack into the event log."""
 
-    def __init__(self, inner: Delivery, events: list[Event]) -> None:
+    def __init__(self, inner: Delivery, events: list[Event], acked: asyncio.Event) -> None:
         self.inner = inner
         self.events = events
+        self.acked = acked
         self.envelope = inner.envelope
         self.queue = inner.queue
         self.redelivered = inner.redelivered
@@ -37,6 +38,7 @@ class RecordingDelivery:
     async def ack(self) -> None:
         self.events.append(("ack", self.envelope.headers.get(Header.TYPE, "")))
         await self.inner.ack()
+        self.acked.set()
 
     async def nack(self, requeue: bool = True) -> None:
         self.events.append(("nack", self.envelope.headers.get(Header.TYPE, "")))
@@ -44,12 +46,14 @@ class RecordingDelivery:
 
 
 class RecordingConsumer:
-    def __init__(self, inner: object, events: list[Event]) -> None:
+    def __init__(self, inner: object, events: list[Event], acked: asyncio.Event) -> None:
         self.inner = inner
         self.events = events
+        self.acked = acked
 
     async def get(self) -> RecordingDelivery:
-        return RecordingDelivery(await self.inner.get(), self.events)  # type: ignore[attr-defined]
+        delivery = await self.inner.get()  # type: ignore[attr-defined]
+        return RecordingDelivery(delivery, self.events, self.acked)
 
     async def close(self) -> None:
         await self.inner.close()  # type: ignore[attr-defined]
@@ -62,20 +66,22 @@ class RecordingTransport(MemoryTransport):
         super().__init__(url)
         self.events = events
         self.fail_sends = fail_sends
+        self.acked = asyncio.Event()
 
-    async def send(self, messages: Sequence[Outgoing]) -> None:
+    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
         if self.fail_sends and any(m.envelope.type_name == type_of(Item) for m in messages):
             self.fail_sends -= 1
             self.events.append(("send-failed", ""))
             raise ConnectionError("broker went away")
         for outgoing in messages:
             self.events.append(("send", outgoing.envelope.body.decode()))
-        await super().send(messages)
+        return await super().send_each(messages)
 
     async def consume(  # type: ignore[override]
         self, queue: str, *, prefetch: int
     ) -> RecordingConsumer:
-        return RecordingConsumer(await super().consume(queue, prefetch=prefetch), self.events)
+        consumer = await super().consume(queue, prefetch=prefetch)
+        return RecordingConsumer(consumer, self.events, self.acked)
 
 
 def type_of(cls: type) -> str:
@@ -165,27 +171,22 @@ async def test_the_delivery_is_acked_after_its_messages_reach_the_transport(
     memory_url: str,
 ) -> None:
     events: list[Event] = []
-    done = asyncio.Event()
 
     async def handle(message: Batch, context: MessageContext) -> None:
         for n in range(3):
             await context.app.send(Item(n))
         events.append(("handler-returns", message.name))
 
-    app = App("batches", transport=RecordingTransport(memory_url, events))
+    transport = RecordingTransport(memory_url, events)
+    app = App("batches", transport=transport)
     app.route(Item, "items")
     app.register(Batch, handle)
 
-    async def mark_done(context: MessageContext, next: Next[MessageContext]) -> None:
-        await next(context)
-        done.set()
-
-    app.incoming.insert_after("ack", "test-done", mark_done)
     async with app:
         await app.transport.declare("items")
         await app.send_local(Batch("b-1"))
         async with asyncio.timeout(2):
-            await done.wait()
+            await transport.acked.wait()
 
     assert events == [
         ("send", '{"name":"b-1"}'),  # the test's own send_local
@@ -201,30 +202,25 @@ async def test_a_failed_commit_is_not_acked_and_the_message_is_handled_again(
     memory_url: str,
 ) -> None:
     events: list[Event] = []
-    done = asyncio.Event()
 
     async def handle(message: Batch, context: MessageContext) -> None:
         events.append(("handler", str(context.attempt)))
         await context.app.send(Item(1))
 
+    transport = RecordingTransport(memory_url, events, fail_sends=1)
     app = App(
         "batches",
-        transport=RecordingTransport(memory_url, events, fail_sends=1),
+        transport=transport,
         retry=RetryPolicy(immediate=1, delayed=[]),
     )
     app.route(Item, "items")
     app.register(Batch, handle)
 
-    async def mark_done(context: MessageContext, next: Next[MessageContext]) -> None:
-        await next(context)
-        done.set()
-
-    app.incoming.insert_after("ack", "test-done", mark_done)
     async with app:
         await app.transport.declare("items")
         await app.send_local(Batch("b-1"))
         async with asyncio.timeout(2):
-            await done.wait()
+            await transport.acked.wait()
 
     assert events[1:] == [
         ("handler", "1"),
@@ -260,14 +256,6 @@ async def test_at_the_end_of_commit_the_messages_are_queued_and_the_delivery_is_
         await bus.idle()
         unacked_at_end = bus.broker.queues["batches"].unacked
 
-    assert app.incoming.names == [
-        "retry",
-        "decode",
-        "activate",
-        "dispatch",
-        "commit",
-        "snapshot",
-        "ack",
-    ]
+    assert app.incoming.names == ["retry", "decode", "activate", "dispatch", "commit", "snapshot"]
     assert snapshots == [(3, 1)]
     assert unacked_at_end == 0

@@ -80,7 +80,7 @@ def test_mask_never_shows_a_password_wherever_it_is(password: str, scheme: str, 
         url = f"{prefix}user:{password}@rabbit.internal:5672/prod?heartbeat=30"
     else:
         url = f"{prefix}app@db.internal/orders?ssl=require&password={password}"
-    assume(password not in url.replace(password, "***"))  # e.g. a password of "rabbit"
+    assume(url.count(password) == 1)  # e.g. a password of "rabbit" or "sqlite"
 
     assert password not in mask(url)
 

@@ -214,12 +214,12 @@ class FlakyTransport(DelegatingTransport):
         self.failures = failures
         self.failed = 0
 
-    async def send(self, messages: Sequence[Outgoing]) -> None:
+    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
         """Fail while failures are left, then send."""
         if self.failed < self.failures:
             self.failed += 1
             raise ConnectionError("the broker is down (on purpose)")
-        await self.inner.send(messages)
+        return await self.inner.send_each(messages)
 
 
 def envelope_of(app: App, message: object, message_id: str) -> Envelope:

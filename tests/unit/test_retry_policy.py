@@ -6,7 +6,8 @@ from typing import Any
 import pytest
 
 from mersal import ConfigurationError, Envelope, Header, RetryPolicy
-from mersal.retry import MAX_ATTEMPTS, attempts_made, fit_headers
+from mersal.retry import MAX_ATTEMPTS, attempts_made
+from mersal.transport import Limits, fit, header_bytes
 
 
 def test_the_defaults() -> None:
@@ -131,14 +132,14 @@ def test_a_header_too_long_for_int_is_read_without_raising() -> None:
     assert attempts_made(attempt_header("9" * 5000)) in (0, MAX_ATTEMPTS)
 
 
-def test_fit_headers_leaves_small_headers_alone_and_cuts_the_longest_to_fit() -> None:
+def test_fit_leaves_small_headers_alone_and_cuts_the_longest_to_fit() -> None:
     small = {"a": "1", "b": "2"}
-    assert fit_headers(small) is small
+    assert fit(Envelope(small, b"")).headers == small
 
     headers = {"type": "t" * 50_000, "note": "n" * 30_000, "id": "m-1", "x" * 2_000: "odd"}
-    fitted = fit_headers(headers, budget=40_000)
+    fitted = fit(Envelope(headers, b""), Limits(max_header_bytes=40_000)).headers
 
-    assert sum(len(k) + len(v) for k, v in fitted.items()) <= 40_000
+    assert header_bytes(fitted) <= 40_000
     assert fitted["id"] == "m-1"
     assert "x" * 2_000 not in fitted  # an absurd header name is dropped
     assert fitted["type"].startswith("t" * 1_024)

@@ -1,0 +1,285 @@
+"""How a delivery ends: steps decide an `Outcome`, and one `Settler` carries it out, once.
+
+Acknowledging, sending a delayed retry, dead-lettering and returning a delivery to its queue all
+happen here and nowhere else, after the incoming pipeline has ended, whatever it raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from mersal.errors import Unroutable, Unsendable
+from mersal.messages import Envelope, Header, describe
+from mersal.transport import Delivery, Outgoing, Transport, fit, limits_of
+
+log = logging.getLogger("mersal.settle")
+
+T = TypeVar("T")
+
+MAX_ERROR_TEXT = 4_096
+MAX_TRACEBACK = 16_384
+
+ERROR_HEADERS = (
+    Header.ERROR_TYPE,
+    Header.ERROR_MESSAGE,
+    Header.ERROR_TRACEBACK,
+    Header.ERROR_ATTEMPTS,
+    Header.ERROR_QUEUE,
+    Header.FAILED_AT,
+)
+"""The headers dead-lettering adds: why the message failed, where, when."""
+
+KEPT_HEADERS = (
+    Header.ERROR_TYPE,
+    Header.ERROR_MESSAGE,
+    Header.ERROR_ATTEMPTS,
+    Header.ERROR_QUEUE,
+    Header.FAILED_AT,
+    Header.MESSAGE_ID,
+    Header.TYPE,
+    Header.ATTEMPT,
+    Header.DELIVER_AT,
+    Header.CONTENT_TYPE,
+    Header.CORRELATION_ID,
+    Header.PARTITION_KEY,
+)
+"""Headers a copy keeps (cut if need be) when its headers must shrink to fit the transport."""
+
+
+class Verdict(enum.Enum):
+    """What becomes of a delivery."""
+
+    ACK = "ack"
+    """Dealt with (handled, or a duplicate): remove it from its queue."""
+    RETRY_LATER = "retry later"
+    """Send a copy that comes back after a delay, then remove this one."""
+    DEAD_LETTER = "dead letter"
+    """Send a copy with the reason to the error queue, then remove this one."""
+    RETURN = "return"
+    """Give it back to its queue as it is (a stop, or the retry or dead letter could not leave)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why an attempt failed, read once and safely: an exception's `__str__` may itself raise."""
+
+    type_name: str
+    message: str
+    traceback: str = ""
+
+    @classmethod
+    def of(cls, error: BaseException) -> Failure:
+        """The failure `error` describes, whatever its `__str__`, `__repr__` or class does."""
+        return cls(error_type(error), error_text(error), error_traceback(error))
+
+    def __str__(self) -> str:
+        return f"{self.type_name.rpartition('.')[2]}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a delivery is to be settled, as a step decided it."""
+
+    verdict: Verdict
+    attempts: int = 0
+    """Attempts made so far (for a retry or a dead letter)."""
+    delay: float = 0.0
+    """Seconds until the retry (RETRY_LATER), or before giving the delivery back (RETURN)."""
+    failure: Failure | None = None
+
+    @classmethod
+    def retry_later(cls, delay: float, attempts: int, failure: Failure) -> Outcome:
+        """Send the message back to its queue, to be tried again after `delay` seconds."""
+        return cls(Verdict.RETRY_LATER, attempts, delay, failure)
+
+    @classmethod
+    def dead_letter(cls, failure: Failure, attempts: int) -> Outcome:
+        """Move the message to the error queue with why it failed."""
+        return cls(Verdict.DEAD_LETTER, attempts, 0.0, failure)
+
+    @classmethod
+    def give_back(cls, pause: float = 0.0) -> Outcome:
+        """Return the delivery to its queue as it is, after `pause` seconds."""
+        return cls(Verdict.RETURN, delay=pause)
+
+
+ACK = Outcome(Verdict.ACK)
+"""The delivery was dealt with."""
+
+RETURN = Outcome(Verdict.RETURN)
+"""Give the delivery back at once (the worker is stopping)."""
+
+
+class Settler:
+    """Carries out outcomes: the one place where a delivery is acked or returned to its queue.
+
+    A retry or dead letter that cannot be sent returns the delivery to its queue after `backoff`
+    seconds (the broker will deliver it again); one that the transport refuses as it is, is cut
+    down until it fits: a dead letter always leaves.
+    """
+
+    def __init__(self, transport: Transport, error_queue: str, *, backoff: float = 1.0) -> None:
+        self.transport = transport
+        self.error_queue = error_queue
+        self.backoff = backoff
+
+    async def settle(self, delivery: Delivery, outcome: Outcome) -> None:
+        """Settle `delivery` as `outcome` says; never raises (but for cancellation)."""
+        if outcome.verdict is Verdict.RETURN:
+            if outcome.delay > 0:
+                await asyncio.sleep(outcome.delay)
+            await give_back(delivery)
+            return
+        if outcome.verdict is not Verdict.ACK:
+            try:
+                await self._forward(delivery, outcome)
+            except Exception as error:
+                log.error(
+                    "%s of %s failed (%s); returning it to %r in %gs",
+                    "the delayed retry" if outcome.verdict is Verdict.RETRY_LATER else "moving",
+                    describe(delivery.envelope.headers),
+                    Failure.of(error),
+                    delivery.queue,
+                    self.backoff,
+                )
+                await asyncio.sleep(self.backoff)
+                await give_back(delivery)
+                return
+        await acknowledge(delivery)
+
+    async def _forward(self, delivery: Delivery, outcome: Outcome) -> None:
+        limits = limits_of(self.transport)
+        if outcome.verdict is Verdict.RETRY_LATER:
+            copy = retry_copy(delivery.envelope, outcome)
+            await self.transport.send([Outgoing(delivery.queue, fit(copy, limits, KEPT_HEADERS))])
+            return
+        copy = fit(dead_letter_copy(delivery, outcome), limits, KEPT_HEADERS)
+        try:
+            await self.transport.send([Outgoing(self.error_queue, copy)])
+        except Unroutable:  # the error queue was deleted since the app declared it
+            await self.transport.declare(self.error_queue)
+            await self.transport.send([Outgoing(self.error_queue, copy)])
+        except Unsendable as refused:  # whatever the transport does not take: keep the reason
+            log.warning("the dead letter was refused (%s); sending it without its headers", refused)
+            bare = {name: copy.headers[name] for name in KEPT_HEADERS if name in copy.headers}
+            await self.transport.send([Outgoing(self.error_queue, fit(Envelope(bare, copy.body)))])
+
+
+def retry_copy(envelope: Envelope, outcome: Outcome) -> Envelope:
+    """The copy of a message that comes back for its next attempt after the outcome's delay."""
+    return envelope.copy(
+        **{
+            Header.ATTEMPT: str(outcome.attempts),
+            Header.DELIVER_AT: f"{time.time() + outcome.delay:.6f}",
+        }
+    )
+
+
+def dead_letter_copy(delivery: Delivery, outcome: Outcome) -> Envelope:
+    """The copy of a message for the error queue: its body and headers, and why it failed."""
+    failure = outcome.failure or Failure("mersal.errors.MersalError", "no reason was given")
+    envelope = delivery.envelope.copy(**error_headers(failure, outcome.attempts, delivery.queue))
+    # A deliver-at that came with the message (forged, or left from a delay) must not hold the
+    # dead letter back: transports honour it at send time (RabbitMQ: a wait queue).
+    envelope.headers.pop(Header.DELIVER_AT, None)
+    return envelope
+
+
+def error_headers(failure: Failure, attempts: int, queue: str) -> dict[str, str]:
+    """The headers that tell an operator why a message is in the error queue."""
+    return {
+        Header.ERROR_TYPE: failure.type_name,
+        Header.ERROR_MESSAGE: failure.message,
+        Header.ERROR_TRACEBACK: failure.traceback,
+        Header.ERROR_ATTEMPTS: str(attempts),
+        Header.ERROR_QUEUE: queue,
+        Header.FAILED_AT: f"{time.time():.6f}",
+    }
+
+
+async def acknowledge(delivery: Delivery) -> None:
+    """Ack a delivery; a failed ack is logged, since the broker will deliver it again."""
+    try:
+        await delivery.ack()
+    except Exception as error:
+        log.warning(
+            "could not ack %s from %s (%s); the broker will deliver it again",
+            describe(delivery.envelope.headers),
+            delivery.queue,
+            Failure.of(error),
+        )
+
+
+async def give_back(delivery: Delivery) -> None:
+    """Return a delivery to its queue; if that fails, the broker returns it by itself."""
+    try:
+        await delivery.nack(requeue=True)
+    except Exception as error:
+        log.warning(
+            "could not return %s to %s (%s); the broker will deliver it again",
+            describe(delivery.envelope.headers),
+            delivery.queue,
+            Failure.of(error),
+        )
+
+
+async def run_to_end(work: Awaitable[T]) -> T:
+    """Await `work` to its end even if the caller is cancelled meanwhile (then re-raise that)."""
+    task = asyncio.ensure_future(work)
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError as error:
+            if task.done():
+                raise
+            cancelled = error
+            continue
+        if cancelled is not None:
+            raise cancelled
+        return result
+
+
+def cancelled_by_owner() -> bool:
+    """Whether the running task is being cancelled (by the worker's stop), not just raising."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def error_type(error: BaseException) -> str:
+    """`module.QualName` of the exception's class, whatever the class claims."""
+    cls = type(error)
+    module = _safe(lambda: str(cls.__module__), "?")
+    name = _safe(lambda: str(cls.__qualname__), _safe(lambda: str(cls.__name__), "?"))
+    return f"{module}.{name}"
+
+
+def error_text(error: BaseException) -> str:
+    """`str(error)`, or `repr`, or a placeholder, cut to MAX_ERROR_TEXT characters."""
+    text = _safe(lambda: str(error), None)
+    if text is None:
+        text = _safe(lambda: repr(error), None)
+    if text is None:
+        text = f"<{error_type(error)} whose str() and repr() fail>"
+    return text[:MAX_ERROR_TEXT]
+
+
+def error_traceback(error: BaseException) -> str:
+    """The formatted traceback of `error`, its last MAX_TRACEBACK characters."""
+    trace = _safe(lambda: "".join(traceback.format_exception(error)), "")
+    return trace[-MAX_TRACEBACK:]
+
+
+def _safe(render: Callable[[], str], fallback: T) -> str | T:
+    try:
+        text = render()
+    except BaseException:
+        return fallback
+    return text if isinstance(text, str) else fallback
