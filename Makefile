@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Paths that ruff looks at; ones that do not exist (yet) are left out.
 LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples)
 
-.PHONY: help run test lint format bench chaos clean
+.PHONY: help run test lint format bench chaos fuzz clean
 
 help:
 	@echo "Targets:"
@@ -16,6 +16,7 @@ help:
 	@echo "  make format                     ruff format + ruff check --fix"
 	@echo "  make bench   [ONLY=name]        run the benchmarks (python -m bench)"
 	@echo "  make chaos   [PYTEST_ARGS=...]  run only the chaos tests"
+	@echo "  make fuzz    [PYTEST_ARGS=...]  the property tests with new random examples, 10x as many"
 	@echo "  make clean                      remove .venv and caches"
 	@echo "Variables: PY=$(PY) (interpreter used to create $(VENV))"
 
@@ -47,6 +48,11 @@ bench: $(STAMP)
 # addopts holds -m "not chaos"; this -m comes later on the command line and wins.
 chaos: $(STAMP)
 	$(BIN)/pytest -m chaos -p no:cacheprovider $(PYTEST_ARGS)
+
+# make test runs the property tests derandomized (the same examples everywhere); this explores.
+fuzz: $(STAMP)
+	MERSAL_FUZZ=explore $(BIN)/pytest -p no:cacheprovider tests/fuzz tests/security tests/core/test_hostile_handlers.py $(PYTEST_ARGS)
+	$(BIN)/python -m tests.fuzz.fuzz_decode --iterations 200000
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build dist *.egg-info

@@ -269,6 +269,10 @@ class RabbitMQTransport:
         self._consumers.add(consumer)
         return consumer
 
+    def forget(self, consumer: RabbitMQConsumer) -> None:
+        """A consumer is done (closed, every delivery settled): stop tracking it."""
+        self._consumers.discard(consumer)
+
     # Connection and channels.
 
     async def _connect(self) -> AbstractRobustConnection:
@@ -626,6 +630,7 @@ class RabbitMQConsumer:
                     await _nack(message, requeue=True)
 
     async def _close_channel(self) -> None:
+        self._transport.forget(self)
         channel, self._channel = self._channel, None
         if channel is not None:
             await _close_quietly(channel)

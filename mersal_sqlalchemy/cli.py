@@ -217,8 +217,8 @@ async def list_rows(
     parked: bool = False,
     app: str | None = None,
     limit: int = LIST_LIMIT,
-) -> tuple[list[ListedRow], int]:
-    """Up to `limit` rows, oldest first, and how many match in all."""
+) -> tuple[list[ListedRow], int, int]:
+    """Up to `limit` rows, oldest first, how many match in all, and how many are parked."""
     where: list[ColumnElement[bool]] = []
     if parked:
         where.append(table.c.parked_at.is_not(None))
@@ -241,9 +241,12 @@ async def list_rows(
         .limit(limit)
     )
     counting = select(func.count()).select_from(table).where(*where)
+    parked_where = [*where, table.c.parked_at.is_not(None)]
+    counting_parked = select(func.count()).select_from(table).where(*parked_where)
     async with engine.connect() as connection:
         records = (await connection.execute(query)).all()
         total = int((await connection.execute(counting)).scalar_one())
+        parked_total = int((await connection.execute(counting_parked)).scalar_one())
     rows = []
     for record in records:
         headers = _headers(record.headers)
@@ -261,7 +264,7 @@ async def list_rows(
                 parked_reason=record.parked_reason,
             )
         )
-    return rows, total
+    return rows, total, parked_total
 
 
 def _headers(stored: str) -> dict[str, str]:
@@ -381,8 +384,13 @@ def _reason(error: BaseException, url: URL) -> str:
 
 
 async def outbox_list(engine: AsyncEngine, table: Table, args: argparse.Namespace) -> int:
-    """`mersal outbox list`: a line per row, parked rows with when and why."""
-    rows, total = await list_rows(engine, table, parked=args.parked, app=args.app, limit=args.limit)
+    """`mersal outbox list`: a line per row, parked rows with when and why.
+
+    Exits 1 when rows are parked (they need an operator), else 0.
+    """
+    rows, total, parked = await list_rows(
+        engine, table, parked=args.parked, app=args.app, limit=args.limit
+    )
     what = ("parked " if args.parked else "") + "outbox row(s)"
     of_app = f" of app {args.app!r}" if args.app is not None else ""
     if not rows:
@@ -397,8 +405,15 @@ async def outbox_list(engine: AsyncEngine, table: Table, args: argparse.Namespac
     else:
         footer = f"{total} {what}{of_app}"
     if not args.parked:
-        footer += f", {sum(row.parked for row in rows)} of them parked"
+        footer += f", {parked} of them parked"
     print(footer)
+    if parked:
+        print(
+            f"mersal: {parked} parked row(s) need an operator: fix the cause, then "
+            "`mersal outbox retry ID...` (or `purge`)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

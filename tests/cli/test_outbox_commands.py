@@ -77,7 +77,9 @@ async def outbox(database: str) -> AsyncIterator[Outbox]:
 async def test_list_shows_every_row_and_why_the_parked_ones_are_parked(
     outbox: Outbox, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert await mersal("outbox", "list", "--database", outbox.database) == 0
+    assert (
+        await mersal("outbox", "list", "--database", outbox.database) == 1
+    )  # parked rows need an operator
 
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == [
@@ -107,15 +109,21 @@ async def test_list_filters_parked_rows_and_apps_and_stops_at_the_limit(
     outbox: Outbox, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = outbox.database
-    assert await mersal("outbox", "list", "--parked", "--database", url) == 0
+    assert (
+        await mersal("outbox", "list", "--parked", "--database", url) == 1
+    )  # parked rows need an operator
     parked = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in parked[1:-1]] == ["2", "4"]
     assert parked[-1] == "2 parked outbox row(s)"
 
-    assert await mersal("outbox", "list", "--app", "orders", "--parked", "--database", url) == 0
+    assert (
+        await mersal("outbox", "list", "--app", "orders", "--parked", "--database", url) == 1
+    )  # parked rows need an operator
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:-1]] == ["2"]
 
-    assert await mersal("outbox", "list", "--limit", "1", "--database", url) == 0
+    assert (
+        await mersal("outbox", "list", "--limit", "1", "--database", url) == 1
+    )  # parked rows need an operator
     lines = capsys.readouterr().out.splitlines()
     assert "PARKED" not in lines[0]  # row 1 is not parked: no parked columns
     assert [line.split()[0] for line in lines[1:-1]] == ["1"]
@@ -209,7 +217,7 @@ async def test_the_database_comes_from_the_environment(
     assert "needs --database URL or MERSAL_DATABASE" in capsys.readouterr().err
 
     monkeypatch.setenv("MERSAL_DATABASE", outbox.database)
-    assert await mersal("outbox", "list", "--parked") == 0
+    assert await mersal("outbox", "list", "--parked") == 1  # parked rows need an operator
     assert capsys.readouterr().out.endswith("2 parked outbox row(s)\n")
 
 

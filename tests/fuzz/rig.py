@@ -8,6 +8,7 @@ error queue with which headers) by a probe header of its own, then checks the in
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import uuid
 from collections import Counter
@@ -40,8 +41,12 @@ HANDLED = "handled"
 EITHER = "either"
 """A body no oracle can judge: handled once, or dead-lettered once for its body."""
 
+EXPLORE = os.environ.get("MERSAL_FUZZ") == "explore"
+"""`make fuzz`: new random examples, ten times as many; `make test`: the same ones every run."""
+
 FUZZ = settings(
-    max_examples=60,
+    max_examples=600 if EXPLORE else 60,
+    derandomize=not EXPLORE,  # a fresh clone runs exactly what every other machine ran
     deadline=None,
     database=None,  # nothing left in the working tree; a failure prints its example
     suppress_health_check=[

@@ -8,9 +8,14 @@ Two exact allow-lists name the only dynamic imports: the SQL adapter by its cons
 from __future__ import annotations
 
 import ast
+import functools
+import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("mersal", "mersal_rabbitmq", "mersal_sqlalchemy")
@@ -158,14 +163,7 @@ def test_no_line_mentions_pickle_marshal_eval_exec_or_import_module_beyond_the_a
     assert hits == []
 
 
-def test_no_module_imports_or_calls_anything_that_runs_code_from_data() -> None:
-    findings = [finding for path, source in sources() for finding in scan(path, source)]
-
-    assert findings == []
-
-
-def test_the_scanners_find_every_unsafe_form() -> None:
-    unsafe = """
+UNSAFE_SAMPLE = """
 import pickle
 import marshal as m
 from dill import loads
@@ -182,8 +180,49 @@ def decode(body, name):
     sys.modules[name]
     return "shelve", globals()[name]
 """
-    findings = scan("mersal/pipeline.py", unsafe)
-    hits = grep("mersal/pipeline.py", unsafe)
+
+
+def scan_report() -> dict[str, list[Any]]:
+    """What the syntax tests look at, parsed in this process."""
+    return {
+        "findings": [finding for path, source in sources() for finding in scan(path, source)],
+        "sample": scan("mersal/pipeline.py", UNSAFE_SAMPLE),
+        "load_app_calls": [
+            [path, ast.unparse(node)]
+            for path, source in sources()
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("load_app")
+        ],
+    }
+
+
+@functools.cache
+def fresh_report() -> dict[str, list[Any]]:
+    """`scan_report()` in a new interpreter.
+
+    CPython 3.11 can be left unable to parse (`SystemError: AST constructor recursion depth
+    mismatch`) by a RecursionError earlier in the process, such as the decode fuzz provokes.
+    """
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.security.test_no_unsafe_code"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    report: dict[str, list[Any]] = json.loads(result.stdout)
+    return report
+
+
+def test_no_module_imports_or_calls_anything_that_runs_code_from_data() -> None:
+    assert fresh_report()["findings"] == []
+
+
+def test_the_scanners_find_every_unsafe_form() -> None:
+    findings = fresh_report()["sample"]
+    hits = grep("mersal/pipeline.py", UNSAFE_SAMPLE)
 
     for expected in (
         "import pickle",
@@ -213,11 +252,8 @@ def decode(body, name):
 
 
 def test_the_command_line_import_takes_only_the_target_given_on_the_command_line() -> None:
-    calls = [
-        (path, ast.unparse(node))
-        for path, source in sources()
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("load_app")
-    ]
+    assert fresh_report()["load_app_calls"] == [["mersal/cli.py", "load_app(args.target)"]]
 
-    assert calls == [("mersal/cli.py", "load_app(args.target)")]
+
+if __name__ == "__main__":
+    print(json.dumps(scan_report()))
