@@ -99,6 +99,11 @@ class App:
         self.database = database or os.environ.get("MERSAL_DATABASE") or None
         self.retry = retry if retry is not None else RetryPolicy()
         check_queue_name(self.retry.error_queue, "RetryPolicy(error_queue)")
+        if self.retry.error_queue == name:
+            raise ConfigurationError(
+                f"RetryPolicy(error_queue={name!r}) is the app's own queue: dead letters would "
+                "come back to be handled again; name another queue"
+            )
         self.concurrency = concurrency
         self.codec: Codec = codec if codec is not None else JsonCodec()
         self.max_body_size = max_body_size

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mersal.outbox")
 
+MAX_TRACKED_FAILURES = 10_000
+
 
 @dataclass(slots=True)
 class OutboxRow:
@@ -241,6 +243,8 @@ class Relay:
             if failures >= self.max_failures:
                 plan.park.append((row, f"failed {failures} times: {Failure.of(result)}"))
             else:
+                if len(self._failures) >= MAX_TRACKED_FAILURES:  # rows gone elsewhere linger
+                    self._failures.clear()
                 self._failures[row.id] = failures
                 plan.retry.append(row.id)
                 plan.retry_error = plan.retry_error or result

@@ -240,15 +240,15 @@ class RabbitMQTransport:
         """
         self._require_connection()
         results: list[Exception | None] = [None] * len(messages)
-        fit: list[int] = []
+        carried: list[int] = []
         for index, outgoing in enumerate(messages):
             problem = problem_of(outgoing, self.limits)
             if problem is None:
-                fit.append(index)
+                carried.append(index)
             else:
                 results[index] = Unsendable(f"cannot send it to {outgoing.address!r}: {problem}")
-        for run in distinct_runs([messages[index] for index in fit]):
-            indices, fit = fit[: len(run)], fit[len(run) :]
+        for run in distinct_runs([messages[index] for index in carried]):
+            indices, carried = carried[: len(run)], carried[len(run) :]
             for index, result in zip(indices, await self._send_run(run), strict=True):
                 results[index] = result
         refused = [index for index, result in enumerate(results) if refused_by_broker(result)]
