@@ -15,6 +15,8 @@ from mersal.errors import (
 from mersal.messages import Envelope, Header, message
 from mersal.pipeline import MessageContext, OutgoingContext, Pipeline
 from mersal.retry import RetryPolicy
+from mersal.timeouts import HandlerTimeout
+from mersal.transaction import TransactionClosed
 from mersal.transport import Delivery, Outgoing, Transport
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "DecodeError",
     "Delivery",
     "Envelope",
+    "HandlerTimeout",
     "Header",
     "MersalError",
     "MessageContext",
@@ -34,6 +37,7 @@ __all__ = [
     "Pipeline",
     "RequestTimeout",
     "RetryPolicy",
+    "TransactionClosed",
     "Transport",
     "Unroutable",
     "Unsendable",

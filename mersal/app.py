@@ -47,7 +47,8 @@ from mersal.pipeline import (
 from mersal.retry import RetryPolicy, RetryStep, after_failure, attempts_made, log_failure
 from mersal.serialization import Codec, JsonCodec
 from mersal.settle import ACK, Failure, Outcome, Settler, cancelled_by_owner
-from mersal.transaction import Transaction, current_transaction
+from mersal.timeouts import HandlerClock
+from mersal.transaction import Transaction, current_transaction, id_namespace
 from mersal.transport import (
     Consumer,
     Delivery,
@@ -94,7 +95,9 @@ class App:
             raise ConfigurationError(f"App(concurrency={concurrency!r}) must be an int >= 1")
         self.prefetch = check_prefetch(prefetch, concurrency)
         self.handler_timeout = check_timeout(handler_timeout)
+        self.clock = HandlerClock(self.handler_timeout)
         self.name = name
+        self.message_ids = id_namespace(name)
         self.transport = transport_from(transport)
         self.database = database or os.environ.get("MERSAL_DATABASE") or None
         self.retry = retry if retry is not None else RetryPolicy()
@@ -117,7 +120,7 @@ class App:
                 ("retry", RetryStep(self.retry)),
                 ("decode", decode_step(max_body_size)),
                 ("activate", activate_step),
-                ("dispatch", dispatch_step(self.handler_timeout)),
+                ("dispatch", dispatch_step(self.clock)),
                 ("commit", commit_step),
             ],
             end=handled,
@@ -137,6 +140,9 @@ class App:
         self._stopping: asyncio.Future[None] | None = None
         self._replies: _Replies | None = None
         self.storage: Storage | None = None
+        self.settler = Settler(self.transport, self.retry.error_queue)
+        self.limits = limits_of(self.transport)
+        """What the transport carries (read again once it is connected)."""
 
     def __repr__(self) -> str:
         return f"<App {self.name!r} on {mask(self.transport.address)}>"
@@ -208,7 +214,7 @@ class App:
     ) -> str:
         """Send a message to its route (or this app) to be delivered after `delay`."""
         seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
-        limit = limits_of(self.transport).max_delay
+        limit = self.limits.max_delay
         if not math.isfinite(seconds) or seconds > limit:
             raise Unsendable(
                 f"defer({delay!r}, ...) needs a finite delay of at most {limit:.0f}s, the longest "
@@ -342,7 +348,7 @@ class App:
         direct: bool = False,
     ) -> str:
         self._check_running()
-        merged = check_headers(headers)
+        merged = check_headers(headers) if headers else {}
         if partition_key is not None:
             merged[Header.PARTITION_KEY] = str(partition_key)
         incoming = current_message.get()
@@ -391,6 +397,7 @@ class App:
         transport = self.transport
         self.settler = Settler(transport, self.retry.error_queue)
         await transport.start()
+        self.limits = limits_of(transport)
         try:
             await transport.declare(self.name)
             await transport.declare(self.retry.error_queue)
@@ -425,6 +432,7 @@ class App:
         if self._worker is not None:
             await self._worker.stop(self.grace_period)
         self._worker = None
+        await self.clock.stop()
         self._running = False
         if self.storage is not None:
             await self.storage.stop()
@@ -459,7 +467,7 @@ class App:
             return self._escaped(context, error)
         if context.outcome is None:
             outcome = Outcome.dead_letter(STOPPED_SHORT, attempts_made(context.envelope) + 1)
-            log_failure(context, outcome, outcome.attempts, STOPPED_SHORT)
+            log_failure(context, outcome, outcome.attempts)
             return outcome
         return context.outcome
 
@@ -468,7 +476,7 @@ class App:
         made = attempts_made(context.envelope) + 1
         outcome = after_failure(self.retry, error, made, immediate=False)
         assert outcome is not None
-        log_failure(context, outcome, made, outcome.failure)
+        log_failure(context, outcome, made)
         return outcome
 
     def _check_configuration(self) -> None:

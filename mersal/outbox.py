@@ -174,6 +174,7 @@ class Relay:
         while True:
             rows = await run_to_end(self.store.claim(self.batch))
             if not rows:
+                self._failures.clear()  # the rows they counted are gone (or leased elsewhere)
                 return total
             total += await self._relay(rows)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -11,11 +10,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from mersal.errors import ConfigurationError, DecodeError, MersalError, Unsendable
+from mersal.errors import ConfigurationError, DecodeError, Unsendable
 from mersal.messages import Envelope, Header
 from mersal.settle import ACK, Outcome
+from mersal.timeouts import HandlerClock, HandlerTimeout
 from mersal.transaction import Transaction
-from mersal.transport import Delivery, Outgoing, check, limits_of
+from mersal.transport import Delivery, Outgoing, check, plainly_fine
 
 if TYPE_CHECKING:
     from mersal.app import App
@@ -25,10 +25,6 @@ log = logging.getLogger("mersal.pipeline")
 C = TypeVar("C")
 Next = Callable[[C], Awaitable[None]]
 Step = Callable[[C, Next[C]], Awaitable[None]]
-
-
-class HandlerTimeout(MersalError):
-    """A handler did not finish within the app's `handler_timeout`."""
 
 
 class MessageContext:
@@ -59,7 +55,8 @@ class MessageContext:
         self.message_type: type | None = None
         self.attempt = 1
         self.outcome: Outcome | None = None
-        self.transaction: Transaction = self._new_transaction()
+        seed = self.envelope.headers.get(Header.MESSAGE_ID) or None
+        self.transaction = Transaction(app.send_committed, app, seed, app.message_ids)
         self.items: dict[str, Any] = {}
         self.handlers: list[Callable[[Any], Awaitable[object]]] = []
 
@@ -93,14 +90,15 @@ class MessageContext:
         """Start handling afresh: a new transaction, no handlers, no step state, no outcome."""
         self.attempt = attempt
         self.outcome = None
-        self.transaction = self._new_transaction()
-        self.items.clear()
-        self.handlers.clear()
+        if not self.transaction.untouched:  # the one made with the context serves attempt 1
+            self.transaction = self._new_transaction()
+            self.items.clear()
+            self.handlers.clear()
 
     def _new_transaction(self) -> Transaction:
-        message_id = self.envelope.headers.get(Header.MESSAGE_ID)
-        seed = f"{self.app.name}\x00{message_id}" if message_id else None
-        return Transaction(self.app.send_committed, self.app, seed=seed)
+        app = self.app
+        seed = self.envelope.headers.get(Header.MESSAGE_ID) or None
+        return Transaction(app.send_committed, app, seed, app.message_ids)
 
 
 @dataclass(slots=True)
@@ -219,8 +217,9 @@ def decode_step(max_body_size: int) -> Step[MessageContext]:
             raise DecodeError("the message has no type header, so no handler can be chosen")
         app = context.app
         content_type = envelope.headers.get(Header.CONTENT_TYPE)
-        if content_type and media_type(content_type) != app.codec.content_type:
-            raise DecodeError(f"content type {content_type!r} is not {app.codec.content_type!r}")
+        expected = app.codec.content_type
+        if content_type and content_type != expected and media_type(content_type) != expected:
+            raise DecodeError(f"content type {content_type!r} is not {expected!r}")
         cls = app.types.resolve(name)
         context.message_type = cls
         try:
@@ -246,21 +245,23 @@ async def activate_step(context: MessageContext, next: Next[MessageContext]) -> 
     await next(context)
 
 
-def dispatch_step(timeout: float | None) -> Step[MessageContext]:
-    """Call every handler, in registration order, all within `timeout` seconds."""
+def dispatch_step(clock: HandlerClock) -> Step[MessageContext]:
+    """Call every handler, in registration order, all within the clock's timeout."""
 
     async def dispatch(context: MessageContext, next: Next[MessageContext]) -> None:
         message = context.message
+        timed = clock.start()
         try:
-            async with asyncio.timeout(timeout) as deadline:
-                for handler in context.handlers:
-                    await handler(message)
-        except TimeoutError:
-            if not deadline.expired():
-                raise
-            raise HandlerTimeout(_too_slow(context, timeout)) from None
-        if deadline.expired():  # a handler swallowed the cancellation and returned late
-            raise HandlerTimeout(_too_slow(context, timeout))
+            for handler in context.handlers:
+                await handler(message)
+        except BaseException:
+            if clock.finish(timed):
+                await clock.absorb(timed)
+                raise HandlerTimeout(_too_slow(context, clock.timeout)) from None
+            raise
+        if clock.finish(timed):  # a handler swallowed the cancellation and returned late
+            await clock.absorb(timed)
+            raise HandlerTimeout(_too_slow(context, clock.timeout))
         await next(context)
 
     return dispatch
@@ -332,7 +333,9 @@ def send_step(app: App) -> Step[OutgoingContext]:
 
     async def send(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
         outgoing = Outgoing(context.address, context.envelope, context.publish)
-        check(outgoing, limits_of(app.transport))
+        if not plainly_fine(outgoing, app.limits):
+            check(outgoing, app.limits)
+        outgoing.checked = True
         if context.transaction is not None:
             context.transaction.enlist(outgoing)
         else:

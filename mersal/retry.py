@@ -101,45 +101,37 @@ class RetryStep:
         self.policy = policy
 
     async def __call__(self, context: MessageContext, next: Next[MessageContext]) -> None:
-        """Run the rest of the pipeline per attempt until one succeeds or the policy decides."""
+        """Run the rest of the pipeline per attempt until one succeeds or the policy decides.
+
+        Each attempt runs with its own transaction current; when the attempt ends, so does the
+        transaction, committed or not: a task the handler left behind that sends later gets
+        `TransactionClosed`.
+        """
         made = attempts_made(context.envelope)
         while True:
             context.begin_attempt(made + 1)
-            error = await run_attempt(context, next)
-            if error is None:
+            transaction = context.transaction
+            message_token = current_message.set(context)
+            transaction_token = current_transaction.set(transaction)
+            try:
+                await next(context)
                 return
+            except asyncio.CancelledError as cancelled:
+                if cancelled_by_owner():
+                    raise
+                error: BaseException = cancelled
+            except BaseException as failed:
+                error = failed
+            finally:
+                transaction.rollback()
+                current_transaction.reset(transaction_token)
+                current_message.reset(message_token)
             made += 1
             outcome = after_failure(self.policy, error, made)
-            if outcome is None:
-                log_failure(context, outcome, made, Failure.of(error))
-                continue
-            log_failure(context, outcome, made, outcome.failure)
-            context.outcome = outcome
-            return
-
-
-async def run_attempt(context: MessageContext, next: Next[MessageContext]) -> BaseException | None:
-    """Run one attempt with its transaction current; None if it succeeded, else what it raised.
-
-    When the attempt ends its transaction ends too, committed or not: a task the handler left
-    behind that sends later gets `TransactionClosed`.
-    """
-    transaction = context.transaction
-    message_token = current_message.set(context)
-    transaction_token = current_transaction.set(transaction)
-    try:
-        await next(context)
-    except asyncio.CancelledError as error:
-        if cancelled_by_owner():
-            raise
-        return error
-    except BaseException as error:
-        return error
-    finally:
-        transaction.rollback()
-        current_transaction.reset(transaction_token)
-        current_message.reset(message_token)
-    return None
+            log_failure(context, outcome, made, Failure.of(error) if outcome is None else None)
+            if outcome is not None:
+                context.outcome = outcome
+                return
 
 
 def after_failure(
@@ -159,9 +151,11 @@ def after_failure(
 
 
 def log_failure(
-    context: MessageContext, outcome: Outcome | None, made: int, failure: Failure | None
+    context: MessageContext, outcome: Outcome | None, made: int, failure: Failure | None = None
 ) -> None:
-    """Log a failed attempt: retried at WARNING, dead-lettered at ERROR."""
+    """Log a failed attempt (`failure`, or the outcome's): retried at WARNING, dead at ERROR."""
+    if failure is None and outcome is not None:
+        failure = outcome.failure
     if outcome is not None and outcome.verdict is Verdict.DEAD_LETTER:
         log.error(
             "moving %s to %r after %d attempt(s): %s",

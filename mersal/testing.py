@@ -111,8 +111,12 @@ class Harness:
 
     async def stop(self) -> None:
         """Stop every app."""
-        for app in reversed(self.apps):
-            await app.stop()
+        try:
+            for app in reversed(self.apps):
+                await app.stop()
+        finally:
+            if self._broker is not None and self._record in self._broker.observers:
+                self._broker.observers.remove(self._record)
 
     @property
     def broker(self) -> MemoryBroker:

@@ -16,6 +16,11 @@ MESSAGE_IDS = uuid.UUID("6d9a3c1e-51b4-4c7e-9a53-0c1f6f0e8f2a")
 """The namespace of the message ids derived from an incoming message's id."""
 
 
+def id_namespace(app_name: str) -> uuid.UUID:
+    """The namespace of the ids an app derives for what its handlers send."""
+    return uuid.uuid5(MESSAGE_IDS, app_name)
+
+
 class TransactionClosed(MersalError):
     """A message was sent through a transaction that already committed or rolled back."""
 
@@ -23,9 +28,10 @@ class TransactionClosed(MersalError):
 class Transaction:
     """Buffers outgoing messages; `commit` hands them on in order, `rollback` forgets them.
 
-    A transaction made for an incoming message (`seed`: the app and the message's id) gives the
-    messages sent through it ids derived from that seed and their place in the sending order,
-    so that a retry that sends the same messages sends them under the same ids.
+    A transaction made for an incoming message (`seed`: the message's id; `ids`: the handling
+    app's `id_namespace`) gives the messages sent through it ids derived from those and their
+    place in the sending order, so that a retry that sends the same messages sends them under
+    the same ids.
     """
 
     __slots__ = (
@@ -33,6 +39,7 @@ class Transaction:
         "_commit",
         "_done",
         "_doomed",
+        "_ids",
         "_seed",
         "_sent",
         "outgoing",
@@ -44,8 +51,9 @@ class Transaction:
         self,
         commit: Commit,
         owner: object = None,
-        *,
         seed: str | None = None,
+        ids: uuid.UUID = MESSAGE_IDS,
+        *,
         session: object = None,
     ) -> None:
         self.outgoing: list[Outgoing] = []
@@ -56,12 +64,18 @@ class Transaction:
         self._done = False
         self._doomed: str | None = None
         self._seed = seed
+        self._ids = ids
         self._sent = 0
 
     @property
     def open(self) -> bool:
         """Whether messages can still join the transaction."""
         return not self._done
+
+    @property
+    def untouched(self) -> bool:
+        """Open, and nothing has used it yet."""
+        return not self._done and not self._sent and not self.outgoing and self.session is None
 
     def enlist(self, outgoing: Outgoing) -> None:
         """Add a message to send when the transaction commits."""
@@ -77,7 +91,7 @@ class Transaction:
         if self._seed is None:
             return str(uuid.uuid4())
         self._sent += 1
-        return str(uuid.uuid5(MESSAGE_IDS, f"{self._seed}\x00{self._sent}"))
+        return str(uuid.uuid5(self._ids, f"{self._seed}\x00{self._sent}"))
 
     def replace_commit(self, commit: Commit) -> None:
         """Hand the buffered messages to `commit` instead (an outbox writes them as rows)."""

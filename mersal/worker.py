@@ -10,6 +10,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from mersal.messages import describe
 from mersal.settle import RETURN, Failure, Outcome, Settler, Verdict, run_to_end
@@ -44,7 +45,8 @@ class Worker:
         self._handle = handle
         self._slots = asyncio.Semaphore(concurrency)
         self._lanes: dict[str, deque[Delivery]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Future[object]] = set()
+        self._settling: set[asyncio.Task[Any] | None] = set()
         self._fetcher: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -67,13 +69,14 @@ class Worker:
         await self.consumer.close()
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
-            for task in pending:
-                task.cancel()
             if pending:
                 log.warning(
                     "%d message(s) did not finish within %gs; returned", len(pending), grace
                 )
-                await asyncio.gather(*pending, return_exceptions=True)
+            while pending:  # cancel handling, not settling: a settle runs to its end
+                for task in pending - self._settling:
+                    task.cancel()
+                _, pending = await asyncio.wait(pending, timeout=0.05)
 
     @property
     def failed(self) -> BaseException | None:
@@ -102,7 +105,7 @@ class Worker:
                 raise
             key = delivery.envelope.partition_key
             if key is None:
-                self._spawn(self._run(delivery))
+                self._spawn(self._settle(delivery))
             elif key in lanes:
                 lanes[key].append(delivery)
                 slots.release()  # it waits behind its key without taking a slot
@@ -110,13 +113,10 @@ class Worker:
                 lanes[key] = deque()
                 self._spawn(self._run_lane(key, delivery))
 
-    def _spawn(self, work: Awaitable[None]) -> None:
+    def _spawn(self, work: Awaitable[object]) -> None:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _run(self, delivery: Delivery) -> None:
-        await self._settle(delivery)
 
     async def _run_lane(self, key: str, delivery: Delivery) -> None:
         lane = self._lanes[key]
@@ -133,7 +133,10 @@ class Worker:
                 await run_to_end(self.settler.settle(lane.popleft(), RETURN))
 
     async def _settle(self, delivery: Delivery) -> Outcome:
-        """Handle one delivery (in a slot taken for it) and settle it; frees the slot."""
+        """Handle one delivery (in a slot taken for it) and settle it; frees the slot.
+
+        A stop cancels a task while it handles, never while it settles (see `stop`).
+        """
         try:
             try:
                 outcome = await self._handle(delivery)
@@ -148,7 +151,12 @@ class Worker:
                     self.backoff,
                 )
                 outcome = Outcome.give_back(self.backoff)
-            await run_to_end(self.settler.settle(delivery, outcome))
+            task = asyncio.current_task()
+            self._settling.add(task)
+            try:
+                await self.settler.settle(delivery, outcome)
+            finally:
+                self._settling.discard(task)
             return outcome
         finally:
             self._slots.release()

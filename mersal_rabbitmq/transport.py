@@ -558,6 +558,8 @@ class RabbitMQConsumer:
         self._recover()
 
     def _on_channel_close(self, channel: object, error: BaseException | None) -> None:
+        # What arrived on that channel cannot be acked any more: the broker delivers it again.
+        self._buffer = deque(item for item in self._buffer if item[0] is not channel)
         if self._closed or channel is not self._channel or not self._consuming:
             return
         log.warning(

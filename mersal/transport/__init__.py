@@ -21,6 +21,8 @@ class Outgoing:
     address: str
     envelope: Envelope
     publish: bool = False
+    checked: bool = False
+    """Checked against the transport's limits already (by the app, when it was sent)."""
 
     @property
     def delay(self) -> float:
@@ -174,19 +176,21 @@ def check(outgoing: Outgoing, limits: Limits = DEFAULT_LIMITS) -> None:
 
 
 def problem_of(outgoing: Outgoing, limits: Limits = DEFAULT_LIMITS) -> str | None:
-    """Why the transport could never carry `outgoing`, or None if it can."""
+    """Why the transport could never carry `outgoing`, or None if it can (or was checked)."""
+    if outgoing.checked or plainly_fine(outgoing, limits):
+        return None
     address = outgoing.address
     what = "topic" if outgoing.publish else "queue"
     if not isinstance(address, str) or not address:
         return f"its {what} name {address!r} is not a non-empty string"
     try:
-        if utf8_length(address) > limits.max_name_bytes:
-            return (
-                f"its {what} name is {utf8_length(address)} bytes long, over the "
-                f"{limits.max_name_bytes} a broker takes"
-            )
+        size = utf8_length(address)
     except ValueError as error:
         return f"its {what} name: {error}"
+    if size > limits.max_name_bytes:
+        return (
+            f"its {what} name is {size} bytes long, over the {limits.max_name_bytes} a broker takes"
+        )
     envelope = outgoing.envelope
     if not isinstance(envelope.body, bytes | bytearray):
         return f"its body is a {type(envelope.body).__name__}, not bytes"
@@ -195,7 +199,7 @@ def problem_of(outgoing: Outgoing, limits: Limits = DEFAULT_LIMITS) -> str | Non
             f"its body of {len(envelope.body)} bytes is over the {limits.max_body_bytes} the "
             "broker takes"
         )
-    problem = headers_problem(envelope.headers, limits)
+    problem = _headers_problem(envelope.headers, limits)
     if problem is not None:
         return problem
     deliver_at = envelope.headers.get(Header.DELIVER_AT)
@@ -204,8 +208,37 @@ def problem_of(outgoing: Outgoing, limits: Limits = DEFAULT_LIMITS) -> str | Non
     return None
 
 
+def plainly_fine(outgoing: Outgoing, limits: Limits) -> bool:
+    """The common case, in a few C calls: short ASCII text everywhere, nothing reserved."""
+    envelope = outgoing.envelope
+    headers = envelope.headers
+    address = outgoing.address
+    try:
+        names, values = "".join(headers), "".join(headers.values())
+    except TypeError:  # a name or value that is not a string: the slow path says which
+        return False
+    return (
+        type(address) is str
+        and address.isascii()
+        and 0 < len(address) <= limits.max_name_bytes
+        and type(envelope.body) is bytes
+        and len(envelope.body) <= limits.max_body_bytes
+        and names.isascii()
+        and values.isascii()
+        and len(names) <= limits.max_header_name_bytes  # so is every name
+        and "" not in headers
+        and len(names) + len(values) + HEADER_ENTRY_BYTES * len(headers) <= limits.max_header_bytes
+        and Header.DELIVER_AT not in headers
+        and limits.reserved_headers.isdisjoint(headers)
+    )
+
+
 def headers_problem(headers: Mapping[str, str], limits: Limits = DEFAULT_LIMITS) -> str | None:
     """Why these headers cannot travel, or None if they can."""
+    return _headers_problem(headers, limits)
+
+
+def _headers_problem(headers: Mapping[str, str], limits: Limits) -> str | None:
     total = 0
     for name, value in headers.items():
         if not isinstance(name, str) or not name:

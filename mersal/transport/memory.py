@@ -27,7 +27,8 @@ class MemoryQueue:
 
     name: str
     ready: deque[_Stored] = field(default_factory=deque)
-    waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    waiters: dict[asyncio.Future[None], None] = field(default_factory=dict)
+    """The consumers' `get`s waiting for a message, in the order they began to wait."""
     unacked: int = 0
     consumers: int = 0
     _sequence: int = 0
@@ -45,7 +46,7 @@ class MemoryQueue:
         self._wake()
 
     def _wake(self) -> None:
-        waiters, self.waiters = self.waiters, []
+        waiters, self.waiters = self.waiters, {}
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -192,6 +193,7 @@ class MemoryConsumer:
         self.unacked = 0
         self._closed = False
         self._room: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._on_done = on_done
         self.outstanding: dict[MemoryDelivery, None] = {}
         queue.consumers += 1
@@ -213,12 +215,16 @@ class MemoryConsumer:
                 delivery = MemoryDelivery(self, queue.ready.popleft())
                 self.outstanding[delivery] = None
                 return delivery
-            waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
             if self.unacked < self.prefetch:
-                queue.waiters.append(waiter)
+                queue.waiters[waiter] = None
             else:
                 self._room = waiter
-            await waiter
+            try:
+                await waiter
+            finally:  # woken, closed or cancelled: the waiter is done with either way
+                queue.waiters.pop(waiter, None)
+                self._waiter = None
 
     def release(self, delivery: MemoryDelivery) -> None:
         """One delivery was settled: make room for the next."""
@@ -228,7 +234,7 @@ class MemoryConsumer:
         room, self._room = self._room, None
         if room is not None and not room.done():
             room.set_result(None)
-        if self.done and self._on_done is not None:
+        if self._closed and self._on_done is not None and not self.outstanding:
             self._on_done(self)
 
     async def close(self) -> None:
@@ -237,9 +243,9 @@ class MemoryConsumer:
             return
         self._closed = True
         self.queue.consumers -= 1
-        for waiter in [*self.queue.waiters, self._room]:
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
         if self.done and self._on_done is not None:
             self._on_done(self)
 
@@ -296,20 +302,16 @@ class MemoryTransport:
 
     async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
         """Route each message it can carry; for each, None or why it could not go."""
-        broker = self.broker
-        results: list[Exception | None] = []
-        for outgoing in messages:
-            problem = problem_of(outgoing, self.limits)
-            if problem is not None:
-                results.append(Unsendable(f"cannot send it to {outgoing.address!r}: {problem}"))
-                continue
-            try:
-                broker.route(outgoing)
-            except Unroutable as error:
-                results.append(error)
-            else:
-                results.append(None)
-        return results
+        return [self._route(outgoing) for outgoing in messages]
+
+    def _route(self, outgoing: Outgoing) -> Exception | None:
+        if not outgoing.checked and (problem := problem_of(outgoing, self.limits)) is not None:
+            return Unsendable(f"cannot send it to {outgoing.address!r}: {problem}")
+        try:
+            self.broker.route(outgoing)
+        except Unroutable as error:
+            return error
+        return None
 
     async def consume(self, queue: str, *, prefetch: int) -> MemoryConsumer:
         """Receive from an existing queue."""

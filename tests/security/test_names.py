@@ -60,7 +60,12 @@ def as_route(name: object) -> None:
 
 
 def as_error_queue(name: object) -> None:
-    App("orders", retry=RetryPolicy(error_queue=name))  # type: ignore[arg-type]
+    App("shipping", retry=RetryPolicy(error_queue=name))  # type: ignore[arg-type]
+
+
+def test_the_error_queue_may_not_be_the_app_s_own_queue() -> None:
+    with pytest.raises(ConfigurationError, match="the app's own queue"):
+        App("orders", retry=RetryPolicy(error_queue="orders"))
 
 
 USES: dict[str, Callable[[object], None]] = {

@@ -1,0 +1,572 @@
+"""Nothing grows without bound (issue 8, case 9): a soak, and the structures looked at directly.
+
+The soak runs an App on a private memory broker: messages with distinct partition keys, sent in
+batches and waited for, while short-lived consumers come and go on a side queue. Memory (RSS,
+read from /proc/self/statm after a full collection) at the end must stay within a small margin
+of memory after the first tenth of the messages, and the per-key and per-consumer structures
+(the worker's lanes, the transport's consumers, the queues' waiters) must be back to what one
+idle app needs. It runs at two sizes: `reduced` (30,000 messages, 300 consumers; `make test`)
+and `full` (200,000 messages, 2,000 consumers, as the issue asks; `make chaos`).
+
+The other tests look at one structure each that a message, a key, a consumer or a hostile
+producer could make grow: RabbitMQ's consumers, a RabbitMQ consumer's buffer, a memory queue's
+waiters, the type registry and the codec's decoders, the reply waiters, the relay's failure
+counts and the test harness's observers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aio_pika
+import pytest
+
+from mersal import App, MessageContext, RetryPolicy
+from mersal.errors import ConsumerClosed, RequestTimeout
+from mersal.messages import Envelope, Header
+from mersal.outbox import Relay
+from mersal.testing import Harness
+from mersal.transport import Consumer, Delivery, Outgoing
+from mersal.transport.memory import MemoryQueue, MemoryTransport
+from mersal_rabbitmq import RabbitMQTransport
+from mersal_sqlalchemy import SqlOutboxStore, make_engine, make_tables
+from mersal_sqlalchemy.database import prepare_schema
+from mersal_sqlalchemy.outbox import write_outbox
+from tests.sql.support import until
+from tests.support import DelegatingTransport
+
+HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MiB = 1024 * 1024
+BATCH = 1_000
+"""Messages sent before waiting for them to be handled."""
+
+
+@dataclass(frozen=True)
+class Size:
+    """How long the soak runs and how much memory it may gain after its base point."""
+
+    messages: int
+    consumers: int
+    base_at: int
+    margin: int
+
+
+REDUCED = Size(messages=30_000, consumers=300, base_at=3_000, margin=2 * MiB)
+FULL = Size(messages=200_000, consumers=2_000, base_at=20_000, margin=4 * MiB)
+SIZES = [
+    pytest.param(REDUCED, id="reduced", marks=pytest.mark.timeout(90)),
+    pytest.param(FULL, id="full", marks=[pytest.mark.chaos, pytest.mark.timeout(600)]),
+]
+
+
+@dataclass
+class Tick:
+    """The soak's message: small, one per partition key."""
+
+    n: int
+
+
+@dataclass
+class Ask:
+    """A request the responder answers (late, for odd n)."""
+
+    n: int
+
+
+@dataclass
+class Answer:
+    """The responder's reply."""
+
+    n: int
+
+
+def rss() -> int:
+    """This process's resident memory in bytes, after a full garbage collection."""
+    gc.collect()
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * PAGE
+
+
+class Tally:
+    """Counts handled messages; `reached` is set once `target` of them were handled."""
+
+    def __init__(self) -> None:
+        self.handled = 0
+        self.target = 0
+        self.reached = asyncio.Event()
+
+    def expect(self, target: int) -> None:
+        """Wait (through `reached`) for `target` handled messages in all."""
+        self.target = target
+        self.reached.clear()
+        if self.handled >= target:
+            self.reached.set()
+
+    def count(self) -> None:
+        """One more message was handled."""
+        self.handled += 1
+        if self.handled >= self.target:
+            self.reached.set()
+
+
+def side_envelope(n: int) -> Envelope:
+    """A message for the short-lived consumers' side queue."""
+    return Envelope({Header.MESSAGE_ID: f"side-{n}"}, b"side")
+
+
+class SideQueue:
+    """The short-lived consumers of one memory queue, each ending in its own way."""
+
+    def __init__(self, transport: MemoryTransport, name: str) -> None:
+        self.transport = transport
+        self.name = name
+        self.opened = 0
+        self.sent = 0
+
+    @property
+    def queue(self) -> MemoryQueue:
+        """The broker's queue."""
+        return self.transport.broker.queues[self.name]
+
+    async def consume(self, prefetch: int = 2) -> Consumer:
+        """A new consumer of the side queue (counted)."""
+        self.opened += 1
+        return await self.transport.consume(self.name, prefetch=prefetch)
+
+    async def top_up(self, ready: int) -> None:
+        """Send until `ready` messages wait in the side queue."""
+        while len(self.queue) < ready:
+            self.sent += 1
+            await self.transport.send([Outgoing(self.name, side_envelope(self.sent))])
+
+    async def close_while_waiting(self) -> None:
+        """Open a consumer on the (empty) queue, close it while its get waits."""
+        consumer = await self.consume()
+        getting = asyncio.ensure_future(consumer.get())
+        await asyncio.sleep(0)
+        assert not getting.done(), "the side queue should be empty here"
+        await consumer.close()
+        with pytest.raises(ConsumerClosed):
+            await getting
+
+    async def take_and_leave(self, n: int) -> None:
+        """Take two deliveries and settle them before or after closing, by `n`."""
+        await self.top_up(2)
+        consumer = await self.consume()
+        first, second = await consumer.get(), await consumer.get()
+        match n % 4:
+            case 0:  # settled, then closed
+                await first.ack()
+                await second.ack()
+                await consumer.close()
+            case 1:  # one settled before the close, one after
+                await first.ack()
+                await consumer.close()
+                await second.ack()
+            case 2:  # both settled after the close, one given back
+                await consumer.close()
+                await first.nack(requeue=True)
+                await second.ack()
+            case _:  # both given back after the close
+                await consumer.close()
+                await second.nack(requeue=True)
+                await first.nack(requeue=True)
+
+    async def drain(self) -> None:
+        """Take and ack whatever waits, so that the queue ends empty."""
+        consumer = await self.consume(prefetch=10)
+        while len(self.queue):
+            await (await consumer.get()).ack()
+        await consumer.close()
+
+    async def cycle(self, consumers: int) -> None:
+        """`consumers` short-lived consumers in all, the queue empty before and after."""
+        waiting = max(1, consumers // 5)
+        for _ in range(waiting):
+            await self.close_while_waiting()
+        for n in range(consumers - waiting - 1):
+            await self.take_and_leave(n)
+        await self.drain()
+
+
+async def settled(app: App, queue: MemoryQueue) -> None:
+    """Wait until the app handles nothing and nothing of its queue is ready or unacked."""
+    await until(
+        lambda: app.in_flight == 0 and not queue.ready and not queue.unacked,
+        timeout=30,
+        what=f"app {app.name!r} idle",
+    )
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_distinct_keys_and_short_lived_consumers_leave_memory_where_it_was(
+    size: Size,
+) -> None:
+    batches, rest = divmod(size.messages, BATCH)
+    per_batch, leftover = divmod(size.consumers, batches)
+    assert rest == 0 and leftover == 0 and per_batch >= 3 and size.base_at % BATCH == 0
+    tag = uuid.uuid4().hex[:10]
+    app = App(
+        f"soak-{tag}",
+        transport=f"memory://soak-{tag}",
+        retry=RetryPolicy(immediate=0, delayed=[]),
+    )
+    tally = Tally()
+
+    async def tick(message: Tick) -> None:
+        tally.count()
+
+    app.register(Tick, tick)
+    app.route(Tick, app.name)
+    samples: list[tuple[int, int]] = []
+    async with app:
+        transport = app.transport
+        assert isinstance(transport, MemoryTransport)
+        side = SideQueue(transport, f"soak-side-{tag}")
+        await transport.declare(side.name)
+        home = transport.broker.queues[app.name]
+        worker = app._worker
+        assert worker is not None
+        base = 0
+        for batch in range(batches):
+            first = batch * BATCH
+            for n in range(first, first + BATCH):
+                await app.send(Tick(n), partition_key=f"key-{n}")
+            tally.expect(first + BATCH)
+            async with asyncio.timeout(30):
+                await tally.reached.wait()
+            await side.cycle(per_batch)
+            if first + BATCH == size.base_at:
+                await settled(app, home)
+                base = rss()
+                samples.append((first + BATCH, base))
+        await settled(app, home)
+        end = rss()
+        samples.append((size.messages, end))
+
+        lanes, tasks = dict(worker._lanes), set(worker._tasks)
+        consumers = list(transport._consumers)
+        waiters = {name: len(queue.waiters) for name, queue in transport.broker.queues.items()}
+        side_queue = side.queue
+        assert (side_queue.consumers, side_queue.unacked, len(side_queue)) == (0, 0, 0)
+
+    assert tally.handled == size.messages
+    assert side.opened == size.consumers
+    assert lanes == {}, f"{len(lanes)} lanes left, e.g. {next(iter(lanes))!r}"
+    assert tasks == set()
+    assert consumers == [worker.consumer], (
+        f"the memory transport still holds {len(consumers)} consumers after "
+        f"{size.consumers} short-lived ones closed"
+    )
+    assert all(count <= 1 for count in waiters.values()), waiters
+    grown = end - base
+    shown = ", ".join(f"{n:,}: {memory / MiB:.2f} MiB" for n, memory in samples)
+    print(f"soak RSS after messages {shown}; grown {grown / MiB:.2f} MiB")  # shown with -s
+    assert grown <= size.margin, f"RSS grew {grown / MiB:.2f} MiB after the base point ({shown})"
+
+
+# RabbitMQ: closed consumers are forgotten, their channels closed.
+
+
+def open_channels(transport: RabbitMQTransport) -> int:
+    """How many AMQP channels the transport's connection has open."""
+    connection = transport._connection
+    assert connection is not None and connection.transport is not None
+    return len(connection.transport.connection.channels)
+
+
+async def ready_in(url: str, queue: str) -> int:
+    """How many messages are ready in `queue` (a passive declare on a connection of its own)."""
+    async with await aio_pika.connect(url) as connection:
+        channel = await connection.channel()
+        declared = await channel.declare_queue(queue, passive=True)
+        return int(declared.declaration_result.message_count or 0)
+
+
+async def delete_queues(url: str, names: Sequence[str]) -> None:
+    """Delete the test's queues (missing ones are fine)."""
+    async with await aio_pika.connect(url) as connection:
+        channel = await connection.channel()
+        for name in names:
+            await channel.queue_delete(name)
+
+
+async def one_rabbitmq_consumer(
+    transport: RabbitMQTransport, queue: str, n: int, sent: list[int]
+) -> int:
+    """A short-lived consumer that ends in a way chosen by `n`; returns how many it acked."""
+
+    async def send() -> None:
+        sent[0] += 1
+        await transport.send([Outgoing(queue, side_envelope(sent[0]))])
+
+    consumer = await transport.consume(queue, prefetch=2)
+    variant = n % 5
+    if variant == 3:  # closed at once: whatever it buffered goes back
+        await consumer.close()
+        return 0
+    if variant == 4:  # closed while its get waits (or after it took something)
+        getting = asyncio.ensure_future(consumer.get())
+        await asyncio.sleep(0.005)
+        await consumer.close()
+        try:
+            delivery: Delivery = await getting
+        except ConsumerClosed:
+            return 0
+        await delivery.nack(requeue=True)
+        return 0
+    await send()
+    async with asyncio.timeout(10):
+        delivery = await consumer.get()
+    if variant == 0:  # settled, then closed
+        await delivery.ack()
+        await consumer.close()
+        return 1
+    await consumer.close()
+    if variant == 1:  # settled after the close
+        await delivery.ack()
+        return 1
+    await delivery.nack(requeue=True)  # given back after the close
+    return 0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+async def test_rabbitmq_forgets_short_lived_consumers_and_closes_their_channels(
+    vhost: str,
+) -> None:
+    url = f"amqp://guest:guest@{HOST}/{vhost}"
+    tag = uuid.uuid4().hex[:10]
+    home, side = f"soak-home-{tag}", f"soak-side-{tag}"
+    transport = RabbitMQTransport(url)
+    await transport.start()
+    try:
+        await transport.declare(home)
+        await transport.declare(side)
+        live = await transport.consume(home, prefetch=10)
+        sent = [0]
+        await transport.send([Outgoing(home, side_envelope(0))])  # opens a publisher
+        channels_before = open_channels(transport)
+        acked = 0
+        for n in range(200):
+            acked += await one_rabbitmq_consumer(transport, side, n, sent)
+        await until(
+            lambda: set(transport._consumers) == {live},
+            timeout=10,
+            what="only the live consumer left in transport._consumers",
+        )
+        await until(  # a closed consumer's channel closes once its last delivery is settled
+            lambda: open_channels(transport) <= channels_before + transport.channels,
+            timeout=10,
+            what=f"at most {channels_before} + {transport.channels} channels open",
+        )
+
+        async def nothing_lost() -> bool:
+            return await ready_in(url, side) == sent[0] - acked
+
+        await until(nothing_lost, timeout=10, what="every message not acked is back in its queue")
+    finally:
+        await transport.stop()
+        await delete_queues(url, [home, side])
+
+
+async def test_consumers_closed_while_waiting_on_an_idle_memory_queue_leave_no_waiters() -> None:
+    transport = MemoryTransport(f"memory://soak-{uuid.uuid4().hex}")
+    await transport.start()
+    await transport.declare("idle")
+    live = await transport.consume("idle", prefetch=10)
+    live_get = asyncio.ensure_future(live.get())
+    await asyncio.sleep(0)
+    side = SideQueue(transport, "idle")
+    try:
+        for _ in range(2_000):
+            await side.close_while_waiting()
+        waiters = len(side.queue.waiters)
+        assert list(transport._consumers) == [live]
+    finally:
+        live_get.cancel()
+        await transport.stop()
+    assert waiters <= 1, f"{waiters} waiters on a queue with one consumer waiting"
+
+
+async def test_an_app_restarted_on_an_idle_memory_queue_leaves_no_waiters() -> None:
+    url = f"memory://soak-{uuid.uuid4().hex}"
+    name = f"idle-{uuid.uuid4().hex[:8]}"
+    for _ in range(500):  # the worker's stop cancels its get(), whose waiter stays
+        async with App(name, transport=url):
+            await asyncio.sleep(0)
+    transport = MemoryTransport(url)
+    waiters = len(transport.broker.queues[name].waiters)
+    assert waiters <= 1, f"{waiters} waiters on a queue nobody consumes any more"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_rabbitmq_consumer_keeps_nothing_from_the_channels_it_lost(vhost: str) -> None:
+    url = f"amqp://guest:guest@{HOST}/{vhost}"
+    queue = f"soak-lost-{uuid.uuid4().hex[:10]}"
+    transport = RabbitMQTransport(url)
+    await transport.start()
+    try:
+        await transport.declare(queue)
+        consumer = await transport.consume(queue, prefetch=5)
+        body = b"x" * 100_000
+        await transport.send(
+            [Outgoing(queue, Envelope({Header.MESSAGE_ID: f"lost-{n}"}, body)) for n in range(5)]
+        )
+
+        def live_buffered() -> int:
+            return sum(not channel.is_closed for channel, _ in consumer._buffer)
+
+        for _ in range(10):  # the channel is lost (a consumer_timeout, a 406) ten times
+            await until(lambda: live_buffered() == 5, timeout=10, what="5 deliveries buffered")
+            channel = consumer._channel
+            assert channel is not None
+            await channel.close()
+        await until(lambda: live_buffered() == 5, timeout=10, what="5 deliveries buffered")
+        buffered = len(consumer._buffer)
+        for _ in range(5):
+            await (await consumer.get()).ack()
+        await consumer.close()
+    finally:
+        await transport.stop()
+        await delete_queues(url, [queue])
+    assert buffered <= 5, f"{buffered} deliveries buffered for a prefetch of 5"
+
+
+async def test_hostile_type_names_leave_nothing_in_the_registry_or_the_codec() -> None:
+    tag = uuid.uuid4().hex[:10]
+    app = App(f"types-{tag}", transport=f"memory://soak-{tag}", retry=RetryPolicy(immediate=0))
+    tally = Tally()
+
+    async def tick(message: Tick) -> None:
+        tally.count()
+
+    app.register(Tick, tick)
+    async with app:
+        transport = app.transport
+        assert isinstance(transport, MemoryTransport)
+        broker = transport.broker
+        tally.expect(1)
+        await app.send_local(Tick(0))
+        async with asyncio.timeout(5):
+            await tally.reached.wait()
+        codec = app.codec
+        assert isinstance(codec.__dict__.get("_decoders"), dict)
+
+        def sizes() -> tuple[int, ...]:
+            return (
+                len(app.types._by_name),
+                len(app.types._by_type),
+                len(app.handlers._by_type),
+                len(codec.__dict__["_decoders"]),
+            )
+
+        before = sizes()
+        for n in range(2_000):  # as a hostile producer: straight onto the queue
+            name = f"{__name__}.Tick{n}" if n % 2 else f"hostile.{uuid.uuid4().hex}.v{n}"
+            headers = {Header.TYPE: name, Header.MESSAGE_ID: f"hostile-{n}"}
+            broker.route(Outgoing(app.name, Envelope(headers, b'{"n": 1}')))
+        errors = broker.queues[app.retry.error_queue]
+        await until(lambda: len(errors) == 2_000, timeout=20, what="2,000 dead letters")
+        after = sizes()
+    assert after == before
+
+
+async def test_requests_answered_late_or_never_leave_no_reply_waiters() -> None:
+    url = f"memory://soak-{uuid.uuid4().hex}"
+    tag = uuid.uuid4().hex[:8]
+    requester = App(f"asker-{tag}", transport=url)
+    responder = App(f"answerer-{tag}", transport=url, concurrency=128)  # none waits for a slot
+    answered = Tally()
+
+    async def answer(message: Ask, context: MessageContext) -> None:
+        if message.n % 2:
+            await asyncio.sleep(0.3)  # after the requester gave up
+        await responder.reply(Answer(message.n))
+        answered.count()
+
+    responder.register(Ask, answer)
+    requester.route(Ask, responder.name)
+    requester.types.add(Answer)
+    async with responder, requester:
+
+        async def ask(n: int) -> object:
+            try:
+                return await requester.request(Ask(n), timeout=0.1, reply_type=Answer)
+            except RequestTimeout:
+                return None
+
+        results = await asyncio.gather(*(ask(n) for n in range(100)))
+        answered.expect(100)
+        async with asyncio.timeout(5):
+            await answered.reached.wait()
+        replies = requester._replies
+        assert replies is not None
+        transport = requester.transport
+        assert isinstance(transport, MemoryTransport)
+        reply_queue = transport.broker.queues[replies.queue]
+        await until(lambda: reply_queue.idle, what="the late replies were taken and dropped")
+        waiting = dict(replies._waiting)
+    assert [r for r in results if r is not None] == [Answer(n) for n in range(0, 100, 2)]
+    assert waiting == {}
+
+
+class GlitchyTransport(DelegatingTransport):
+    """Every send fails with an error nobody classified (not a MersalError)."""
+
+    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
+        """Report a glitch for every message."""
+        return [RuntimeError("a glitch nobody classified") for _ in messages]
+
+
+async def test_the_relay_forgets_failure_counts_of_rows_that_left_some_other_way(
+    tmp_path: Path,
+) -> None:
+    database = f"sqlite+aiosqlite:///{tmp_path / 'outbox.db'}"
+    engine = make_engine(database)
+    tables = make_tables()
+    try:
+        await prepare_schema(engine, tables, database, create=True)
+        rows = [
+            Outgoing("sink", Envelope({Header.MESSAGE_ID: f"row-{n}"}, b"{}")) for n in range(200)
+        ]
+        async with engine.begin() as connection:
+            await write_outbox(connection, tables.outbox, "orders", rows, None)
+        store = SqlOutboxStore(engine, tables.outbox, "orders")
+        transport = GlitchyTransport(MemoryTransport(f"memory://soak-{uuid.uuid4().hex}"))
+        relay = Relay(store, transport, batch=500)
+        with pytest.raises(RuntimeError):
+            await relay.flush()
+        assert len(relay._failures) == 200  # each row failed once and was released
+        async with engine.begin() as connection:  # another relay sent them, or a purge
+            await connection.execute(tables.outbox.delete())
+        assert await relay.flush() == 0
+        remembered = len(relay._failures)
+    finally:
+        await engine.dispose()
+    assert remembered == 0, f"the relay remembers failures of {remembered} rows that are gone"
+
+
+async def test_a_harness_started_again_records_each_message_once() -> None:
+    app = App(f"again-{uuid.uuid4().hex[:8]}")
+
+    async def tick(message: Tick) -> None:
+        pass
+
+    app.register(Tick, tick)
+    app.route(Tick, app.name)
+    bus = Harness(app)
+    for n in range(3):
+        async with bus:
+            await app.send(Tick(n))
+            await bus.idle()
+    assert bus.sent_of(Tick) == [Tick(0), Tick(1), Tick(2)]
+    assert bus.broker.observers == []  # a stopped harness records nothing more
