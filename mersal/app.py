@@ -553,15 +553,19 @@ class _Replies:
         try:
             cls = self.app.types.resolve(envelope.headers.get(Header.TYPE, ""))
             reply = self.app.codec.decode(envelope.body, cls)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as error:
-            failure = Failure.of(error)
-            waiter.set_exception(DecodeError(f"the reply could not be decoded: {failure}"))
-            log.error("a reply could not be decoded (%s): %s", failure, describe(envelope.headers))
-            return Outcome.dead_letter(failure, 1)
-        waiter.set_result(reply)
-        return ACK
+        except asyncio.CancelledError as cancelled:  # raised by the reply's class, or a stop
+            if cancelled_by_owner():
+                raise
+            error: BaseException = cancelled
+        except BaseException as failed:  # the reply's class may raise anything
+            error = failed
+        else:
+            waiter.set_result(reply)
+            return ACK
+        failure = Failure.of(error)
+        waiter.set_exception(DecodeError(f"the reply could not be decoded: {failure}"))
+        log.error("a reply could not be decoded (%s): %s", failure, describe(envelope.headers))
+        return Outcome.dead_letter(failure, 1)
 
 
 @asynccontextmanager
