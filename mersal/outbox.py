@@ -151,10 +151,11 @@ class Relay:
             self._task = asyncio.create_task(self._run(), name="mersal-relay")
 
     async def stop(self, drain: float = 0.0) -> None:
-        """Stop after sending what waits, for at most `drain` seconds; then stop mid-way.
+        """Stop after sending what waits, for at most `drain` seconds (then after this batch).
 
-        A batch cut off mid-way still ends cleanly: confirmed rows are deleted, the others'
-        leases are released, so that the next start (or another instance) sends them at once.
+        The batch in hand always runs to its end (at most the transport's publish timeout):
+        confirmed rows are deleted, the others' leases are released, so that the next start
+        (or another instance) sends them at once and never sends a confirmed row again.
         """
         task, self._task = self._task, None
         if task is None:
@@ -172,11 +173,30 @@ class Relay:
         """Relay until the outbox has no claimable rows; returns how many were published."""
         total = 0
         while True:
-            rows = await run_to_end(self.store.claim(self.batch))
-            if not rows:
+            sent = await run_to_end(self._batch())
+            if sent is None:
                 self._failures.clear()  # the rows they counted are gone (or leased elsewhere)
                 return total
-            total += await self._relay(rows)
+            total += sent
+
+    async def _batch(self) -> int | None:
+        """Claim a batch and see each row to its end; None when there was none.
+
+        It runs to its end even when the relay is stopped meanwhile (at most the transport's
+        publish timeout): rows the broker confirmed are deleted, not sent again by the next
+        start, and no claimed row keeps its lease.
+        """
+        rows = await self.store.claim(self.batch)
+        if not rows:
+            return None
+        try:
+            results = await self.transport.send_each(
+                [row.outgoing for row in rows if not row.problem]
+            )
+        except BaseException:  # nothing is known of these: give them back, to be sent again
+            await self.store.release([row.id for row in rows])
+            raise
+        return await self._settle(rows, results)
 
     async def _run(self) -> None:
         backoff = 0.0
@@ -207,21 +227,14 @@ class Relay:
             return True
         return False
 
-    async def _relay(self, rows: list[OutboxRow]) -> int:
-        sendable = [row for row in rows if row.problem is None]
-        try:
-            results = await self.transport.send_each([row.outgoing for row in sendable])
-        except BaseException:  # cut off: whatever was confirmed is unknown, so send all again
-            await run_to_end(self.store.release([row.id for row in rows]))
-            raise
-        verdicts: list[tuple[OutboxRow, Exception | str | None]] = [
-            (row, f"cannot read the row: {row.problem}") for row in rows if row.problem
-        ]
-        verdicts += zip(sendable, results, strict=True)
+    async def _settle(self, rows: list[OutboxRow], results: list[Exception | None]) -> int:
+        """Delete, park or give back each row as its result says; how many were sent."""
+        sent = iter(results)
         plan = _Plan()
-        for row, result in verdicts:
+        for row in rows:
+            result = f"cannot read the row: {row.problem}" if row.problem else next(sent)
             self._judge(row, result, plan)
-        await run_to_end(self._carry_out(plan))
+        await self._carry_out(plan)
         if plan.retry:
             raise plan.retry_error or MersalError("outbox rows could not be sent")
         return len(plan.sent)

@@ -231,7 +231,7 @@ async def give_back(delivery: Delivery) -> None:
 
 
 async def run_to_end(work: Awaitable[T]) -> T:
-    """Await `work` to its end even if the caller is cancelled meanwhile (then re-raise that)."""
+    """Await `work` to its end even if the caller is cancelled meanwhile; then re-raise that."""
     task = asyncio.ensure_future(work)
     cancelled: asyncio.CancelledError | None = None
     while True:
@@ -242,6 +242,10 @@ async def run_to_end(work: Awaitable[T]) -> T:
                 raise
             cancelled = error
             continue
+        except BaseException:
+            if cancelled is not None:
+                raise cancelled from None
+            raise
         if cancelled is not None:
             raise cancelled
         return result

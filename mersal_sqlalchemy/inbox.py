@@ -14,10 +14,14 @@ from mersal_sqlalchemy.tables import MESSAGE_ID_LENGTH
 
 
 def inbox_key(message_id: str) -> str:
-    """The id as stored: itself, or a digest of it when it is longer than the column."""
-    if len(message_id) <= MESSAGE_ID_LENGTH:
+    """The id as stored: itself, or a digest of it if the column cannot hold it as it is.
+
+    The column holds up to 255 characters of text without NUL (PostgreSQL refuses NUL).
+    """
+    if len(message_id) <= MESSAGE_ID_LENGTH and "\x00" not in message_id:
         return message_id
-    return "sha256:" + hashlib.sha256(message_id.encode()).hexdigest()
+    encoded = message_id.encode("utf-8", "surrogatepass")
+    return "sha256:" + hashlib.sha256(encoded).hexdigest()
 
 
 class Inbox:

@@ -183,6 +183,8 @@ def problem_of(outgoing: Outgoing, limits: Limits = DEFAULT_LIMITS) -> str | Non
     what = "topic" if outgoing.publish else "queue"
     if not isinstance(address, str) or not address:
         return f"its {what} name {address!r} is not a non-empty string"
+    if "\x00" in address:
+        return f"its {what} name {address[:100]!r} holds a NUL character"
     try:
         size = utf8_length(address)
     except ValueError as error:
@@ -221,6 +223,7 @@ def plainly_fine(outgoing: Outgoing, limits: Limits) -> bool:
         type(address) is str
         and address.isascii()
         and 0 < len(address) <= limits.max_name_bytes
+        and "\x00" not in address
         and type(envelope.body) is bytes
         and len(envelope.body) <= limits.max_body_bytes
         and names.isascii()
