@@ -46,9 +46,21 @@ from mersal.pipeline import (
 )
 from mersal.retry import RetryPolicy, RetryStep, after_failure, attempts_made, log_failure
 from mersal.serialization import Codec, JsonCodec
-from mersal.settle import ACK, Failure, Outcome, Settler, cancelled_by_owner
+from mersal.settle import (
+    ACK,
+    Failure,
+    Outcome,
+    Settler,
+    absorb_cancellation,
+    cancelled_by_owner,
+)
 from mersal.timeouts import HandlerClock
-from mersal.transaction import Transaction, current_transaction, id_namespace
+from mersal.transaction import (
+    Transaction,
+    TransactionClosed,
+    current_transaction,
+    id_namespace,
+)
 from mersal.transport import (
     Consumer,
     Delivery,
@@ -289,7 +301,12 @@ class App:
         """
         self._check_running()
         current = current_transaction.get()
-        if current is not None and current.owner is self and current.open:
+        if current is not None and current.owner is self:
+            if not current.open:  # a task left behind by an attempt or a block that has ended
+                raise TransactionClosed(
+                    "this code runs in a transaction that has ended (a task the handler or "
+                    "block left behind): send from inside the handler or block"
+                )
             async with _joined(current, session) as joined:
                 yield joined
             return
@@ -456,12 +473,16 @@ class App:
 
     async def _handle(self, delivery: Delivery) -> Outcome:
         """Run the incoming pipeline; whatever happens, say how to settle the delivery."""
+        unsent = self.settler.unsent(delivery)
+        if unsent is not None:  # handled before; its retry or dead letter is what is left
+            return unsent
         context = MessageContext(self, delivery)
         try:
             await self.incoming.run(context)
         except asyncio.CancelledError as error:
             if cancelled_by_owner():
                 raise
+            absorb_cancellation()
             return self._escaped(context, error)
         except BaseException as error:
             return self._escaped(context, error)
@@ -556,6 +577,7 @@ class _Replies:
         except asyncio.CancelledError as cancelled:  # raised by the reply's class, or a stop
             if cancelled_by_owner():
                 raise
+            absorb_cancellation()
             error: BaseException = cancelled
         except BaseException as failed:  # the reply's class may raise anything
             error = failed

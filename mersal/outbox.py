@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
+import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -49,8 +51,8 @@ class OutboxStore(Protocol):
         """Forget rows the broker confirmed."""
         ...
 
-    async def release(self, ids: Sequence[int]) -> None:
-        """Give back the lease on rows that could not be sent now, to be tried again."""
+    async def release(self, ids: Sequence[int], delay: float = 0.0) -> None:
+        """Give back the lease on rows that could not be sent now: claimable after `delay` s."""
         ...
 
     async def park(self, row_id: int, reason: str) -> None:
@@ -123,6 +125,7 @@ class Relay:
         poll_interval: float = 5.0,
         max_backoff: float = 30.0,
         max_failures: int = 5,
+        retry_delay: float = 1.0,
     ) -> None:
         self.store = store
         self.transport = transport
@@ -130,6 +133,7 @@ class Relay:
         self.poll_interval = poll_interval
         self.max_backoff = max_backoff
         self.max_failures = max_failures
+        self.retry_delay = retry_delay
         self.published = 0
         self.parked = 0
         self.dropped = 0
@@ -200,12 +204,14 @@ class Relay:
 
     async def _run(self) -> None:
         backoff = 0.0
-        recount = True
+        counted_at = -math.inf
+        parked = self.parked
+        loop = asyncio.get_running_loop()
         while True:
             self._wake.clear()
-            parked = self.parked
             try:
-                if recount:
+                if self.parked != parked or loop.time() - counted_at >= self.poll_interval:
+                    parked, counted_at = self.parked, loop.time()
                     self.parked_rows = await self.store.count_parked()
                 await self.flush()
                 backoff = 0.0
@@ -216,16 +222,13 @@ class Relay:
                 )
             if self._stopping and not backoff:
                 return
-            recount = await self._idle(backoff or self.poll_interval) or self.parked != parked
+            await self._idle(backoff or self.poll_interval)
 
-    async def _idle(self, seconds: float) -> bool:
-        """Wait until woken or `seconds` passed; True if nobody woke it."""
-        try:
+    async def _idle(self, seconds: float) -> None:
+        """Wait until woken or `seconds` passed."""
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(seconds):
                 await self._wake.wait()
-        except TimeoutError:
-            return True
-        return False
 
     async def _settle(self, rows: list[OutboxRow], results: list[Exception | None]) -> int:
         """Delete, park or give back each row as its result says; how many were sent."""
@@ -276,8 +279,8 @@ class Relay:
                 reason,
             )
             await self.store.park(row.id, reason)
-        if plan.retry:
-            await self.store.release(plan.retry)
+        if plan.retry:  # later (unless stopping), so that the rows behind them go meanwhile
+            await self.store.release(plan.retry, 0.0 if self._stopping else self.retry_delay)
         for row_id in (*done, *(row.id for row, _ in plan.park)):
             self._failures.pop(row_id, None)
         self.published += len(plan.sent)

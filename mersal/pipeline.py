@@ -55,8 +55,7 @@ class MessageContext:
         self.message_type: type | None = None
         self.attempt = 1
         self.outcome: Outcome | None = None
-        seed = self.envelope.headers.get(Header.MESSAGE_ID) or None
-        self.transaction = Transaction(app.send_committed, app, seed, app.message_ids)
+        self.transaction = Transaction(app.send_committed, app, self.envelope, app.message_ids)
         self.items: dict[str, Any] = {}
         self.handlers: list[Callable[[Any], Awaitable[object]]] = []
 
@@ -97,8 +96,7 @@ class MessageContext:
 
     def _new_transaction(self) -> Transaction:
         app = self.app
-        seed = self.envelope.headers.get(Header.MESSAGE_ID) or None
-        return Transaction(app.send_committed, app, seed, app.message_ids)
+        return Transaction(app.send_committed, app, self.envelope, app.message_ids)
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from typing import Any
 from mersal.errors import ConfigurationError, DecodeError
 from mersal.messages import Envelope, Header, describe
 from mersal.pipeline import MessageContext, Next, current_message
-from mersal.settle import Failure, Outcome, Verdict, cancelled_by_owner
+from mersal.settle import Failure, Outcome, Verdict, absorb_cancellation, cancelled_by_owner
 from mersal.transaction import current_transaction
 
 log = logging.getLogger("mersal.retry")
@@ -119,6 +119,7 @@ class RetryStep:
             except asyncio.CancelledError as cancelled:
                 if cancelled_by_owner():
                     raise
+                absorb_cancellation()
                 error: BaseException = cancelled
             except BaseException as failed:
                 error = failed

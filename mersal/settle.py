@@ -11,9 +11,11 @@ import enum
 import logging
 import time
 import traceback
+import weakref
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from mersal.errors import Unroutable, Unsendable
 from mersal.messages import Envelope, Header, describe
@@ -121,38 +123,66 @@ class Settler:
     """Carries out outcomes: the one place where a delivery is acked or returned to its queue.
 
     A retry or dead letter that cannot be sent returns the delivery to its queue after `backoff`
-    seconds (the broker will deliver it again); one that the transport refuses as it is, is cut
-    down until it fits: a dead letter always leaves.
+    seconds (the broker will deliver it again), and the outcome is remembered by message id:
+    when the message comes back, its retry or dead letter is sent again without handling it
+    again. One that the transport refuses as it is, is cut down until it fits: a dead letter
+    always leaves.
     """
 
-    def __init__(self, transport: Transport, error_queue: str, *, backoff: float = 1.0) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        error_queue: str,
+        *,
+        backoff: float = 1.0,
+        remember: int = 10_000,
+    ) -> None:
         self.transport = transport
         self.error_queue = error_queue
         self.backoff = backoff
+        self.remember = remember
+        self._unsent: OrderedDict[str, Outcome] = OrderedDict()
 
-    async def settle(self, delivery: Delivery, outcome: Outcome) -> None:
-        """Settle `delivery` as `outcome` says; never raises (but for cancellation)."""
+    def unsent(self, delivery: Delivery) -> Outcome | None:
+        """The outcome decided before for this message, whose retry or dead letter failed."""
+        message_id = delivery.envelope.headers.get(Header.MESSAGE_ID)
+        if not self._unsent or not message_id:
+            return None
+        return self._unsent.pop(message_id, None)
+
+    async def settle(self, delivery: Delivery, outcome: Outcome) -> Verdict:
+        """Settle `delivery` as `outcome` says; what was done. Never raises (but cancellation)."""
         if outcome.verdict is Verdict.RETURN:
             if outcome.delay > 0:
                 await asyncio.sleep(outcome.delay)
             await give_back(delivery)
-            return
+            return Verdict.RETURN
         if outcome.verdict is not Verdict.ACK:
             try:
                 await self._forward(delivery, outcome)
             except Exception as error:
+                what = "retry" if outcome.verdict is Verdict.RETRY_LATER else "dead letter"
                 log.error(
-                    "%s of %s failed (%s); returning it to %r in %gs",
-                    "the delayed retry" if outcome.verdict is Verdict.RETRY_LATER else "moving",
+                    "the %s of %s failed (%s); returning it to %r in %gs",
+                    what,
                     describe(delivery.envelope.headers),
                     Failure.of(error),
                     delivery.queue,
                     self.backoff,
                 )
+                self._keep(delivery, outcome)
                 await asyncio.sleep(self.backoff)
                 await give_back(delivery)
-                return
+                return Verdict.RETURN
         await acknowledge(delivery)
+        return outcome.verdict
+
+    def _keep(self, delivery: Delivery, outcome: Outcome) -> None:
+        message_id = delivery.envelope.headers.get(Header.MESSAGE_ID)
+        if message_id:
+            self._unsent[message_id] = outcome
+            while len(self._unsent) > self.remember:
+                self._unsent.popitem(last=False)
 
     async def _forward(self, delivery: Delivery, outcome: Outcome) -> None:
         limits = limits_of(self.transport)
@@ -251,10 +281,27 @@ async def run_to_end(work: Awaitable[T]) -> T:
         return result
 
 
+_stopped: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+"""The tasks a worker cancelled because it is stopping."""
+
+
+def cancel_for_stop(task: asyncio.Task[Any]) -> None:
+    """Cancel a task because its worker is stopping: not a failed attempt."""
+    _stopped.add(task)
+    task.cancel()
+
+
 def cancelled_by_owner() -> bool:
-    """Whether the running task is being cancelled (by the worker's stop), not just raising."""
+    """Whether the running task is being cancelled by its worker's stop (not by its handler)."""
     task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
+    return task is not None and task in _stopped and task.cancelling() > 0
+
+
+def absorb_cancellation() -> None:
+    """Forget a cancellation handled as a failed attempt (a handler cancelled its own task)."""
+    task = asyncio.current_task()
+    if task is not None and task not in _stopped and task.cancelling() > 0:
+        task.uncancel()
 
 
 def error_type(error: BaseException) -> str:

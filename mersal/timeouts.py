@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
 from typing import Any
 
@@ -28,7 +29,7 @@ class HandlerClock:
     def __init__(self, timeout: float | None) -> None:
         self.timeout = timeout
         self._deadlines: dict[asyncio.Task[Any], float] = {}
-        self._expired: set[asyncio.Task[Any]] = set()
+        self._expired: dict[asyncio.Task[Any], int] = {}
         self._watchdog: asyncio.Task[None] | None = None
 
     def start(self) -> asyncio.Task[Any] | None:
@@ -38,8 +39,10 @@ class HandlerClock:
         task = asyncio.current_task()
         assert task is not None
         self._deadlines[task] = time.monotonic() + self.timeout
-        if self._watchdog is None:
-            self._watchdog = asyncio.create_task(self._watch(), name="mersal-handler-clock")
+        if self._watchdog is None:  # in a context of its own, not this message's
+            self._watchdog = asyncio.create_task(
+                self._watch(), name="mersal-handler-clock", context=contextvars.Context()
+            )
         return task
 
     def finish(self, task: asyncio.Task[Any] | None) -> bool:
@@ -47,11 +50,10 @@ class HandlerClock:
         if task is None:
             return False
         self._deadlines.pop(task, None)
-        if task not in self._expired:
-            return False
-        self._expired.discard(task)
-        task.uncancel()
-        return True
+        cancels = self._expired.pop(task, 0)
+        for _ in range(cancels):
+            task.uncancel()
+        return bool(cancels)
 
     @staticmethod
     async def absorb(task: asyncio.Task[Any] | None) -> None:
@@ -77,7 +79,7 @@ class HandlerClock:
             await asyncio.sleep(interval)
             now = time.monotonic()
             late = [task for task, deadline in self._deadlines.items() if deadline <= now]
-            for task in late:
-                del self._deadlines[task]
-                self._expired.add(task)
+            for task in late:  # a handler that swallows the cancellation gets it again
+                self._deadlines[task] = now + interval
+                self._expired[task] = self._expired.get(task, 0) + 1
                 task.cancel()

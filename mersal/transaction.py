@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 
 from mersal.errors import MersalError
+from mersal.messages import Envelope, Header
 from mersal.transport import Outgoing
 
 Commit = Callable[[Sequence[Outgoing]], Awaitable[None]]
@@ -14,6 +16,14 @@ Hook = Callable[[], Awaitable[None]]
 
 MESSAGE_IDS = uuid.UUID("6d9a3c1e-51b4-4c7e-9a53-0c1f6f0e8f2a")
 """The namespace of the message ids derived from an incoming message's id."""
+
+
+def seed_of(envelope: Envelope | None) -> str | None:
+    """What derived ids come from: the message's id, type and body; None without an id."""
+    if envelope is None or not envelope.headers.get(Header.MESSAGE_ID):
+        return None
+    body = hashlib.blake2b(envelope.body, digest_size=16).hexdigest()
+    return f"{envelope.headers[Header.MESSAGE_ID]}\x00{envelope.headers.get(Header.TYPE)}\x00{body}"
 
 
 def id_namespace(app_name: str) -> uuid.UUID:
@@ -28,10 +38,11 @@ class TransactionClosed(MersalError):
 class Transaction:
     """Buffers outgoing messages; `commit` hands them on in order, `rollback` forgets them.
 
-    A transaction made for an incoming message (`seed`: the message's id; `ids`: the handling
-    app's `id_namespace`) gives the messages sent through it ids derived from those and their
-    place in the sending order, so that a retry that sends the same messages sends them under
-    the same ids.
+    A transaction made for an incoming message (`source`; `ids`: the handling app's
+    `id_namespace`) gives the messages sent through it ids derived from the message (its id,
+    type and body) and their place in the sending order, so that a retry that sends the same
+    messages sends them under the same ids, while two different messages that came with one id
+    (a careless producer) do not lend their sends one id.
     """
 
     __slots__ = (
@@ -42,6 +53,7 @@ class Transaction:
         "_ids",
         "_seed",
         "_sent",
+        "_source",
         "outgoing",
         "owner",
         "session",
@@ -51,7 +63,7 @@ class Transaction:
         self,
         commit: Commit,
         owner: object = None,
-        seed: str | None = None,
+        source: Envelope | None = None,
         ids: uuid.UUID = MESSAGE_IDS,
         *,
         session: object = None,
@@ -63,7 +75,8 @@ class Transaction:
         self._after_commit: list[Hook] = []
         self._done = False
         self._doomed: str | None = None
-        self._seed = seed
+        self._source = source
+        self._seed: str | None = None
         self._ids = ids
         self._sent = 0
 
@@ -88,9 +101,11 @@ class Transaction:
 
     def message_id(self) -> str:
         """The id for the next message sent through this transaction."""
-        if self._seed is None:
-            return str(uuid.uuid4())
         self._sent += 1
+        if self._seed is None:
+            self._seed = seed_of(self._source) or ""
+        if not self._seed:
+            return str(uuid.uuid4())
         return str(uuid.uuid5(self._ids, f"{self._seed}\x00{self._sent}"))
 
     def replace_commit(self, commit: Commit) -> None:

@@ -9,16 +9,27 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from mersal.messages import describe
-from mersal.settle import RETURN, Failure, Outcome, Settler, Verdict, run_to_end
+from mersal.settle import (
+    RETURN,
+    Failure,
+    Outcome,
+    Settler,
+    Verdict,
+    cancel_for_stop,
+    run_to_end,
+)
 from mersal.transport import Consumer, Delivery
 
 log = logging.getLogger("mersal.worker")
 
 Handle = Callable[[Delivery], Awaitable[Outcome]]
+
+MIN_CANCEL_WAIT = 5.0
+"""Seconds a stop waits for cancelled handlers to end before it leaves them."""
 
 
 class Worker:
@@ -45,7 +56,7 @@ class Worker:
         self._handle = handle
         self._slots = asyncio.Semaphore(concurrency)
         self._lanes: dict[str, deque[Delivery]] = {}
-        self._tasks: set[asyncio.Future[object]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         self._settling: set[asyncio.Task[Any] | None] = set()
         self._fetcher: asyncio.Task[None] | None = None
         self._stopping = False
@@ -67,16 +78,25 @@ class Worker:
             self._fetcher.cancel()
             await asyncio.gather(self._fetcher, return_exceptions=True)
         await self.consumer.close()
-        if self._tasks:
-            _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
-            if pending:
-                log.warning(
-                    "%d message(s) did not finish within %gs; returned", len(pending), grace
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
+        if pending:
+            log.warning(
+                "%d message(s) did not finish within %gs; returning them", len(pending), grace
+            )
+        deadline = asyncio.get_running_loop().time() + max(grace, MIN_CANCEL_WAIT)
+        while pending:  # cancel handling, not settling: a settle runs to its end
+            for task in pending - self._settling:
+                cancel_for_stop(task)
+            _, pending = await asyncio.wait(pending, timeout=0.05)
+            if pending and asyncio.get_running_loop().time() > deadline:
+                log.error(
+                    "%d handler(s) ignore cancellation; leaving them: the transport returns "
+                    "their messages when it stops",
+                    len(pending),
                 )
-            while pending:  # cancel handling, not settling: a settle runs to its end
-                for task in pending - self._settling:
-                    task.cancel()
-                _, pending = await asyncio.wait(pending, timeout=0.05)
+                return
 
     @property
     def failed(self) -> BaseException | None:
@@ -113,27 +133,31 @@ class Worker:
                 lanes[key] = deque()
                 self._spawn(self._run_lane(key, delivery))
 
-    def _spawn(self, work: Awaitable[object]) -> None:
-        task = asyncio.ensure_future(work)
+    def _spawn(self, work: Coroutine[Any, Any, object]) -> None:
+        task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _run_lane(self, key: str, delivery: Delivery) -> None:
         lane = self._lanes[key]
         try:
-            outcome = await self._settle(delivery)
-            while lane and not self._stopping and outcome.verdict is not Verdict.RETURN:
+            done = await self._settle(delivery)
+            while lane and not self._stopping and done is not Verdict.RETURN:
                 await self._slots.acquire()
-                outcome = await self._settle(lane.popleft())
+                done = await self._settle(lane.popleft())
         finally:
             # A key whose message went back to the queue gives back the ones behind it too,
             # so that none of them overtakes it.
             del self._lanes[key]
-            while lane:
-                await run_to_end(self.settler.settle(lane.popleft(), RETURN))
+            if lane:
+                await run_to_end(self._give_back_all(lane))
 
-    async def _settle(self, delivery: Delivery) -> Outcome:
-        """Handle one delivery (in a slot taken for it) and settle it; frees the slot.
+    async def _give_back_all(self, lane: deque[Delivery]) -> None:
+        while lane:
+            await self.settler.settle(lane.popleft(), RETURN)
+
+    async def _settle(self, delivery: Delivery) -> Verdict:
+        """Handle one delivery (in a slot taken for it), settle it, say how; frees the slot.
 
         A stop cancels a task while it handles, never while it settles (see `stop`).
         """
@@ -154,9 +178,8 @@ class Worker:
             task = asyncio.current_task()
             self._settling.add(task)
             try:
-                await self.settler.settle(delivery, outcome)
+                return await self.settler.settle(delivery, outcome)
             finally:
                 self._settling.discard(task)
-            return outcome
         finally:
             self._slots.release()

@@ -5,6 +5,9 @@ from mersal_rabbitmq.transport import (
     RabbitMQConsumer,
     RabbitMQDelivery,
     RabbitMQTransport,
+    tolerate_text_that_is_not_utf8,
 )
+
+tolerate_text_that_is_not_utf8()
 
 __all__ = ["ConsumerLost", "RabbitMQConsumer", "RabbitMQDelivery", "RabbitMQTransport"]

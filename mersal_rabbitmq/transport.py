@@ -56,6 +56,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import aio_pika
 import aiormq
+import pamqp.decode
 from aio_pika.abc import (
     AbstractChannel,
     AbstractRobustConnection,
@@ -251,9 +252,12 @@ class RabbitMQTransport:
             indices, carried = carried[: len(run)], carried[len(run) :]
             for index, result in zip(indices, await self._send_run(run), strict=True):
                 results[index] = result
-        refused = [index for index, result in enumerate(results) if refused_by_broker(result)]
-        for index in refused:
-            results[index] = await self._send_alone(messages[index])
+        if any(refused_by_broker(result) for result in results):
+            # The refusal closed a channel others were publishing on, and perhaps the whole
+            # connection: send each message that failed again, alone, to know which it was.
+            for index, result in enumerate(results):
+                if result is not None and not isinstance(result, Unsendable):
+                    results[index] = await self._send_alone(messages[index])
         return results
 
     async def consume(self, queue: str, *, prefetch: int) -> RabbitMQConsumer:
@@ -365,8 +369,9 @@ class RabbitMQTransport:
         """Publish one message on a channel of its own: the broker's refusal is then its own."""
         deadline = asyncio.get_running_loop().time() + self.publish_timeout
         try:
-            publisher = await self._open_publisher()
-        except CHANNEL_ERRORS as error:
+            async with asyncio.timeout_at(deadline):
+                publisher = await self._open_publisher()
+        except (TimeoutError, *CHANNEL_ERRORS) as error:
             return OutcomeUnknown(f"no channel to publish on ({type(error).__name__}): send again")
         try:
             await self._publish(publisher, outgoing, deadline)
@@ -990,6 +995,51 @@ async def _ack(message: DeliveredMessage) -> None:
 async def _nack(message: DeliveredMessage, *, requeue: bool) -> None:
     assert message.delivery_tag is not None
     await message.channel.basic_nack(message.delivery_tag, requeue=requeue)
+
+
+def tolerate_text_that_is_not_utf8() -> None:
+    """Read AMQP short strings and header names that are not UTF-8 with U+FFFD in their place.
+
+    RabbitMQ passes such bytes on from a producer. pamqp would raise while reading the frame,
+    inside aiormq, before Mersal sees the message: the connection would drop, and the broker
+    deliver the message again, forever. Read leniently, the message reaches the app, which
+    handles it or dead-letters it like any other.
+    """
+    methods, mapping = pamqp.decode.METHODS, pamqp.decode.TABLE_MAPPING
+    if getattr(methods.get("table"), "mersal_lenient", False):
+        return
+    strict_short, strict_table = methods["shortstr"], methods["table"]
+
+    def short_str(value: bytes) -> tuple[int, Any]:
+        try:
+            return strict_short(value)
+        except UnicodeDecodeError:
+            length = value[0]
+            return length + 1, value[1 : length + 1].decode("utf-8", "replace")
+
+    def field_table(value: bytes) -> tuple[int, Any]:
+        try:
+            return strict_table(value)
+        except UnicodeDecodeError:
+            return _lenient_table(value)
+
+    field_table.mersal_lenient = True  # type: ignore[attr-defined]
+    methods["shortstr"] = short_str
+    methods["table"] = mapping[b"F"] = field_table
+
+
+def _lenient_table(value: bytes) -> tuple[int, dict[str, Any]]:
+    """An AMQP field table (a 4-byte size, then short-string names and typed values)."""
+    end = 4 + int.from_bytes(value[:4], "big")
+    table: dict[str, Any] = {}
+    offset = 4
+    while offset < end:
+        size = value[offset]
+        name = value[offset + 1 : offset + 1 + size].decode("utf-8", "replace")
+        offset += 1 + size
+        consumed, table[name] = pamqp.decode.embedded_value(value[offset:end])
+        offset += consumed
+    return end, table
 
 
 def header_text(value: object) -> str | None:

@@ -138,12 +138,13 @@ class SqlOutboxStore:
             async with self.engine.begin() as connection:
                 await connection.execute(delete(self.table).where(self.table.c.id.in_(ids)))
 
-    async def release(self, ids: Sequence[int]) -> None:
-        """Give back the lease on rows that could not be sent now."""
+    async def release(self, ids: Sequence[int], delay: float = 0.0) -> None:
+        """Give back the lease on rows that could not be sent now: claimable after `delay` s."""
         if ids:
+            until = sql_time(self.engine, delay) if delay > 0 else None
             statement = update(self.table).where(self.table.c.id.in_(ids))
             async with self.engine.begin() as connection:
-                await connection.execute(statement.values(lease_until=None))
+                await connection.execute(statement.values(lease_until=until))
 
     async def park(self, row_id: int, reason: str) -> None:
         """Set a row aside, with the reason, until an operator deals with it."""

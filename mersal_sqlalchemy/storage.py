@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, SessionTransaction
 
 from mersal.errors import ConfigurationError, MersalError
 from mersal.messages import describe
@@ -104,15 +104,25 @@ class MessageAsyncSession(AsyncSession):
 
 @event.listens_for(MessageSession, "before_commit")
 def _refuse_handler_commits(session: Session) -> None:
-    """A message's session commits only with its transaction, outbox and inbox rows included."""
-    if session.info.get(GUARDED) and not session.info.get(ENDING):
+    """A message's session commits only with its transaction, outbox and inbox rows included.
+
+    A savepoint (`begin_nested()`) may commit: that only ends the savepoint.
+    """
+    if (
+        session.info.get(GUARDED)
+        and not session.info.get(ENDING)
+        and not session.in_nested_transaction()
+    ):
         raise MersalError(REFUSED.format("commit"))
 
 
-@event.listens_for(MessageSession, "after_rollback")
-def _note_rollbacks(session: Session) -> None:
-    """A rollback nobody asked Mersal for (the sync session's) takes the inbox row with it."""
-    if session.info.get(GUARDED) and not session.info.get(ENDING):
+@event.listens_for(MessageSession, "after_soft_rollback")
+def _note_rollbacks(session: Session, previous: SessionTransaction) -> None:
+    """A rollback nobody asked Mersal for (the sync session's) takes the inbox row with it.
+
+    A savepoint's rollback undoes only what was done since the savepoint.
+    """
+    if session.info.get(GUARDED) and not session.info.get(ENDING) and not previous.nested:
         session.info[ROLLED_BACK] = True
 
 
