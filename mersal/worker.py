@@ -175,6 +175,8 @@ class Worker:
                     self.backoff,
                 )
                 outcome = Outcome.give_back(self.backoff)
+            if outcome.verdict is Verdict.ACK:  # an ack does not wait on the broker
+                return await self.settler.settle(delivery, outcome)
             task = asyncio.current_task()
             self._settling.add(task)
             try:
