@@ -56,7 +56,6 @@ from urllib.parse import parse_qs, urlsplit
 
 import aio_pika
 import aiormq
-import pamqp.decode
 from aio_pika.abc import (
     AbstractChannel,
     AbstractRobustConnection,
@@ -252,13 +251,21 @@ class RabbitMQTransport:
             indices, carried = carried[: len(run)], carried[len(run) :]
             for index, result in zip(indices, await self._send_run(run), strict=True):
                 results[index] = result
-        if any(refused_by_broker(result) for result in results):
-            # The refusal closed a channel others were publishing on, and perhaps the whole
-            # connection: send each message that failed again, alone, to know which it was.
-            for index, result in enumerate(results):
-                if result is not None and not isinstance(result, Unsendable):
-                    results[index] = await self._send_alone(messages[index])
+        if any(lost_channel(result) for result in results):
+            await self._isolate(messages, results)
         return results
+
+    async def _isolate(self, messages: Sequence[Outgoing], results: list[Exception | None]) -> None:
+        """Send again, one by one and each on a channel of its own, what lost its channel.
+
+        A refusal closes the channel others were publishing on (and with it perhaps the whole
+        connection); alone, the message the broker refuses is known, and the others go. All of
+        it within one publish timeout: in an outage, what is left stays "outcome unknown".
+        """
+        deadline = asyncio.get_running_loop().time() + self.publish_timeout
+        for index, result in enumerate(results):
+            if result is not None and not isinstance(result, Unsendable):
+                results[index] = await self._send_alone(messages[index], deadline)
 
     async def consume(self, queue: str, *, prefetch: int) -> RabbitMQConsumer:
         """Start receiving from an existing `queue`, at most `prefetch` unacknowledged."""
@@ -365,13 +372,12 @@ class RabbitMQTransport:
             self._pool.release(publisher, ids)
         return [_result(result) for result in results]
 
-    async def _send_alone(self, outgoing: Outgoing) -> Exception | None:
+    async def _send_alone(self, outgoing: Outgoing, deadline: float) -> Exception | None:
         """Publish one message on a channel of its own: the broker's refusal is then its own."""
-        deadline = asyncio.get_running_loop().time() + self.publish_timeout
         try:
             async with asyncio.timeout_at(deadline):
                 publisher = await self._open_publisher()
-        except (TimeoutError, *CHANNEL_ERRORS) as error:
+        except (TimeoutError, RuntimeError, *CHANNEL_ERRORS) as error:  # aiormq: "closed"
             return OutcomeUnknown(f"no channel to publish on ({type(error).__name__}): send again")
         try:
             await self._publish(publisher, outgoing, deadline)
@@ -997,51 +1003,6 @@ async def _nack(message: DeliveredMessage, *, requeue: bool) -> None:
     await message.channel.basic_nack(message.delivery_tag, requeue=requeue)
 
 
-def tolerate_text_that_is_not_utf8() -> None:
-    """Read AMQP short strings and header names that are not UTF-8 with U+FFFD in their place.
-
-    RabbitMQ passes such bytes on from a producer. pamqp would raise while reading the frame,
-    inside aiormq, before Mersal sees the message: the connection would drop, and the broker
-    deliver the message again, forever. Read leniently, the message reaches the app, which
-    handles it or dead-letters it like any other.
-    """
-    methods, mapping = pamqp.decode.METHODS, pamqp.decode.TABLE_MAPPING
-    if getattr(methods.get("table"), "mersal_lenient", False):
-        return
-    strict_short, strict_table = methods["shortstr"], methods["table"]
-
-    def short_str(value: bytes) -> tuple[int, Any]:
-        try:
-            return strict_short(value)
-        except UnicodeDecodeError:
-            length = value[0]
-            return length + 1, value[1 : length + 1].decode("utf-8", "replace")
-
-    def field_table(value: bytes) -> tuple[int, Any]:
-        try:
-            return strict_table(value)
-        except UnicodeDecodeError:
-            return _lenient_table(value)
-
-    field_table.mersal_lenient = True  # type: ignore[attr-defined]
-    methods["shortstr"] = short_str
-    methods["table"] = mapping[b"F"] = field_table
-
-
-def _lenient_table(value: bytes) -> tuple[int, dict[str, Any]]:
-    """An AMQP field table (a 4-byte size, then short-string names and typed values)."""
-    end = 4 + int.from_bytes(value[:4], "big")
-    table: dict[str, Any] = {}
-    offset = 4
-    while offset < end:
-        size = value[offset]
-        name = value[offset + 1 : offset + 1 + size].decode("utf-8", "replace")
-        offset += 1 + size
-        consumed, table[name] = pamqp.decode.embedded_value(value[offset:end])
-        offset += consumed
-    return end, table
-
-
 def header_text(value: object) -> str | None:
     """A header value as a string; None for values that are not scalars (lists, tables)."""
     if isinstance(value, str):
@@ -1068,6 +1029,12 @@ def limits_for(connection: AbstractRobustConnection) -> Limits:
 def refused_by_broker(result: BaseException | None) -> bool:
     """Whether a publish failed because the broker closed its channel in answer to a refusal."""
     return isinstance(result, OutcomeUnknown) and isinstance(result.__cause__, BROKER_REFUSALS)
+
+
+def lost_channel(result: BaseException | None) -> bool:
+    """Whether a publish failed because its channel closed under it (a refusal, perhaps not its
+    own: several publishes share a channel)."""
+    return isinstance(result, OutcomeUnknown) and isinstance(result.__cause__, CHANNEL_ERRORS)
 
 
 def _result(result: BaseException | None) -> Exception | None:

@@ -1,0 +1,463 @@
+"""Regressions of an adversarial review on RabbitMQ: publishes the broker refuses, odd frames.
+
+A publish RabbitMQ refuses by closing its channel (a `CC` header that is not an array: 406; a
+topic permission: 403) fails alone: the good messages of its batch, and of the batches sent at
+the same time, are confirmed and arrive, and the connection (with the consumers on it) survives
+(p05, p06, p04). A raw producer's message whose header name or message id is not UTF-8 does not
+cost the consumer its connection (p15).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+import pamqp.encode
+import pytest
+from aio_pika.abc import AbstractIncomingMessage
+from pamqp import common
+from rabbitmq_support import Broker, rabbitmqctl, wait_until
+
+from mersal import App, Envelope, Header, MessageContext, RetryPolicy, Unsendable, message
+from mersal.pipeline import Next
+from mersal.transport import Outgoing
+from mersal_rabbitmq import RabbitMQTransport
+from mersal_sqlalchemy import SqlStorage, attach
+from tests.sql.conftest import postgres_database
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
+
+
+@message("ok.refusals.Good")
+@dataclass
+class Good:
+    """An event the private vhost lets through (topic permission)."""
+
+    job: int
+    n: int
+
+
+@message("bad.refusals.Bad")
+@dataclass
+class Bad:
+    """An event the private vhost refuses (topic permission: 403, the channel is closed)."""
+
+    job: int
+
+
+@message("work.refusals.Job")
+@dataclass
+class Job:
+    """A command whose handler publishes five Good events, and a Bad one when `refused`."""
+
+    n: int
+    refused: bool = False
+
+
+@message("work.refusals.Slow")
+@dataclass
+class Slow:
+    """A command whose handler waits until the test lets it finish."""
+
+    n: int
+
+
+@message("work.refusals.Ship")
+@dataclass
+class Ship:
+    """A command sent through the outbox to a sink queue."""
+
+    n: int
+
+
+@message("tests.refusals.Odd")
+@dataclass
+class Odd:
+    """What a raw producer sends in the UTF-8 test."""
+
+    n: int
+
+
+class Recorder:
+    """Message ids a raw consumer received (auto-ack), counted, and the bodies."""
+
+    def __init__(self) -> None:
+        self.ids: Counter[str] = Counter()
+        self.bodies: list[bytes] = []
+
+    async def on_message(self, incoming: AbstractIncomingMessage) -> None:
+        """Count one delivery."""
+        self.ids[incoming.message_id or ""] += 1
+        self.bodies.append(incoming.body)
+
+
+async def record(broker: Broker, queue: str) -> Recorder:
+    """Consume `queue` on a channel of its own into a Recorder."""
+    recorder = Recorder()
+    channel = await broker.connection.channel()
+    amqp_queue = await channel.get_queue(queue, ensure=False)
+    await amqp_queue.consume(recorder.on_message, no_ack=True)
+    return recorder
+
+
+def storage_of(app: App) -> SqlStorage:
+    """The app's SQL storage."""
+    assert isinstance(app.storage, SqlStorage)
+    return app.storage
+
+
+def id_of(outgoing: Outgoing) -> str:
+    """The message id of an outgoing message."""
+    return outgoing.envelope.headers[Header.MESSAGE_ID]
+
+
+def outcome(result: Exception | None) -> str | None:
+    """A send result by its kind: None (confirmed) or the exception's class name."""
+    return None if result is None else type(result).__name__
+
+
+# A publish refused by closing the channel, in a batch and beside other batches (406, CC).
+
+
+async def cc_refusing_transport(
+    make_transport: Any, broker: Broker, sink: str
+) -> RabbitMQTransport:
+    """A started transport that lets a CC string through: RabbitMQ closes the channel (406)."""
+    transport: RabbitMQTransport = make_transport()
+    await transport.start()
+    transport.limits = dataclasses.replace(transport.limits, reserved_headers=frozenset())
+    await broker.declare(sink, durable=True)
+    return transport
+
+
+def to(sink: str, message_id: str, **headers: str) -> Outgoing:
+    """A message to `sink` with this id (and headers)."""
+    return Outgoing(sink, Envelope({Header.MESSAGE_ID: message_id, **headers}, b"{}"))
+
+
+async def test_a_publish_the_broker_refuses_fails_alone_in_its_batch_and_a_later_batch_goes(
+    make_transport: Any, broker: Broker, prefix: str
+) -> None:
+    sink = f"{prefix}.sink"
+    transport = await cc_refusing_transport(make_transport, broker, sink)
+    received = await record(broker, sink)
+    sent: list[Outgoing] = []
+    for turn in range(3):  # the same batch shape, one after the other
+        batch = [
+            *(to(sink, f"good-{turn}-{n}") for n in range(10)),
+            to(sink, f"bad-{turn}", CC=sink),
+            *(to(sink, f"good-{turn}-{n}") for n in range(10, 20)),
+        ]
+
+        results = await transport.send_each(batch)
+
+        assert [outcome(r) for r in results] == [None] * 10 + ["Unsendable"] + [None] * 10, [
+            str(r) for r in results if r
+        ]
+        assert isinstance(results[10], Unsendable)
+        sent += batch
+    later = [to(sink, f"later-{n}") for n in range(5)]
+    assert await transport.send_each(later) == [None] * 5
+    wanted = {id_of(o) for o in [*sent, *later] if not id_of(o).startswith("bad")}
+    await wait_until(lambda: set(received.ids) >= wanted, timeout=10, what="every good one")
+    assert not [i for i in received.ids if i.startswith("bad")]
+
+
+async def test_a_publish_the_broker_refuses_costs_batches_sent_beside_it_nothing(
+    make_transport: Any, broker: Broker, prefix: str
+) -> None:
+    sink = f"{prefix}.sink"
+    transport = await cc_refusing_transport(make_transport, broker, sink)
+    received = await record(broker, sink)
+    # Batches sent at once (handlers committing together), every third with a refused message.
+    batches = [
+        [
+            *(to(sink, f"good-{k}-{i}") for i in range(5)),
+            *([to(sink, f"bad-{k}", CC=sink)] if k % 3 == 0 else []),
+        ]
+        for k in range(12)
+    ]
+
+    together = await asyncio.gather(*(transport.send_each(batch) for batch in batches))
+
+    for batch, results in zip(batches, together, strict=True):
+        expected = ["Unsendable" if id_of(o).startswith("bad") else None for o in batch]
+        assert [outcome(r) for r in results] == expected, [str(r) for r in results if r]
+    later = [to(sink, f"later-{n}") for n in range(5)]
+    assert await transport.send_each(later) == [None] * 5
+    sent = [*(o for batch in batches for o in batch), *later]
+    wanted = {id_of(o) for o in sent if not id_of(o).startswith("bad")}
+    await wait_until(lambda: set(received.ids) >= wanted, timeout=10, what="every good one")
+    assert not [i for i in received.ids if i.startswith("bad")]
+
+
+# A topic permission (403) on a private vhost: handlers' publishes and the outbox relay.
+
+
+@pytest.fixture(scope="module")
+def refusing_vhost() -> Iterator[str]:
+    """A private vhost where guest may publish only `ok.*` and `work.*` topics (403 else)."""
+    name = f"mersal-refusals-{uuid.uuid4().hex[:8]}"
+    rabbitmqctl("add_vhost", name)
+    try:
+        rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
+        rabbitmqctl(
+            "set_topic_permissions", "-p", name, "guest", "mersal.events", r"^(ok|work)\.", ".*"
+        )
+        yield f"amqp://guest:guest@{HOST}/{name}"
+    finally:
+        rabbitmqctl("delete_vhost", name)
+
+
+@pytest.fixture
+async def raw(refusing_vhost: str) -> AsyncIterator[Broker]:
+    """A raw connection to the private vhost (which is deleted with its queues at the end)."""
+    connection = await aio_pika.connect(refusing_vhost)
+    yield Broker(connection, await connection.channel())
+    await connection.close()
+
+
+async def test_handlers_whose_publishes_are_refused_cost_the_others_nothing(
+    refusing_vhost: str, raw: Broker, prefix: str
+) -> None:
+    jobs = 60
+    refused = {n for n in range(jobs) if n % 10 == 0}
+    calls: Counter[int] = Counter()
+    sink = f"{prefix}.events"
+    await raw.declare(sink, durable=True)
+    queue = await raw.channel.get_queue(sink, ensure=False)
+    await raw.channel.declare_exchange("mersal.events", aio_pika.ExchangeType.TOPIC, durable=True)
+    await queue.bind("mersal.events", routing_key="ok.refusals.Good")
+    events = await record(raw, sink)
+
+    app = App(
+        f"{prefix}-jobs",
+        transport=refusing_vhost,
+        retry=RetryPolicy(immediate=0, delayed=[], error_queue=f"{prefix}.error"),
+        concurrency=16,
+    )
+
+    async def job(message: Job) -> None:
+        calls[message.n] += 1
+        await asyncio.sleep(0.02)
+        for i in range(5):
+            await app.publish(Good(message.n, i), headers={Header.MESSAGE_ID: f"g-{message.n}-{i}"})
+        if message.refused:
+            await app.publish(Bad(message.n))
+
+    app.register(Job, job)
+    # The jobs come from another connection, which the app's refusals cannot touch.
+    producer = App(f"{prefix}-producer", transport=refusing_vhost)
+    producer.route(Job, f"{prefix}-jobs")
+    async with app, producer:
+        dead = await record(raw, f"{prefix}.error")
+        async with producer.transaction():
+            for n in range(jobs):
+                await producer.send(Job(n, n in refused))
+        wanted = {f"g-{n}-{i}" for n in range(jobs) if n not in refused for i in range(5)}
+
+        def dead_jobs() -> set[int]:
+            return {json.loads(body)["n"] for body in dead.bodies}
+
+        async def done() -> bool:
+            return (
+                dead_jobs() >= refused
+                and set(events.ids) >= wanted
+                and await raw.count(f"{prefix}-jobs") == 0
+                and app.in_flight == 0
+            )
+
+        await wait_until(done, timeout=15, what="every job handled or dead-lettered")
+        assert app.healthy
+
+    assert dead_jobs() == refused  # a dead letter may leave twice (its confirm lost), no more
+
+    twice = {n: k for n, k in calls.items() if k > 1 and n not in refused}
+    assert twice == {}, f"good jobs handled more than once: {twice}"
+    assert set(calls) == set(range(jobs))
+
+
+@pytest.fixture
+async def database() -> AsyncIterator[str]:
+    """A migrated PostgreSQL database of this test's own."""
+    async with postgres_database(migrate=True) as url:
+        yield url
+
+
+async def test_refused_outbox_rows_are_parked_promptly_and_the_rows_behind_them_leave(
+    refusing_vhost: str, raw: Broker, prefix: str, database: str
+) -> None:
+    refused_rows = 150
+    sink = f"{prefix}.sink"
+    await raw.declare(sink, durable=True)
+    received = await record(raw, sink)
+    app = App(f"{prefix}-relay", transport=refusing_vhost, database=database)
+    attach(app, poll_interval=0.5)
+    app.route(Ship, sink)
+    async with app:
+        storage = storage_of(app)
+        async with app.transaction():
+            for n in range(refused_rows):
+                await app.publish(Bad(n))
+        async with app.transaction():
+            for n in range(5):
+                await app.send(Ship(n), headers={Header.MESSAGE_ID: f"ship-{n}"})
+
+        async def judged() -> bool:
+            return (
+                storage.parked == refused_rows
+                and await storage.pending() == 0
+                and set(received.ids) >= {f"ship-{n}" for n in range(5)}
+            )
+
+        # The relay judges a hundred rows a second or more: 10 s is ample for 150 refused ones.
+        await wait_until(judged, timeout=10, what="refused rows parked, good rows delivered")
+        assert not app.healthy  # parked rows wait for an operator
+        # Later rows go as usual.
+        async with app.transaction():
+            await app.send(Ship(5), headers={Header.MESSAGE_ID: "ship-5"})
+        await wait_until(lambda: "ship-5" in received.ids, timeout=10, what="a later row")
+
+
+async def test_refused_outbox_rows_leave_the_apps_consumer_and_its_deliveries_alone(
+    refusing_vhost: str, raw: Broker, prefix: str, database: str
+) -> None:
+    refused_rows = 60
+    deliveries: Counter[str] = Counter()
+    entered: set[str] = set()
+    release = asyncio.Event()
+
+    async def count_deliveries(context: MessageContext, next: Next[MessageContext]) -> None:
+        deliveries[context.message_id] += 1
+        await next(context)
+
+    async def slow(message: Slow, context: MessageContext) -> None:
+        entered.add(context.message_id)
+        await release.wait()
+
+    name = f"{prefix}-busy"
+    app = App(
+        name,
+        transport=refusing_vhost,
+        database=database,
+        retry=RetryPolicy(immediate=0, delayed=[], error_queue=f"{prefix}.error"),
+    )
+    attach(app, poll_interval=0.5)
+    app.incoming.insert_before("retry", "count", count_deliveries)
+    app.register(Slow, slow)
+    app.route(Slow, name)
+    slow_ids = {f"slow-{n}" for n in range(5)}
+    async with app:
+        storage = storage_of(app)
+        try:
+            for n in range(5):  # in flight on the app's consumer while the relay meets refusals
+                await app.send(Slow(n), headers={Header.MESSAGE_ID: f"slow-{n}"})
+            await wait_until(lambda: entered == slow_ids, timeout=10, what="five handlers running")
+            async with app.transaction():
+                for n in range(refused_rows):
+                    await app.publish(Bad(n))
+
+            async def parked() -> bool:
+                return storage.parked == refused_rows and await storage.pending() == 0
+
+            await wait_until(parked, timeout=10, what="the refused rows parked")
+        finally:
+            release.set()
+
+        async def settled() -> bool:
+            return app.in_flight == 0 and await raw.count(name) == 0
+
+        await wait_until(settled, timeout=10, what="the slow messages settled")
+
+    # The refusals did not take the consumer's connection: nothing was delivered again (the
+    # inbox would hide a second delivery from the handler, not from the pipeline).
+    assert dict(deliveries) == dict.fromkeys(slow_ids, 1)
+
+
+# A raw producer's header name and message id that are not UTF-8.
+
+
+def table_with_raw_names(value: Mapping[str, Any]) -> bytes:
+    """pamqp's field table, but names written as raw bytes (surrogate escapes) as they are."""
+    if not value:
+        return common.Struct.integer.pack(0)
+    data = []
+    for key, item in sorted(value.items()):
+        name = key.encode("utf-8", "surrogateescape")
+        data.append(bytes([len(name)]) + name)
+        data.append(pamqp.encode.encode_table_value(item))
+    out = b"".join(data)
+    return common.Struct.integer.pack(len(out)) + out
+
+
+def raw_short_string(value: str) -> bytes:
+    """pamqp's short string, but written as raw bytes (surrogate escapes) as it is."""
+    data = value.encode("utf-8", "surrogateescape")
+    return common.Struct.byte.pack(len(data)) + data
+
+
+async def test_a_header_name_or_message_id_that_is_not_utf8_costs_the_consumer_nothing(
+    url: str, broker: Broker, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handled: Counter[int] = Counter()
+    name = f"{prefix}-odd"
+    error_queue = f"{prefix}.error"
+    app = App(
+        name, transport=url, retry=RetryPolicy(immediate=0, delayed=[], error_queue=error_queue)
+    )
+    assert isinstance(app.transport, RabbitMQTransport)
+    broker.watch(app.transport)
+
+    async def odd(message: Odd) -> None:
+        handled[message.n] += 1
+
+    app.register(Odd, odd)
+    app.route(Odd, name)
+    type_name = app.types.name_of(Odd)
+    async with app:
+        with monkeypatch.context() as patch:  # a producer that writes what it is given
+            patch.setitem(pamqp.encode.METHODS, "table", table_with_raw_names)
+            patch.setitem(pamqp.encode.METHODS, "shortstr", raw_short_string)
+            for n, properties in (
+                (-1, {"message_id": "odd-name", "headers": {"x-\udcff\udcfe": "v"}}),
+                (-2, {"message_id": "odd-id-\udcff\udcfe"}),
+            ):
+                await broker.publish(
+                    aio_pika.Message(
+                        json.dumps({"n": n}).encode(),
+                        type=type_name,
+                        content_type=app.codec.content_type,
+                        **properties,
+                    ),
+                    routing_key=name,
+                )
+        for n in range(1, 6):
+            await app.send(Odd(n))
+
+        async def done() -> bool:
+            if not all(handled[n] for n in range(1, 6)):
+                return False
+            dead = await broker.count(error_queue)
+            return (
+                handled[-1] + handled[-2] + dead >= 2
+                and await broker.count(name) == 0
+                and app.in_flight == 0
+            )
+
+        await wait_until(done, timeout=15, what="the odd messages and the next ones settled")
+        dead = await broker.count(error_queue)
+        assert app.healthy
+
+    assert {n: handled[n] for n in range(1, 6)} == dict.fromkeys(range(1, 6), 1)
+    assert handled[-1] + handled[-2] + dead == 2  # each odd one handled or dead-lettered, once
+    assert handled[-1] <= 1 and handled[-2] <= 1
