@@ -169,7 +169,8 @@ class Relay:
         if drain > 0:
             await asyncio.wait([task], timeout=drain)
         if not task.done():
-            log.warning("the outbox relay did not drain within %gs; stopping it", drain)
+            if drain > 0:
+                log.warning("the outbox relay did not drain within %gs; stopping it", drain)
             task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
