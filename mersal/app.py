@@ -26,7 +26,7 @@ from mersal.errors import (
     Unsendable,
 )
 from mersal.handlers import Handlers
-from mersal.messages import Header, TypeRegistry, describe
+from mersal.messages import Header, TypeRegistry, describe, new_id
 from mersal.outbox import Storage, attach_storage, unreachable_reply
 from mersal.pipeline import (
     MessageContext,
@@ -271,7 +271,7 @@ class App:
         if reply_type is not None:
             self.types.add(reply_type)
         replies = await self._reply_queue()
-        message_id = str(uuid.uuid4())
+        message_id = new_id()
         merged = check_headers(headers)
         merged[Header.MESSAGE_ID] = message_id
         merged[Header.REPLY_TO] = replies.queue

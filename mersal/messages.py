@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -35,6 +37,42 @@ class Header:
     FAILED_AT = "failed-at"
     TEMPORARY_REPLY_TO = "temporary-reply-to"
     """"true" on a request whose reply-to queue goes away with the requester, and on its reply."""
+
+
+IDS_PER_DRAW = 256
+_random = b""
+_used = 0
+
+
+def new_id() -> str:
+    """A new random message id: a version 4 UUID as text (random bytes drawn 256 ids at a time)."""
+    global _random, _used
+    if _used >= len(_random):
+        _random, _used = os.urandom(16 * IDS_PER_DRAW), 0
+    digits = _random[_used : _used + 16].hex()
+    _used += 16
+    return _as_uuid(digits, "4")
+
+
+def derived_id(namespace: bytes, name: str) -> str:
+    """The version 5 UUID of `name` in `namespace`, as text (what `str(uuid.uuid5(...))` gives)."""
+    return _as_uuid(hashlib.sha1(namespace + name.encode()).hexdigest(), "5")
+
+
+def _as_uuid(digits: str, version: str) -> str:
+    variant = "89ab"[int(digits[16], 16) & 3]
+    return (
+        f"{digits[:8]}-{digits[8:12]}-{version}{digits[13:16]}-{variant}{digits[17:20]}-"
+        f"{digits[20:32]}"
+    )
+
+
+def _forget_random_after_fork() -> None:
+    global _random, _used
+    _random, _used = b"", 0
+
+
+os.register_at_fork(after_in_child=_forget_random_after_fork)
 
 
 @dataclass(slots=True)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from mersal.errors import ConfigurationError, DecodeError, Unsendable
-from mersal.messages import Envelope, Header
+from mersal.messages import Envelope, Header, new_id
 from mersal.settle import ACK, Outcome
 from mersal.timeouts import HandlerClock, HandlerTimeout
 from mersal.transaction import Transaction
@@ -291,7 +290,7 @@ def headers_step(app: App) -> Step[OutgoingContext]:
         if Header.MESSAGE_ID not in headers:
             transaction = context.transaction
             headers[Header.MESSAGE_ID] = (
-                transaction.message_id() if transaction is not None else str(uuid.uuid4())
+                transaction.message_id() if transaction is not None else new_id()
             )
         headers[Header.TYPE] = types.name_of(type(context.message))
         headers[Header.SENT_AT] = now()

@@ -145,10 +145,10 @@ class Settler:
 
     def unsent(self, delivery: Delivery) -> Outcome | None:
         """The outcome decided before for this message, whose retry or dead letter failed."""
-        message_id = delivery.envelope.headers.get(Header.MESSAGE_ID)
-        if not self._unsent or not message_id:
+        if not self._unsent:
             return None
-        return self._unsent.pop(message_id, None)
+        message_id = delivery.envelope.headers.get(Header.MESSAGE_ID)
+        return self._unsent.pop(message_id, None) if message_id else None
 
     async def settle(self, delivery: Delivery, outcome: Outcome) -> Verdict:
         """Settle `delivery` as `outcome` says; what was done. Never raises (but cancellation)."""

@@ -50,6 +50,8 @@ class HandlerClock:
         if task is None:
             return False
         self._deadlines.pop(task, None)
+        if not self._expired:
+            return False
         cancels = self._expired.pop(task, 0)
         for _ in range(cancels):
             task.uncancel()

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 
 from mersal.errors import MersalError
-from mersal.messages import Envelope, Header
+from mersal.messages import Envelope, Header, derived_id, new_id
 from mersal.transport import Outgoing
 
 Commit = Callable[[Sequence[Outgoing]], Awaitable[None]]
@@ -26,9 +26,9 @@ def seed_of(envelope: Envelope | None) -> str | None:
     return f"{envelope.headers[Header.MESSAGE_ID]}\x00{envelope.headers.get(Header.TYPE)}\x00{body}"
 
 
-def id_namespace(app_name: str) -> uuid.UUID:
+def id_namespace(app_name: str) -> bytes:
     """The namespace of the ids an app derives for what its handlers send."""
-    return uuid.uuid5(MESSAGE_IDS, app_name)
+    return uuid.uuid5(MESSAGE_IDS, app_name).bytes
 
 
 class TransactionClosed(MersalError):
@@ -64,7 +64,7 @@ class Transaction:
         commit: Commit,
         owner: object = None,
         source: Envelope | None = None,
-        ids: uuid.UUID = MESSAGE_IDS,
+        ids: bytes = MESSAGE_IDS.bytes,
         *,
         session: object = None,
     ) -> None:
@@ -105,8 +105,8 @@ class Transaction:
         if self._seed is None:
             self._seed = seed_of(self._source) or ""
         if not self._seed:
-            return str(uuid.uuid4())
-        return str(uuid.uuid5(self._ids, f"{self._seed}\x00{self._sent}"))
+            return new_id()
+        return derived_id(self._ids, f"{self._seed}\x00{self._sent}")
 
     def replace_commit(self, commit: Commit) -> None:
         """Hand the buffered messages to `commit` instead (an outbox writes them as rows)."""

@@ -81,6 +81,27 @@ class Limits:
     """The longest delay, in seconds (RabbitMQ's TTL cap, rounded down to two digits)."""
     reserved_headers: frozenset[str] = field(default=frozenset({"CC", "BCC"}))
     """Header names the broker acts on (RabbitMQ routes copies by CC and BCC)."""
+    plain_names: frozenset[str] = field(init=False, repr=False, compare=False)
+    """Mersal's own header names that these limits allow (all but deliver-at, usually)."""
+    plain_values_room: int = field(init=False, repr=False, compare=False)
+    """Room left for header values when every plain name is there."""
+
+    def __post_init__(self) -> None:
+        names = frozenset(
+            name
+            for name in HEADER_NAMES
+            if name != Header.DELIVER_AT
+            and name not in self.reserved_headers
+            and len(name) <= self.max_header_name_bytes
+        )
+        room = self.max_header_bytes - sum(len(name) + HEADER_ENTRY_BYTES for name in names)
+        object.__setattr__(self, "plain_names", names)
+        object.__setattr__(self, "plain_values_room", room)
+
+
+HEADER_NAMES = frozenset(
+    value for name, value in vars(Header).items() if name.isupper() and isinstance(value, str)
+)
 
 
 DEFAULT_LIMITS = Limits()
@@ -179,6 +200,11 @@ def problem_of(outgoing: Outgoing, limits: Limits = DEFAULT_LIMITS) -> str | Non
     """Why the transport could never carry `outgoing`, or None if it can (or was checked)."""
     if outgoing.checked or plainly_fine(outgoing, limits):
         return None
+    return slow_problem_of(outgoing, limits)
+
+
+def slow_problem_of(outgoing: Outgoing, limits: Limits) -> str | None:
+    """`problem_of` without its shortcuts: each rule in turn."""
     address = outgoing.address
     what = "topic" if outgoing.publish else "queue"
     if not isinstance(address, str) or not address:
@@ -215,18 +241,24 @@ def plainly_fine(outgoing: Outgoing, limits: Limits) -> bool:
     envelope = outgoing.envelope
     headers = envelope.headers
     address = outgoing.address
-    try:
-        names, values = "".join(headers), "".join(headers.values())
-    except TypeError:  # a name or value that is not a string: the slow path says which
-        return False
-    return (
+    if not (
         type(address) is str
         and address.isascii()
         and 0 < len(address) <= limits.max_name_bytes
         and "\x00" not in address
         and type(envelope.body) is bytes
         and len(envelope.body) <= limits.max_body_bytes
-        and names.isascii()
+    ):
+        return False
+    try:
+        values = "".join(headers.values())
+        if headers.keys() <= limits.plain_names:  # only Mersal's own names
+            return values.isascii() and len(values) <= limits.plain_values_room
+        names = "".join(headers)
+    except TypeError:  # a name or value that is not a string: the slow path says which
+        return False
+    return (
+        names.isascii()
         and values.isascii()
         and len(names) <= limits.max_header_name_bytes  # so is every name
         and "" not in headers

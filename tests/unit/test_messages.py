@@ -1,7 +1,9 @@
 """Wire type names, the type registry (an allow-list that never imports), and envelopes."""
 
 import collections
+import os
 import sys
+import uuid
 from dataclasses import dataclass
 
 import msgspec
@@ -9,7 +11,7 @@ import pydantic
 import pytest
 
 from mersal import ConfigurationError, DecodeError, Envelope, Header, message
-from mersal.messages import TypeRegistry, type_name_of
+from mersal.messages import IDS_PER_DRAW, TypeRegistry, derived_id, new_id, type_name_of
 
 
 @dataclass
@@ -280,3 +282,32 @@ def test_envelope_properties_read_their_headers() -> None:
 
     assert (envelope.message_id, envelope.type_name, envelope.partition_key) == ("m-1", "t.T", "k")
     assert Envelope({}, b"").message_id is None
+
+
+def test_new_ids_are_distinct_version_4_uuids() -> None:
+    ids = [new_id() for _ in range(5 * IDS_PER_DRAW)]
+    assert len(set(ids)) == len(ids)
+    for text in ids[:: IDS_PER_DRAW // 2]:
+        parsed = uuid.UUID(text)
+        assert (parsed.version, parsed.variant, str(parsed)) == (4, uuid.RFC_4122, text)
+
+
+def test_a_forked_child_draws_ids_of_its_own() -> None:
+    new_id()  # the parent holds a draw of random bytes the child must not reuse
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(writer, new_id().encode())
+        os._exit(0)
+    os.close(writer)
+    child = os.read(reader, 100).decode()
+    os.waitpid(pid, 0)
+    os.close(reader)
+    assert child != new_id()
+    assert uuid.UUID(child).version == 4
+
+
+@pytest.mark.parametrize("name", ["a", "seed\x00 1", "héllo", "x" * 300])
+def test_derived_ids_are_the_uuid5_of_the_name(name: str) -> None:
+    namespace = uuid.uuid4()
+    assert derived_id(namespace.bytes, name) == str(uuid.uuid5(namespace, name))
