@@ -44,6 +44,7 @@ from mersal.pipeline import (
     send_step,
     serialize_step,
 )
+from mersal.plugins import transport_from
 from mersal.retry import RetryPolicy, RetryStep, after_failure, attempts_made, log_failure
 from mersal.serialization import Codec, JsonCodec
 from mersal.settle import (
@@ -68,7 +69,6 @@ from mersal.transport import (
     Transport,
     limits_of,
     mask,
-    transport_from,
 )
 from mersal.worker import Worker
 

@@ -1,8 +1,11 @@
 """The `mersal` command: run an app's worker; look at and replay an error queue; adapters' tools.
 
 `mersal run module:app` runs until SIGINT or SIGTERM; `mersal dlq list|show|replay` works on an
-error queue through the transport; `mersal db ...` and `mersal outbox ...` come with the SQL
-adapter.
+error queue through the transport; installed adapters add theirs (`mersal db ...` and
+`mersal outbox ...` come with the SQL adapter) through the `mersal.commands` entry points.
+
+For adapters' commands: `load_app`, `positive_int` and `align` are this module's
+documented helpers.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from mersal import plugins
 from mersal.app import App
 from mersal.dead_letters import SUMMARY_COLUMNS, DeadLetters, describe, summary
 from mersal.errors import ConfigurationError, MersalError
-from mersal.transport import mask, transport_from
+from mersal.plugins import transport_from
+from mersal.transport import mask
 
 DLQ_LIST_LIMIT = 100
 DLQ_SCAN_LIMIT = 1_000
@@ -34,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("target", help="module:attribute naming an App (or a function returning one)")
     run.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     add_dlq_commands(commands)
-    add_adapter_commands(commands)
+    plugins.add_commands(commands)
     args = parser.parse_args(argv)
     handler = getattr(args, "handler", None)
     if handler is not None:
@@ -53,16 +58,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mersal: {error}", file=sys.stderr)
         return 2
     return 0
-
-
-def add_adapter_commands(commands: argparse._SubParsersAction[Any]) -> None:
-    """Add the commands of the installed adapters (`db` and `outbox` from mersal_sqlalchemy)."""
-    try:
-        from mersal_sqlalchemy.cli import add_db_commands, add_outbox_commands
-    except ImportError:
-        return
-    add_db_commands(commands)
-    add_outbox_commands(commands)
 
 
 def load_app(target: str) -> App:

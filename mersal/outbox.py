@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mersal.errors import ConfigurationError, MersalError, Unroutable, Unsendable
+from mersal import plugins
+from mersal.errors import MersalError, Unroutable, Unsendable
 from mersal.messages import Header, describe
 from mersal.settle import Failure, run_to_end
 from mersal.transaction import Transaction
@@ -90,19 +90,9 @@ class Storage(Protocol):
 
 
 def attach_storage(app: App) -> Storage:
-    """The storage for `app.database`, from the adapter package that handles its URL."""
+    """The storage for `app.database`, from the installed adapter for its URL's scheme."""
     assert app.database is not None
-    try:
-        adapter = importlib.import_module("mersal_sqlalchemy")
-    except ImportError as error:
-        raise ConfigurationError(
-            f"App(database={mask(app.database)!r}) needs the SQL adapter: "
-            f"pip install 'mersal[sqlalchemy]' ({error})"
-        ) from None
-    attach: Callable[[App], Storage] | None = getattr(adapter, "attach", None)
-    if attach is None:
-        raise ConfigurationError("the installed mersal_sqlalchemy has no attach(app)")
-    return attach(app)
+    return plugins.storage_for(app, mask(app.database))
 
 
 class Relay:

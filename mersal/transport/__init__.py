@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from mersal.errors import ConfigurationError, Unsendable
+from mersal.errors import Unsendable
 from mersal.messages import Envelope, Header, describe
 
 
@@ -375,33 +374,6 @@ def _shrunk(headers: dict[str, str], budget: int, keep: Sequence[str]) -> dict[s
             total -= sizes.pop(name)
             del headers[name]
     return headers
-
-
-def transport_from(value: str | Transport | None) -> Transport:
-    """The transport for a URL (`memory://`, `amqp://…`), an object, or `MERSAL_TRANSPORT`."""
-    if value is None:
-        value = os.environ.get("MERSAL_TRANSPORT") or "memory://"
-    if not isinstance(value, str):
-        return value
-    scheme = value.partition("://")[0].lower()
-    if scheme == "memory":
-        from mersal.transport.memory import MemoryTransport
-
-        return MemoryTransport(value)
-    if scheme in ("amqp", "amqps"):
-        try:
-            from mersal_rabbitmq import RabbitMQTransport
-        except ImportError as error:
-            raise ConfigurationError(
-                f"transport {mask(value)} needs the RabbitMQ adapter: "
-                f"pip install 'mersal[rabbitmq]' ({error})"
-            ) from None
-        transport: Transport = RabbitMQTransport(value)
-        return transport
-    raise ConfigurationError(
-        f"unknown transport {mask(value)!r}: use 'memory://', 'amqp://user:pass@host/vhost' "
-        "or pass a Transport object"
-    )
 
 
 # A query parameter carrying a password (asyncpg reads `password` and `sslpassword` there).

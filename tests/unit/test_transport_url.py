@@ -3,7 +3,8 @@
 import pytest
 
 from mersal import App, ConfigurationError
-from mersal.transport import Transport, mask, transport_from
+from mersal.plugins import transport_from
+from mersal.transport import Transport, mask
 from mersal.transport.memory import MemoryTransport
 
 

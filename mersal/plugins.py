@@ -1,0 +1,114 @@
+"""Adapters found by entry point, so that a third-party one installs and works as ours do.
+
+Three entry-point groups, declared in an adapter's `pyproject.toml`:
+
+- `mersal.transports`: named by URL scheme (`amqp`), a callable taking the URL and returning a
+  `Transport`; `App(transport="amqp://...")` and `MERSAL_TRANSPORT` pick it.
+- `mersal.storages`: named by database URL scheme, without the driver (`postgresql` for
+  `postgresql+asyncpg://...`), a callable taking the `App` and returning its `Storage`.
+- `mersal.commands`: named by sub-command, a callable taking the `mersal` command's
+  sub-parsers (`argparse._SubParsersAction`) and adding its commands; each command sets
+  `handler=` to a function of the parsed arguments returning the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Callable, Sequence
+from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING, Any
+
+from mersal.errors import ConfigurationError
+from mersal.transport import Transport, mask
+from mersal.transport.memory import MemoryTransport
+
+if TYPE_CHECKING:
+    from mersal.app import App
+    from mersal.outbox import Storage
+
+TRANSPORTS = "mersal.transports"
+STORAGES = "mersal.storages"
+COMMANDS = "mersal.commands"
+
+ADAPTER_EXTRAS = "pip install 'mersal[rabbitmq]' or 'mersal[sqlalchemy]'"
+
+log = logging.getLogger("mersal.plugins")
+
+
+def transport_from(value: str | Transport | None) -> Transport:
+    """The transport for a URL (`memory://`, `amqp://…`), an object, or `MERSAL_TRANSPORT`.
+
+    `memory://` is built in; other schemes come from installed adapters.
+    """
+    if value is None:
+        value = os.environ.get("MERSAL_TRANSPORT") or "memory://"
+    if not isinstance(value, str):
+        return value
+    scheme, separator, _ = value.partition("://")
+    if not separator:
+        raise ConfigurationError(
+            f"transport {mask(value)!r} is not a URL: use 'memory://', "
+            "'amqp://user:pass@host/vhost' or pass a Transport object"
+        )
+    if scheme.lower() == "memory":
+        return MemoryTransport(value)
+    return transport_for(value, mask(value))
+
+
+def transport_for(url: str, shown: str) -> Transport:
+    """The transport an installed adapter makes for `url` (`shown`: the URL, password masked)."""
+    scheme = url.partition("://")[0].lower()
+    make: Callable[[str], Transport] = load(
+        TRANSPORTS, scheme, f"transport {shown!r}", builtin=["memory"], suffix="://"
+    )
+    return make(url)
+
+
+def storage_for(app: App, shown: str) -> Storage:
+    """The storage an installed adapter makes for `app.database` (`shown`: masked)."""
+    assert app.database is not None
+    scheme, separator, _ = app.database.partition(":")
+    if not separator or not scheme.replace("+", "").isalnum():
+        raise ConfigurationError(
+            f"database {shown!r} is not a database URL: use "
+            "'postgresql+asyncpg://user:password@host/name' or 'sqlite+aiosqlite:///file.db'"
+        )
+    scheme = scheme.partition("+")[0].lower()
+    make: Callable[[App], Storage] = load(STORAGES, scheme, f"database {shown!r}")
+    return make(app)
+
+
+def add_commands(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add the sub-commands of every installed adapter; one that fails to load is skipped."""
+    for entry in sorted(entry_points(group=COMMANDS), key=lambda entry: entry.name):
+        try:
+            add: Callable[[argparse._SubParsersAction[Any]], None] = entry.load()
+        except ImportError as error:
+            log.debug("the %r commands are not available (%s)", entry.name, error)
+            continue
+        add(commands)
+
+
+def load(group: str, name: str, what: str, *, builtin: Sequence[str] = (), suffix: str = "") -> Any:
+    """The object the entry point `name` of `group` names; a `ConfigurationError` if none can."""
+    found = [entry for entry in entry_points(group=group) if entry.name == name]
+    if not found:
+        known = [*builtin, *sorted({entry.name for entry in entry_points(group=group)})]
+        raise ConfigurationError(
+            f"Mersal does not support {what}: no installed adapter handles {name + suffix!r} "
+            f"(known: {', '.join(known_name + suffix for known_name in known) or 'none'}); "
+            f"use one of those or install the adapter for it ({ADAPTER_EXTRAS} for Mersal's own)"
+        )
+    return _loaded(found[0], what)
+
+
+def _loaded(entry: EntryPoint, what: str) -> Any:
+    try:
+        return entry.load()
+    except ImportError as error:
+        raise ConfigurationError(
+            f"{what} needs {entry.module}, which cannot be imported ({error}): install what it "
+            f"needs ({ADAPTER_EXTRAS} for Mersal's own adapters)"
+        ) from None
