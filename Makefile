@@ -20,10 +20,12 @@ help:
 	@echo "  make clean                      remove .venv and caches"
 	@echo "Variables: PY=$(PY) (interpreter used to create $(VENV))"
 
+# editable_mode=compat: the checkout's path in a .pth, which mypy follows (it cannot follow
+# setuptools' default editable import hook), so a user's code type-checks against mersal.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
 
 run: $(STAMP)

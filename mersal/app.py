@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from lagom import Container
 
@@ -25,7 +25,7 @@ from mersal.errors import (
     RequestTimeout,
     Unsendable,
 )
-from mersal.handlers import Handlers
+from mersal.handlers import Handler, Handlers, M
 from mersal.messages import Header, TypeRegistry, describe, new_id
 from mersal.outbox import Storage, attach_storage, unreachable_reply
 from mersal.pipeline import (
@@ -71,6 +71,8 @@ from mersal.transport import (
     mask,
 )
 from mersal.worker import Worker
+
+R = TypeVar("R")
 
 log = logging.getLogger("mersal.app")
 
@@ -161,7 +163,7 @@ class App:
 
     # Registration.
 
-    def register(self, message_type: type, handler: Any) -> None:
+    def register(self, message_type: type[M], handler: Handler[M]) -> None:
         """Handle `message_type` (and its subclasses) with a handler class or async function."""
         self._check_not_running("register handlers")
         self.types.add(message_type)
@@ -258,6 +260,28 @@ class App:
             merged[Header.TEMPORARY_REPLY_TO] = "true"
         return await self._emit(message, reply_to, False, merged, partition_key)
 
+    @overload
+    async def request(
+        self,
+        message: object,
+        *,
+        timeout: float = ...,
+        reply_type: type[R],
+        headers: Mapping[str, str] | None = ...,
+        partition_key: str | None = ...,
+    ) -> R: ...
+
+    @overload
+    async def request(
+        self,
+        message: object,
+        *,
+        timeout: float = ...,
+        reply_type: None = ...,
+        headers: Mapping[str, str] | None = ...,
+        partition_key: str | None = ...,
+    ) -> object: ...
+
     async def request(
         self,
         message: object,
@@ -266,8 +290,12 @@ class App:
         reply_type: type | None = None,
         headers: Mapping[str, str] | None = None,
         partition_key: str | None = None,
-    ) -> Any:
-        """Send a command now and wait for its reply (the replier calls `app.reply`)."""
+    ) -> object:
+        """Send a command now and wait for its reply (the replier calls `app.reply`).
+
+        With `reply_type`, the reply's type is registered (so that it decodes) and the result
+        is typed as it.
+        """
         if reply_type is not None:
             self.types.add(reply_type)
         replies = await self._reply_queue()
@@ -291,7 +319,7 @@ class App:
             replies.forget(message_id)
 
     @asynccontextmanager
-    async def transaction(self, session: Any = None) -> AsyncIterator[Transaction]:
+    async def transaction(self, session: object = None) -> AsyncIterator[Transaction]:
         """Buffer every send in the block; they leave on a clean exit, never after an error.
 
         With a database, the sends become outbox rows in `session`'s transaction (or in a

@@ -6,7 +6,7 @@ import inspect
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from lagom import Container
 
@@ -17,6 +17,25 @@ if TYPE_CHECKING:
 
 Handle = Callable[[Any], Awaitable[object]]
 Provider = Callable[["MessageContext"], object]
+
+M = TypeVar("M")
+M_contra = TypeVar("M_contra", contravariant=True)
+
+
+class Handles(Protocol[M_contra]):
+    """A handler class's instances: called with each message of the type it handles."""
+
+    def __call__(self, message: M_contra, /) -> Awaitable[object]:
+        """Handle one message."""
+        ...
+
+
+Handler = (
+    type[Handles[M]]
+    | Callable[[M], Awaitable[object]]
+    | Callable[[M, "MessageContext"], Awaitable[object]]
+)
+"""What `App.register` takes for messages of type M: a class, or an async function."""
 
 _UNBUILDABLE = (str, int, float, bool, bytes, complex, list, dict, set, tuple, type(None))
 

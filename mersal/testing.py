@@ -6,13 +6,15 @@ import asyncio
 import uuid
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from mersal.app import App
 from mersal.errors import ConfigurationError, MersalError
 from mersal.messages import Envelope, Header
 from mersal.transport import Outgoing, delay_of
 from mersal.transport.memory import MemoryBroker, MemoryTransport
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -146,15 +148,15 @@ class Harness:
                 return False
         return True
 
-    def sent_of(self, message_type: type) -> list[Any]:
+    def sent_of(self, message_type: type[T]) -> list[T]:
         """The messages of this type that were sent, as objects, in order."""
         return [r.message for r in self.sent if isinstance(r.message, message_type)]
 
-    def published_of(self, message_type: type) -> list[Any]:
+    def published_of(self, message_type: type[T]) -> list[T]:
         """The messages of this type that were published, as objects, in order."""
         return [r.message for r in self.published if isinstance(r.message, message_type)]
 
-    def dead_lettered_of(self, message_type: type) -> list[Any]:
+    def dead_lettered_of(self, message_type: type[T]) -> list[T]:
         """The messages of this type that reached an error queue, as objects, in order."""
         return [r.message for r in self.dead_lettered if isinstance(r.message, message_type)]
 

@@ -1,0 +1,131 @@
+"""A user's code type-checks against the installed packages: mypy catches wrong handlers."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PRELUDE = """
+from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from mersal import App, MessageContext
+from mersal.testing import Harness
+from mersal_rabbitmq import RabbitMQTransport
+from mersal_sqlalchemy import attach
+
+
+@dataclass
+class PlaceOrder:
+    order_id: str
+
+
+@dataclass
+class CancelOrder:
+    order_id: str
+
+
+class PlaceOrderHandler:
+    def __init__(self, app: App, session: AsyncSession) -> None:
+        self.app, self.session = app, session
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        await self.app.publish(message)
+
+
+async def place(message: PlaceOrder) -> None:
+    print(message.order_id)
+
+
+async def place_in_context(message: PlaceOrder, context: MessageContext) -> None:
+    print(context.message_id)
+
+
+async def anything(message: object) -> None:
+    print(message)
+
+
+def place_now(message: PlaceOrder) -> None:
+    print(message)
+
+
+app = App("orders")
+"""
+
+GOOD = """
+app.register(PlaceOrder, PlaceOrderHandler)
+app.register(PlaceOrder, place)
+app.register(PlaceOrder, place_in_context)
+app.register(PlaceOrder, anything)
+
+
+async def check(bus: Harness) -> str:
+    orders: list[PlaceOrder] = bus.published_of(PlaceOrder) + bus.sent_of(PlaceOrder)
+    reply: CancelOrder = await app.request(PlaceOrder("1"), reply_type=CancelOrder)
+    transport = RabbitMQTransport("amqp://guest:guest@127.0.0.1/")
+    print(transport, attach)
+    return orders[0].order_id + reply.order_id
+"""
+
+BAD = {
+    "a handler class for another type": "app.register(CancelOrder, PlaceOrderHandler)",
+    "a function for another type": "app.register(CancelOrder, place)",
+    "a function that is not async": "app.register(PlaceOrder, place_now)",
+    "a published message read as another type": (
+        "def read(bus: Harness) -> CancelOrder:\n    return bus.published_of(PlaceOrder)[0]"
+    ),
+    "a reply read as another type": (
+        "async def ask() -> PlaceOrder:\n"
+        "    return await app.request(PlaceOrder('1'), reply_type=CancelOrder)"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, range], dict[int, str]]:
+    """mypy --strict over one user module holding the good code and every mistake.
+
+    Run outside the checkout, as a user's project would: (lines of each mistake, errors by line).
+    """
+    lines = textwrap.dedent(PRELUDE).splitlines() + textwrap.dedent(GOOD).splitlines()
+    spans = {}
+    for mistake, code in BAD.items():
+        lines.append("")
+        start = len(lines) + 1
+        lines.extend(code.splitlines())
+        spans[mistake] = range(start, len(lines) + 1)
+    folder = tmp_path_factory.mktemp("user")
+    (folder / "user_app.py").write_text("\n".join(lines) + "\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "user_app.py"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    errors = {}
+    for line in result.stdout.splitlines():
+        found = re.match(r"user_app\.py:(\d+): error: (.*)", line)
+        if found:
+            errors[int(found.group(1))] = found.group(2)
+    assert result.returncode in (0, 1), result.stdout + result.stderr
+    return spans, errors
+
+
+def test_correct_user_code_passes_mypy_strict(
+    checked: tuple[dict[str, range], dict[int, str]],
+) -> None:
+    spans, errors = checked
+    in_mistakes = {line for span in spans.values() for line in span}
+    assert {line: text for line, text in errors.items() if line not in in_mistakes} == {}
+
+
+@pytest.mark.parametrize("mistake", sorted(BAD))
+def test_mypy_catches(checked: tuple[dict[str, range], dict[int, str]], mistake: str) -> None:
+    spans, errors = checked
+    assert [line for line in spans[mistake] if line in errors], f"mypy let {mistake} pass"
