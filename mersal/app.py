@@ -31,18 +31,12 @@ from mersal.outbox import Storage, attach_storage, unreachable_reply
 from mersal.pipeline import (
     MessageContext,
     OutgoingContext,
-    Pipeline,
-    activate_step,
+    add_storage_steps,
     check_headers,
-    commit_step,
-    correlation_step,
     current_message,
-    decode_step,
-    dispatch_step,
-    handled,
-    headers_step,
+    incoming_pipeline,
+    outgoing_pipeline,
     send_step,
-    serialize_step,
 )
 from mersal.plugins import transport_from
 from mersal.retry import RetryPolicy, RetryStep, after_failure, attempts_made, log_failure
@@ -112,7 +106,7 @@ class App:
         self.clock = HandlerClock(self.handler_timeout)
         self.name = name
         self.message_ids = id_namespace(name)
-        self.transport = transport_from(transport)
+        self._transport = transport_from(transport)
         self.database = database or os.environ.get("MERSAL_DATABASE") or None
         self.retry = retry if retry is not None else RetryPolicy()
         check_queue_name(self.retry.error_queue, "RetryPolicy(error_queue)")
@@ -129,24 +123,10 @@ class App:
         self.handlers = Handlers(container)
         self.handlers.provide(App, lambda context: context.app)
         self.handlers.provide(MessageContext, lambda context: context)
-        self.incoming: Pipeline[MessageContext] = Pipeline(
-            [
-                ("retry", RetryStep(self.retry)),
-                ("decode", decode_step(max_body_size)),
-                ("activate", activate_step),
-                ("dispatch", dispatch_step(self.clock)),
-                ("commit", commit_step),
-            ],
-            end=handled,
+        self.incoming = incoming_pipeline(
+            RetryStep(self.retry), self.codec, self.types, self.handlers, self.clock, max_body_size
         )
-        self.outgoing: Pipeline[OutgoingContext] = Pipeline(
-            [
-                ("headers", headers_step(self)),
-                ("correlation", correlation_step),
-                ("serialize", serialize_step(self.codec.encode)),
-                ("send", send_step(self)),
-            ]
-        )
+        self.outgoing = outgoing_pipeline(self.types, name, self.codec, self.transport)
         self._routes: dict[type, str] = {}
         self._subscriptions: list[type] = []
         self._worker: Worker | None = None
@@ -160,6 +140,19 @@ class App:
 
     def __repr__(self) -> str:
         return f"<App {self.name!r} on {mask(self.transport.address)}>"
+
+    @property
+    def transport(self) -> Transport:
+        """What carries the app's messages (set it before the app starts to use another)."""
+        return self._transport
+
+    @transport.setter
+    def transport(self, transport: Transport) -> None:
+        self._check_not_running("change the transport")
+        self._transport = transport
+        self.outgoing.replace("send", send_step(transport))
+        self.settler = Settler(transport, self.retry.error_queue)
+        self.limits = limits_of(transport)
 
     # Registration.
 
@@ -182,6 +175,14 @@ class App:
         self.types.add(message_type)
         if message_type not in self._subscriptions:
             self._subscriptions.append(message_type)
+
+    def use_storage(self, storage: Storage) -> None:
+        """Plug in an outbox and inbox (a storage adapter calls this): its steps join `incoming`."""
+        self._check_not_running("attach a storage")
+        if self.storage is not None:
+            raise ConfigurationError(f"app {self.name!r} already has a storage attached")
+        add_storage_steps(self.incoming, storage)
+        self.storage = storage
 
     # Sending.
 
@@ -435,7 +436,9 @@ class App:
         if self._running:
             return
         if self.database is not None and self.storage is None:
-            self.storage = attach_storage(self)  # before the check: it provides AsyncSession
+            storage = attach_storage(self)  # before the check: it provides AsyncSession
+            if self.storage is None:  # the adapter's factory may have plugged it in itself
+                self.use_storage(storage)
         self._check_configuration()
         self.incoming.freeze()
         self.outgoing.freeze()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from mersal import plugins
 from mersal.errors import MersalError, Unroutable, Unsendable
 from mersal.messages import Header, describe
+from mersal.pipeline import StorageSteps
 from mersal.settle import Failure, run_to_end
 from mersal.transaction import Transaction
 from mersal.transport import Outgoing, Transport, mask
@@ -64,7 +65,7 @@ class OutboxStore(Protocol):
         ...
 
 
-class Storage(Protocol):
+class Storage(StorageSteps, Protocol):
     """What `App(database=...)` plugs in: unit of work, inbox, outbox writes and the relay."""
 
     async def start(self) -> None:

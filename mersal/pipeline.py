@@ -7,14 +7,16 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from mersal.errors import ConfigurationError, DecodeError, Unsendable
-from mersal.messages import Envelope, Header, new_id
+from mersal.handlers import Handlers
+from mersal.messages import Envelope, Header, TypeRegistry, new_id
+from mersal.serialization import Codec
 from mersal.settle import ACK, Outcome
 from mersal.timeouts import HandlerClock, HandlerTimeout
 from mersal.transaction import Transaction
-from mersal.transport import Delivery, Outgoing, check, plainly_fine
+from mersal.transport import Delivery, Outgoing, Transport, check, limits_of, plainly_fine
 
 if TYPE_CHECKING:
     from mersal.app import App
@@ -197,11 +199,72 @@ async def handled(context: MessageContext) -> None:
         context.outcome = ACK
 
 
+# The assembly: every step that runs, in order.
+
+
+def incoming_pipeline(
+    retry: Step[MessageContext],
+    codec: Codec,
+    types: TypeRegistry,
+    handlers: Handlers,
+    clock: HandlerClock,
+    max_body_size: int,
+) -> Pipeline[MessageContext]:
+    """The steps a delivery goes through; a storage adds its own (`add_storage_steps`)."""
+    return Pipeline(
+        [
+            ("retry", retry),  # runs the rest once per attempt; decides retry or dead letter
+            ("decode", decode_step(codec, types, max_body_size)),
+            # with a storage: ("unit_of_work", ...), ("inbox", ...)
+            ("activate", activate_step(handlers)),
+            ("dispatch", dispatch_step(clock)),
+            ("commit", commit_step),
+        ],
+        end=handled,
+    )
+
+
+def add_storage_steps(incoming: Pipeline[MessageContext], storage: StorageSteps) -> None:
+    """Place a storage's steps: its unit of work right after decoding, then its inbox check.
+
+    A `ConfigurationError` names the missing step if the pipeline no longer has the anchor.
+    """
+    incoming.insert_after("decode", "unit_of_work", storage.unit_of_work)
+    incoming.insert_after("unit_of_work", "inbox", storage.check_inbox)
+
+
+def outgoing_pipeline(
+    types: TypeRegistry, queue: str, codec: Codec, transport: Transport
+) -> Pipeline[OutgoingContext]:
+    """The steps every send goes through, from message object to transport (or transaction)."""
+    return Pipeline(
+        [
+            ("headers", headers_step(types, queue, codec.content_type)),
+            ("correlation", correlation_step),
+            ("serialize", serialize_step(codec.encode)),
+            ("send", send_step(transport)),
+        ]
+    )
+
+
+class StorageSteps(Protocol):
+    """The steps a storage brings to the incoming pipeline."""
+
+    async def unit_of_work(self, context: MessageContext, next: Next[MessageContext]) -> None:
+        """Run the rest of the attempt in the storage's transaction (a session per message)."""
+        ...
+
+    async def check_inbox(self, context: MessageContext, next: Next[MessageContext]) -> None:
+        """Skip a message whose id the inbox already holds."""
+        ...
+
+
 # The incoming steps the core provides (the retry step lives in mersal.retry).
 
 
-def decode_step(max_body_size: int) -> Step[MessageContext]:
+def decode_step(codec: Codec, types: TypeRegistry, max_body_size: int) -> Step[MessageContext]:
     """Turn the envelope into a message object of a registered type."""
+    expected = codec.content_type
 
     async def decode(context: MessageContext, next: Next[MessageContext]) -> None:
         envelope = context.envelope
@@ -212,15 +275,13 @@ def decode_step(max_body_size: int) -> Step[MessageContext]:
         name = envelope.headers.get(Header.TYPE)
         if not name:
             raise DecodeError("the message has no type header, so no handler can be chosen")
-        app = context.app
         content_type = envelope.headers.get(Header.CONTENT_TYPE)
-        expected = app.codec.content_type
         if content_type and content_type != expected and media_type(content_type) != expected:
             raise DecodeError(f"content type {content_type!r} is not {expected!r}")
-        cls = app.types.resolve(name)
+        cls = types.resolve(name)
         context.message_type = cls
         try:
-            context.message = app.codec.decode(envelope.body, cls)
+            context.message = codec.decode(envelope.body, cls)
         except RecursionError:  # msgspec's answer to JSON nested deeper than the stack
             raise DecodeError(f"body nests too deeply to decode as {cls.__qualname__}") from None
         if log.isEnabledFor(logging.DEBUG):
@@ -235,11 +296,15 @@ def media_type(content_type: str) -> str:
     return content_type.partition(";")[0].strip().lower()
 
 
-async def activate_step(context: MessageContext, next: Next[MessageContext]) -> None:
+def activate_step(handlers: Handlers) -> Step[MessageContext]:
     """Build the handlers of the message's type (one dependency scope per message)."""
-    assert context.message_type is not None
-    context.handlers = context.app.handlers.activate(context.message_type, context)
-    await next(context)
+
+    async def activate(context: MessageContext, next: Next[MessageContext]) -> None:
+        assert context.message_type is not None
+        context.handlers = handlers.activate(context.message_type, context)
+        await next(context)
+
+    return activate
 
 
 def dispatch_step(clock: HandlerClock) -> Step[MessageContext]:
@@ -281,9 +346,8 @@ async def commit_step(context: MessageContext, next: Next[MessageContext]) -> No
 # The outgoing steps.
 
 
-def headers_step(app: App) -> Step[OutgoingContext]:
-    """Give the message an id, its type name, a sent-at time and a reply address."""
-    types, queue, content_type = app.types, app.name, app.codec.content_type
+def headers_step(types: TypeRegistry, queue: str, content_type: str) -> Step[OutgoingContext]:
+    """Give the message an id, its type name, a sent-at time and a reply address (`queue`)."""
 
     async def add_headers(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
         headers = context.headers
@@ -325,18 +389,19 @@ def serialize_step(encode: Callable[[object], bytes]) -> Step[OutgoingContext]:
     return serialize
 
 
-def send_step(app: App) -> Step[OutgoingContext]:
+def send_step(transport: Transport) -> Step[OutgoingContext]:
     """Refuse what the transport could never carry; buffer the rest, or send it if unbuffered."""
 
     async def send(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
         outgoing = Outgoing(context.address, context.envelope, context.publish)
-        if not plainly_fine(outgoing, app.limits):
-            check(outgoing, app.limits)
+        limits = limits_of(transport)  # known once the transport is connected
+        if not plainly_fine(outgoing, limits):
+            check(outgoing, limits)
         outgoing.checked = True
         if context.transaction is not None:
             context.transaction.enlist(outgoing)
         else:
-            await app.transport.send((outgoing,))
+            await transport.send((outgoing,))
         await next(context)
 
     return send

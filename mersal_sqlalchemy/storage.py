@@ -148,8 +148,8 @@ def attach(
     `App(database=...)` calls this with the defaults when it starts; call it yourself before
     the app starts to choose other options.
     """
-    if isinstance(app.storage, SqlStorage):
-        raise ConfigurationError(f"app {app.name!r} already has its SQL storage attached")
+    if app.storage is not None:
+        raise ConfigurationError(f"app {app.name!r} already has a storage attached")
     tables = make_tables(outbox_table, inbox_table)
     database = app.database
     owns_engine = engine is None
@@ -185,9 +185,7 @@ def attach(
     )
     app.handlers.provide(AsyncSession, storage.session_of)
     app.handlers.provide(MessageAsyncSession, storage.session_of)
-    app.incoming.insert_after("decode", "unit_of_work", storage.unit_of_work)
-    app.incoming.insert_after("unit_of_work", "inbox", storage.check_inbox)
-    app.storage = storage
+    app.use_storage(storage)
     return storage
 
 
