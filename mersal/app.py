@@ -36,7 +36,6 @@ from mersal.pipeline import (
     current_message,
     incoming_pipeline,
     outgoing_pipeline,
-    send_step,
 )
 from mersal.plugins import transport_from
 from mersal.retry import RetryPolicy, RetryStep, after_failure, attempts_made, log_failure
@@ -126,7 +125,7 @@ class App:
         self.incoming = incoming_pipeline(
             RetryStep(self.retry), self.codec, self.types, self.handlers, self.clock, max_body_size
         )
-        self.outgoing = outgoing_pipeline(self.types, name, self.codec, self.transport)
+        self.outgoing = outgoing_pipeline(self.types, name, self.codec, lambda: self._transport)
         self._routes: dict[type, str] = {}
         self._subscriptions: list[type] = []
         self._worker: Worker | None = None
@@ -150,7 +149,6 @@ class App:
     def transport(self, transport: Transport) -> None:
         self._check_not_running("change the transport")
         self._transport = transport
-        self.outgoing.replace("send", send_step(transport))
         self.settler = Settler(transport, self.retry.error_queue)
         self.limits = limits_of(transport)
 

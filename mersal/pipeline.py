@@ -234,7 +234,7 @@ def add_storage_steps(incoming: Pipeline[MessageContext], storage: StorageSteps)
 
 
 def outgoing_pipeline(
-    types: TypeRegistry, queue: str, codec: Codec, transport: Transport
+    types: TypeRegistry, queue: str, codec: Codec, transport_now: Callable[[], Transport]
 ) -> Pipeline[OutgoingContext]:
     """The steps every send goes through, from message object to transport (or transaction)."""
     return Pipeline(
@@ -242,7 +242,7 @@ def outgoing_pipeline(
             ("headers", headers_step(types, queue, codec.content_type)),
             ("correlation", correlation_step),
             ("serialize", serialize_step(codec.encode)),
-            ("send", send_step(transport)),
+            ("send", send_step(transport_now)),
         ]
     )
 
@@ -389,10 +389,14 @@ def serialize_step(encode: Callable[[object], bytes]) -> Step[OutgoingContext]:
     return serialize
 
 
-def send_step(transport: Transport) -> Step[OutgoingContext]:
-    """Refuse what the transport could never carry; buffer the rest, or send it if unbuffered."""
+def send_step(transport_now: Callable[[], Transport]) -> Step[OutgoingContext]:
+    """Refuse what the transport could never carry; buffer the rest, or send it if unbuffered.
+
+    `transport_now` gives the app's transport (a test harness may swap it between runs).
+    """
 
     async def send(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
+        transport = transport_now()
         outgoing = Outgoing(context.address, context.envelope, context.publish)
         limits = limits_of(transport)  # known once the transport is connected
         if not plainly_fine(outgoing, limits):

@@ -2,14 +2,65 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar, overload
 
 from mersal.transport import Consumer, Limits, Outgoing, Transport, first_failure
 
 SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
+
+T = TypeVar("T")
+
+
+@overload
+async def eventually(
+    condition: Callable[[], Awaitable[T]],
+    what: str,
+    *,
+    timeout: float = ...,
+    interval: float = ...,
+) -> T: ...
+
+
+@overload
+async def eventually(
+    condition: Callable[[], T], what: str, *, timeout: float = ..., interval: float = ...
+) -> T: ...
+
+
+async def eventually(
+    condition: Callable[[], Any],
+    what: str,
+    *,
+    timeout: float = 5.0,
+    interval: float = 0.005,
+) -> Any:
+    """Poll `condition` (sync or async) until it returns a truthy value, and return that value.
+
+    After `timeout` seconds without one, fail with an AssertionError saying `what` was awaited
+    and the last value `condition` returned.
+    """
+    last: object = "nothing: the condition never returned"
+    deadline = asyncio.timeout(timeout)
+    try:
+        async with deadline:
+            while True:
+                value = condition()
+                if inspect.isawaitable(value):
+                    value = await value
+                if value:
+                    return value
+                last = value
+                await asyncio.sleep(interval)
+    except TimeoutError:
+        if not deadline.expired():
+            raise
+    raise AssertionError(f"not within {timeout}s: {what} (last seen: {last!r:.500})")
 
 
 def rabbitmqctl(*args: str) -> str:

@@ -41,7 +41,7 @@ from sqlalchemy.engine import make_url
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy.cli import upgrade
 from tests.chaos.worker import ERROR_QUEUE, WORK_QUEUE
-from tests.support import SBIN
+from tests.support import SBIN, eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_URL = os.environ.get("MERSAL_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -175,22 +175,13 @@ async def postgres_up() -> bool:
     return True
 
 
-async def wait_for_postgres(timeout: float = 120.0) -> None:
-    """Wait until PostgreSQL accepts connections again."""
-    async with asyncio.timeout(timeout):
-        while True:
-            if await postgres_up():
-                return
-            await asyncio.sleep(0.3)
-
-
 async def ensure_postgres() -> None:
     """Start the cluster if it is down, and wait until it accepts connections."""
     if await postgres_up():
         return
     with contextlib.suppress(RuntimeError):
         await pg_ctlcluster("start")
-    await wait_for_postgres()
+    await eventually(postgres_up, "PostgreSQL accepts connections", timeout=120, interval=0.3)
 
 
 async def ensure_rabbitmq() -> None:
@@ -349,20 +340,18 @@ class Fleet:
         self.active = True
         firsts = [asyncio.Event() for _ in range(self.size)]
         self._slots = [asyncio.create_task(self._slot(first)) for first in firsts]
-        waiting = [asyncio.ensure_future(first.wait()) for first in firsts]
+
+        def started() -> bool:
+            if self.broken:
+                raise AssertionError(self.broken)
+            return all(first.is_set() for first in firsts)
+
         try:
-            async with asyncio.timeout(timeout):
-                while not all(first.is_set() for first in firsts):
-                    if self.broken:
-                        raise AssertionError(self.broken)
-                    await asyncio.wait(waiting, timeout=0.2)
-        except TimeoutError:
-            raise AssertionError(
-                f"the {self.role} fleet did not start within {timeout}s\n{self.scenario.describe()}"
-            ) from None
-        finally:
-            for wait in waiting:
-                wait.cancel()
+            await eventually(started, f"the {self.role} fleet started", timeout=timeout)
+        except AssertionError as error:
+            if self.broken:
+                raise
+            raise AssertionError(f"{error}\n{self.scenario.describe()}") from None
         return self
 
     async def _slot(self, first: asyncio.Event) -> None:
@@ -712,19 +701,26 @@ class Scenario:
         what: str,
         interval: float = 0.2,
     ) -> None:
-        """Wait until `condition` holds; fail, saying where things stand, after `timeout` s."""
+        """Wait until `condition` holds; fail, saying where things stand, after `timeout` s.
+
+        A fleet that cannot start its processes fails the wait at once.
+        """
+
+        async def holds() -> bool:
+            if await condition():
+                return True
+            for fleet in self.fleets:
+                if fleet.broken:
+                    raise AssertionError(fleet.broken)
+            return False
+
         try:
-            async with asyncio.timeout(timeout):
-                while not await condition():
-                    for fleet in self.fleets:
-                        if fleet.broken:
-                            raise AssertionError(fleet.broken)
-                    await asyncio.sleep(interval)
-        except TimeoutError:
+            await eventually(holds, what, timeout=timeout, interval=interval)
+        except AssertionError as error:
+            if any(fleet.broken for fleet in self.fleets):
+                raise
             progress = await self.progress()
-            raise AssertionError(
-                f"{self.name}: not within {timeout}s: {what} ({progress})\n{self.describe()}"
-            ) from None
+            raise AssertionError(f"{self.name}: {error} ({progress})\n{self.describe()}") from None
 
     async def until_progress(
         self, check: Callable[[Progress], bool], timeout: float, what: str

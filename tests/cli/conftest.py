@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from uuid import uuid4
 
@@ -27,22 +26,6 @@ RABBITMQ_HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
 async def mersal(*argv: str) -> int:
     """Run `mersal ARGV` in this process (in a thread: it runs an event loop of its own)."""
     return await asyncio.to_thread(main, list(argv))
-
-
-async def until(
-    condition: Callable[[], Awaitable[bool] | bool], what: str, timeout: float = 10.0
-) -> None:
-    """Poll `condition` until it holds; fail the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout}s: {what}")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(params=BACKENDS)

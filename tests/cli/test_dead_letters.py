@@ -22,7 +22,7 @@ from mersal.errors import ConfigurationError
 from mersal.messages import Envelope
 from mersal.transport import Outgoing
 from mersal.transport.memory import MemoryQueue, MemoryTransport
-from tests.cli.conftest import until
+from tests.support import eventually
 
 IDLE = 0.1
 
@@ -89,7 +89,7 @@ def ids_in(queue: MemoryQueue) -> list[str | None]:
 async def dead_letter(payments: Payments, transport: MemoryTransport, *order_ids: str) -> list[str]:
     """Send Charge commands that fail; returns their ids once all are in the error queue."""
     ids = [await payments.app.send(Charge(order_id)) for order_id in order_ids]
-    await until(lambda: len(error_queue(transport)) == len(ids), "the dead letters")
+    await eventually(lambda: len(error_queue(transport)) == len(ids), "the dead letters")
     return ids
 
 
@@ -156,7 +156,7 @@ async def test_replay_sends_the_message_back_with_fresh_retries_and_removes_it(
     [replay] = await DeadLetters(transport, idle=IDLE).replay({ids[0]})
 
     assert replay.done and replay.queue == "payments"
-    await until(lambda: bool(payments.handled), "the replayed message handled")
+    await eventually(lambda: bool(payments.handled), "the replayed message handled")
     order_id, attempt, headers = payments.handled[0]
     assert (order_id, attempt) == ("o-1", 1)
     assert headers[Header.MESSAGE_ID] == ids[0]  # the same message, by its id

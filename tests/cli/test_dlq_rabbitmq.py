@@ -8,7 +8,8 @@ from uuid import uuid4
 import pytest
 
 from mersal import App, Header, MessageContext, RetryPolicy, message
-from tests.cli.conftest import Queues, mersal, until
+from tests.cli.conftest import Queues, mersal
+from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +71,7 @@ async def test_list_show_and_replay_a_failed_message(
     options = ("--transport", amqp_url, "--queue", error)
     async with app:
         message_id = await app.send(PlaceOrder("o-1"))
-        await until(lambda: count_is(queues, error, 1), "the message in the error queue")
+        await eventually(lambda: count_is(queues, error, 1), "the message in the error queue")
 
         assert await mersal("dlq", "list", *options) == 0
         lines = capsys.readouterr().out.splitlines()
@@ -93,7 +94,7 @@ async def test_list_show_and_replay_a_failed_message(
         ]
         assert cells[5].endswith("Z") and cells[6] == "no stock for o-1"
         assert lines[2] == f"1 message(s) in {error!r}, all left there"
-        await until(lambda: count_is(queues, error, 1), "the message back in the error queue")
+        await eventually(lambda: count_is(queues, error, 1), "the message back in the error queue")
 
         assert await mersal("dlq", "show", message_id, *options) == 0
         shown = capsys.readouterr().out
@@ -104,15 +105,15 @@ async def test_list_show_and_replay_a_failed_message(
         assert f"  {Header.ERROR_QUEUE}: {app.name}\n" in shown
         assert f"  {Header.ERROR_TRACEBACK}: Traceback (most recent call last):" in shown
         assert shown.endswith('{\n  "order_id": "o-1"\n}\n')
-        await until(lambda: count_is(queues, error, 1), "the message still in the error queue")
+        await eventually(lambda: count_is(queues, error, 1), "the message still in the error queue")
 
         orders.broken = False
         assert await mersal("dlq", "replay", message_id, *options) == 0
         out = capsys.readouterr().out
         assert f"replayed {message_id} (tests.cli.PlaceOrder.v1) to {app.name!r}" in out
         assert out.endswith(f"replayed 1 of 1 message(s) from {error!r}\n")
-        await until(lambda: len(orders.handled) == 1, "the replayed message handled")
-        await until(lambda: count_is(queues, error, 0), "the error queue empty")
+        await eventually(lambda: len(orders.handled) == 1, "the replayed message handled")
+        await eventually(lambda: count_is(queues, error, 0), "the error queue empty")
 
     order_id, attempt, headers = orders.handled[0]
     assert (order_id, attempt) == ("o-1", 1)  # a fresh set of retries
@@ -130,19 +131,19 @@ async def test_replay_all_to_another_queue_and_what_cannot_be_found(
     queues.names.add(elsewhere)
     async with app:
         ids = [await app.send(PlaceOrder(f"o-{n}")) for n in (1, 2)]
-        await until(lambda: count_is(queues, error, 2), "both messages in the error queue")
+        await eventually(lambda: count_is(queues, error, 2), "both messages in the error queue")
         await app.transport.declare(elsewhere)
 
         assert await mersal("dlq", "replay", ids[0], "no-such-id", "--to", elsewhere, *options) == 1
         output = capsys.readouterr()
         assert f"replayed {ids[0]} (tests.cli.PlaceOrder.v1) to {elsewhere!r}" in output.out
         assert "no message 'no-such-id'" in output.err
-        await until(lambda: count_is(queues, elsewhere, 1), "the message in the other queue")
-        await until(lambda: count_is(queues, error, 1), "the other message left in error")
+        await eventually(lambda: count_is(queues, elsewhere, 1), "the message in the other queue")
+        await eventually(lambda: count_is(queues, error, 1), "the other message left in error")
 
         assert await mersal("dlq", "replay", "--all", "--to", f"{app.name}.nowhere", *options) == 1
         assert "Unroutable" in capsys.readouterr().err
-        await until(lambda: count_is(queues, error, 1), "the unroutable one still in error")
+        await eventually(lambda: count_is(queues, error, 1), "the unroutable one still in error")
 
         assert await mersal("dlq", "show", "no-such-id", *options) == 1
         assert "no message 'no-such-id'" in capsys.readouterr().err

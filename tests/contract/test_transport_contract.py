@@ -280,6 +280,11 @@ async def test_a_published_message_reaches_each_bound_queue_once(transport: Tran
 async def test_publishing_on_a_topic_nobody_binds_does_not_raise(transport: Transport) -> None:
     await transport.send([Outgoing(unique("t.nobody"), envelope(b"void"), publish=True)])
 
+    queue = await declared(transport)
+    await transport.send([Outgoing(queue, envelope(b"after"))])
+    delivery = await receive(await transport.consume(queue, prefetch=1))
+    assert delivery.envelope.body == b"after"  # the transport goes on as before
+
 
 async def test_binding_an_undeclared_queue_fails_at_bind_time(transport: Transport) -> None:
     topic = unique("t.x")

@@ -34,9 +34,7 @@ from mersal import (
 )
 from mersal.transport import Consumer, Delivery, Outgoing
 from mersal.transport.memory import MemoryBroker, MemoryTransport
-from tests.support import DelegatingTransport
-
-from .conftest import Until
+from tests.support import DelegatingTransport, eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,6 +89,15 @@ def waiting(broker: MemoryBroker, queue: str) -> list[Envelope]:
     return [stored.envelope for stored in broker.queues[queue].ready]
 
 
+async def dead_lettered(broker: MemoryBroker, queue: str) -> list[Envelope]:
+    """Wait until `queue` is settled and the error queue holds a dead letter; what it holds."""
+    await eventually(
+        lambda: settled(broker, queue) and bool(broker.queues[ERROR_QUEUE].ready),
+        f"{queue!r} settled and a dead letter in the error queue",
+    )
+    return waiting(broker, ERROR_QUEUE)
+
+
 def number_of(envelope: Envelope) -> int:
     """The `n` field of a JSON body."""
     return int(json.loads(envelope.body)["n"])
@@ -121,7 +128,7 @@ class RefusingErrorQueue(DelegatingTransport):
 
 
 async def test_a_handler_cancelling_its_own_task_fails_each_attempt_then_dead_letters(
-    memory_url: str, until: Until
+    memory_url: str,
 ) -> None:
     calls = 0
 
@@ -139,11 +146,7 @@ async def test_a_handler_cancelling_its_own_task_fails_each_attempt_then_dead_le
     async with app:
         broker = broker_of(app)
         await app.send(Job(1))
-        await until(
-            lambda: settled(broker, "self-cancel") and bool(broker.queues[ERROR_QUEUE].ready),
-            timeout=5,
-        )
-        [dead] = waiting(broker, ERROR_QUEUE)
+        [dead] = await dead_lettered(broker, "self-cancel")
 
     assert calls == THREE_ATTEMPTS.max_attempts
     assert dead.headers[Header.ERROR_TYPE].endswith("CancelledError")
@@ -153,9 +156,7 @@ async def test_a_handler_cancelling_its_own_task_fails_each_attempt_then_dead_le
 # p18: the error queue refuses the dead letter for a while.
 
 
-async def test_a_message_whose_dead_letter_is_refused_is_not_handled_again(
-    memory_url: str, until: Until
-) -> None:
+async def test_a_message_whose_dead_letter_is_refused_is_not_handled_again(memory_url: str) -> None:
     calls = 0
 
     async def handle(message: Job) -> None:
@@ -171,11 +172,7 @@ async def test_a_message_whose_dead_letter_is_refused_is_not_handled_again(
         app.settler.backoff = 0.01  # return the delivery at once after a refusal
         broker = broker_of(app)
         await app.send(Job(1))
-        await until(
-            lambda: settled(broker, "full-errors") and bool(broker.queues[ERROR_QUEUE].ready),
-            timeout=5,
-        )
-        [dead] = waiting(broker, ERROR_QUEUE)
+        [dead] = await dead_lettered(broker, "full-errors")
 
     assert transport.refused == 3  # refused three times, taken the fourth
     assert calls == THREE_ATTEMPTS.max_attempts  # not handled again each time it came back
@@ -187,7 +184,7 @@ async def test_a_message_whose_dead_letter_is_refused_is_not_handled_again(
 
 
 async def test_a_lane_waits_for_its_head_whose_dead_letter_was_refused_once(
-    memory_url: str, until: Until
+    memory_url: str,
 ) -> None:
     events: list[tuple[str, int]] = []
 
@@ -211,12 +208,13 @@ async def test_a_lane_waits_for_its_head_whose_dead_letter_was_refused_once(
         async with app.transaction():  # one batch: the three wait in one lane
             for n in (1, 2, 3):
                 await app.send(Job(n), partition_key="acct-1")
-        await until(
+        await eventually(
             lambda: (
                 settled(broker, "lane")
                 and ("handled", 3) in events
                 and (("dead", 1) in events or events.count(("handled", 1)) > 1)
             ),
+            "the lane's head dead-lettered or handled again, and message 3 handled",
             timeout=5,
         )
 
@@ -230,7 +228,7 @@ async def test_a_lane_waits_for_its_head_whose_dead_letter_was_refused_once(
 
 
 async def test_two_different_messages_with_one_id_send_messages_with_different_ids(
-    memory_url: str, until: Until
+    memory_url: str,
 ) -> None:
     middle = App("middle", transport=memory_url)
     producer = App("producer", transport=memory_url)
@@ -252,7 +250,11 @@ async def test_two_different_messages_with_one_id_send_messages_with_different_i
             await producer.send(Order(99), headers={Header.MESSAGE_ID: "1"})
             # The same message once more (a duplicate): it derives what the first one did.
             await producer.send(Order(10), headers={Header.MESSAGE_ID: "1"})
-            await until(lambda: len(broker.queues["down"].ready) == 3, timeout=5)
+            await eventually(
+                lambda: len(broker.queues["down"].ready) == 3,
+                'three messages waiting in the "down" queue',
+                timeout=5,
+            )
             down = waiting(broker, "down")
     finally:
         await sink.stop()
@@ -268,7 +270,7 @@ async def test_two_different_messages_with_one_id_send_messages_with_different_i
 
 
 async def test_a_handler_that_swallows_its_timeout_is_cancelled_again_and_dead_lettered(
-    memory_url: str, until: Until
+    memory_url: str,
 ) -> None:
     calls = 0
     swallowed = 0
@@ -297,9 +299,11 @@ async def test_a_handler_that_swallows_its_timeout_is_cancelled_again_and_dead_l
         broker = broker_of(app)
         started = time.monotonic()
         await app.send(Job(1))
-        await until(lambda: bool(broker.queues[ERROR_QUEUE].ready), timeout=3)
+        await eventually(
+            lambda: bool(broker.queues[ERROR_QUEUE].ready), "the dead letter", timeout=3
+        )
         took = time.monotonic() - started
-        await until(lambda: settled(broker, "swallow"))
+        await eventually(lambda: settled(broker, "swallow"), "the delivery settled")
         [dead] = waiting(broker, ERROR_QUEUE)
 
     assert dead.headers[Header.ERROR_TYPE] == "mersal.timeouts.HandlerTimeout"
@@ -363,7 +367,7 @@ async def test_stop_returns_in_bounded_time_when_a_handler_ignores_every_cancell
 
 
 async def test_a_task_left_behind_cannot_send_through_app_transaction_after_the_attempt(
-    memory_url: str, until: Until
+    memory_url: str,
 ) -> None:
     attempt_over = asyncio.Event()
     left_behind: list[asyncio.Task[None]] = []
@@ -395,12 +399,13 @@ async def test_a_task_left_behind_cannot_send_through_app_transaction_after_the_
         broker = broker_of(app)
         broker.observers.append(routed.append)
         await app.send_local(Job(1))
-        await until(
-            lambda: settled(broker, "left-behind") and bool(broker.queues[ERROR_QUEUE].ready)
-        )
+        await dead_lettered(broker, "left-behind")
         attempt_over.set()
         await asyncio.wait_for(asyncio.gather(*left_behind), 5)
-        await until(lambda: settled(broker, "left-behind"))
+        await eventually(
+            lambda: settled(broker, "left-behind"),
+            "the delivery settled after the left-behind task ran",
+        )
 
     assert outcomes == ["TransactionClosed"]
     assert notes == []
@@ -473,7 +478,7 @@ class StopWatcher(DelegatingTransport):
 
 
 async def test_a_stop_returns_a_long_lane_to_its_queue_in_order_before_it_returns(
-    memory_url: str, until: Until, caplog: pytest.LogCaptureFixture
+    memory_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="mersal")
     count = 2_000
@@ -497,7 +502,9 @@ async def test_a_stop_returns_a_long_lane_to_its_queue_in_order_before_it_return
                 await app.send(Job(n), partition_key="one-key")
         await asyncio.wait_for(entered.wait(), 5)
         queue = broker.queues["lanes"]
-        await until(lambda: queue.unacked == count, timeout=5)  # all of them wait in the lane
+        await eventually(
+            lambda: queue.unacked == count, "every message waiting unacked in the lane", timeout=5
+        )
     finally:
         await app.stop()
 
@@ -515,9 +522,7 @@ class Marker:
     """An object only a message's context holds (MessageContext itself takes no weakref)."""
 
 
-async def test_the_handler_clock_keeps_no_message_context_alive(
-    memory_url: str, until: Until
-) -> None:
+async def test_the_handler_clock_keeps_no_message_context_alive(memory_url: str) -> None:
     markers: list[weakref.ref[Marker]] = []
 
     async def handle(message: Job, context: MessageContext) -> None:
@@ -531,12 +536,15 @@ async def test_the_handler_clock_keeps_no_message_context_alive(
     async with app:
         broker = broker_of(app)
         await app.send(Job(1))
-        await until(lambda: len(markers) == 1 and settled(broker, "clock"))
+        await eventually(
+            lambda: len(markers) == 1 and settled(broker, "clock"),
+            "the message handled and settled",
+        )
 
         def collected() -> bool:
             gc.collect()
             return markers[0]() is None
 
         # The clock's watchdog is still running; it must not hold the first message's context.
-        await until(collected, timeout=2)
+        await eventually(collected, "the first message's context collected", timeout=2)
         assert app.running

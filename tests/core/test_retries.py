@@ -100,7 +100,16 @@ async def test_an_always_failing_message_is_tried_five_times_then_dead_lettered(
     assert "errors" in logged[-1].getMessage()
 
 
-async def test_a_message_that_fails_twice_then_succeeds_is_not_dead_lettered() -> None:
+@pytest.mark.parametrize(
+    ("immediate", "retried"),
+    [
+        pytest.param(2, [], id="on an immediate retry"),
+        pytest.param(1, ["2"], id="on its delayed retry"),
+    ],
+)
+async def test_a_message_that_fails_twice_then_succeeds_is_not_dead_lettered(
+    immediate: int, retried: list[str]
+) -> None:
     attempts: list[int] = []
     done: list[Charge] = []
 
@@ -110,7 +119,8 @@ async def test_a_message_that_fails_twice_then_succeeds_is_not_dead_lettered() -
             raise PaymentGatewayDown("busy")
         done.append(message)
 
-    app = App("billing", retry=RetryPolicy(immediate=2, delayed=[0.05, 0.05], error_queue="errors"))
+    policy = RetryPolicy(immediate=immediate, delayed=[0.05, 0.05], error_queue="errors")
+    app = App("billing", retry=policy)
     app.route(Charge, "billing")
     app.register(Charge, handle)
     async with Harness(app) as bus:
@@ -120,27 +130,7 @@ async def test_a_message_that_fails_twice_then_succeeds_is_not_dead_lettered() -
 
     assert attempts == [1, 2, 3]
     assert done == [Charge("o-1", 1.0)]
-    assert bus.dead_lettered == []
-    assert bus.retried == []
-
-
-async def test_a_message_that_succeeds_on_its_delayed_retry_is_not_dead_lettered() -> None:
-    attempts: list[int] = []
-
-    async def handle(message: Charge, context: MessageContext) -> None:
-        attempts.append(context.attempt)
-        if context.attempt <= 2:
-            raise PaymentGatewayDown("busy")
-
-    app = App("billing", retry=RetryPolicy(immediate=1, delayed=[0.05, 0.05], error_queue="errors"))
-    app.route(Charge, "billing")
-    app.register(Charge, handle)
-    async with Harness(app) as bus:
-        await app.send(Charge("o-1", 1.0))
-        await bus.idle()
-
-    assert attempts == [1, 2, 3]
-    assert [r.headers[Header.ATTEMPT] for r in bus.retried] == ["2"]
+    assert [r.headers[Header.ATTEMPT] for r in bus.retried] == retried
     assert bus.dead_lettered == []
 
 

@@ -40,9 +40,7 @@ from mersal.testing import Harness
 from mersal.transaction import TransactionClosed
 from mersal.transport import Consumer, Outgoing
 from mersal.transport.memory import MemoryBroker, MemoryTransport
-from tests.support import DelegatingTransport
-
-from .conftest import Until
+from tests.support import DelegatingTransport, eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -122,6 +120,15 @@ def assert_settled(broker: MemoryBroker, queue: str) -> None:
     found = broker.queues[queue]
     assert found.unacked == 0, f"{queue}: {found.unacked} unacked"
     assert not found.ready, f"{queue}: {len(found.ready)} ready"
+
+
+async def quiet(broker: MemoryBroker, app: App) -> None:
+    """Wait until the broker is idle and the app has nothing in flight."""
+    await eventually(
+        lambda: broker.idle and app.in_flight == 0,
+        "the broker idle and nothing in flight",
+        timeout=5,
+    )
 
 
 def in_queue(broker: MemoryBroker, queue: str) -> list[Envelope]:
@@ -361,7 +368,6 @@ async def _succeed(message: Job) -> None:
 )
 async def test_every_delivery_is_acked_or_nacked_exactly_once(
     memory_url: str,
-    until: Until,
     handler: Callable[[Job], Awaitable[None]],
     step: str | None,
     inject_unknown: bool,
@@ -385,15 +391,19 @@ async def test_every_delivery_is_acked_or_nacked_exactly_once(
             broker.route(Outgoing("counted", envelope))
         else:
             await app.send_local(Job(1))
-        await until(lambda: len(broker.queues["error"]) == dead, timeout=5)
-        await until(lambda: broker.idle and app.in_flight == 0, timeout=5)
+        await eventually(
+            lambda: len(broker.queues["error"]) == dead,
+            "every dead letter in the error queue",
+            timeout=5,
+        )
+        await quiet(broker, app)
         assert_settled(broker, "counted")
         settles = transport.settles("counted")
     assert settles == [["ack"]] * deliveries
 
 
 async def test_a_dead_letter_that_cannot_leave_returns_the_delivery_once_then_leaves(
-    memory_url: str, until: Until
+    memory_url: str,
 ) -> None:
     calls = 0
 
@@ -408,8 +418,12 @@ async def test_a_dead_letter_that_cannot_leave_returns_the_delivery_once_then_le
     async with app:
         broker = transport.broker
         await app.send_local(Job(1))
-        await until(lambda: len(broker.queues["error"]) == 1, timeout=5)
-        await until(lambda: broker.idle and app.in_flight == 0, timeout=5)
+        await eventually(
+            lambda: len(broker.queues["error"]) == 1,
+            "the dead letter in the error queue",
+            timeout=5,
+        )
+        await quiet(broker, app)
         assert_settled(broker, "counted")
         settles = transport.settles("counted")
     assert transport.refused == 1
@@ -417,9 +431,7 @@ async def test_a_dead_letter_that_cannot_leave_returns_the_delivery_once_then_le
     assert calls == 1  # its outcome was remembered: the returned delivery is not handled again
 
 
-async def test_each_reply_is_settled_once_whether_awaited_late_or_bad(
-    memory_url: str, until: Until
-) -> None:
+async def test_each_reply_is_settled_once_whether_awaited_late_or_bad(memory_url: str) -> None:
     late = asyncio.Event()
 
     async def answer(message: Ask, context: MessageContext) -> None:
@@ -441,8 +453,10 @@ async def test_each_reply_is_settled_once_whether_awaited_late_or_bad(
             await client.request(Ask(99), reply_type=Answer, timeout=0.05)
         late.set()
         [replies] = [name for name in broker.queues if name.startswith("client.replies.")]
-        await until(lambda: len(transport.settles(replies)) == 3, timeout=5)
-        await until(lambda: broker.idle and client.in_flight == 0, timeout=5)
+        await eventually(
+            lambda: len(transport.settles(replies)) == 3, "three replies settled", timeout=5
+        )
+        await quiet(broker, client)
         assert_settled(broker, replies)
         assert [e.headers[Header.ERROR_QUEUE] for e in in_queue(broker, "error")] == [replies]
         assert transport.settles(replies) == [["ack"]] * 3
@@ -489,7 +503,7 @@ async def _hang() -> None:
     ],
 )
 async def test_whatever_a_handler_raises_is_an_attempt_and_ends_in_the_error_queue_once(
-    until: Until, act: Callable[[], Awaitable[None]], error_type: str, text: str
+    act: Callable[[], Awaitable[None]], error_type: str, text: str
 ) -> None:
     calls: list[int] = []
     pings: list[int] = []
@@ -506,9 +520,9 @@ async def test_whatever_a_handler_raises_is_an_attempt_and_ends_in_the_error_que
     app.register(Ping, ping)
     async with Harness(app) as bus:
         message_id = await app.send_local(Job(1))
-        await until(lambda: len(calls) >= 1)
+        await eventually(lambda: len(calls) >= 1, "the first attempt of the job")
         await app.send_local(Ping(1))
-        await until(lambda: pings == [1])  # the worker goes on meanwhile
+        await eventually(lambda: pings == [1], "the worker handles a ping meanwhile")
         await bus.idle(timeout=5)
         await app.send_local(Ping(2))  # and after
         await bus.idle(timeout=5)
@@ -527,9 +541,7 @@ async def test_whatever_a_handler_raises_is_an_attempt_and_ends_in_the_error_que
     assert dead.source_queue == "hostile"
 
 
-async def test_stopping_past_the_grace_period_returns_the_message_without_counting_it(
-    until: Until,
-) -> None:
+async def test_stopping_past_the_grace_period_returns_the_message_without_counting_it() -> None:
     started = asyncio.Event()
     calls: list[int] = []
 
@@ -967,7 +979,7 @@ async def test_a_hostile_message_that_always_fails_reaches_the_error_queue_once(
     ],
 )
 async def test_a_reply_that_cannot_be_built_fails_its_request_and_later_requests_work(
-    memory_url: str, until: Until, n: int, raised: type[BaseException], text: str
+    memory_url: str, n: int, raised: type[BaseException], text: str
 ) -> None:
     async def answer(message: Ask, context: MessageContext) -> None:
         await context.app.reply(AnswerOut(message.n))
@@ -984,10 +996,12 @@ async def test_a_reply_that_cannot_be_built_fails_its_request_and_later_requests
         assert time.monotonic() - began < 2.0
         assert await client.request(Ask(2), reply_type=Answer, timeout=2) == Answer(2)
         assert await client.request(Ask(3), reply_type=Answer, timeout=2) == Answer(3)
-        await until(lambda: len(broker.queues["error"]) == 1, timeout=5)
+        await eventually(
+            lambda: len(broker.queues["error"]) == 1, "the bad reply in the error queue", timeout=5
+        )
         [dead] = in_queue(broker, "error")
         [replies] = [name for name in broker.queues if name.startswith("client.replies.")]
-        await until(lambda: broker.idle and client.in_flight == 0, timeout=5)
+        await quiet(broker, client)
         assert_settled(broker, replies)
     assert dead.headers[Header.ERROR_QUEUE] == replies
     assert dead.headers[Header.ERROR_TYPE] == qualified(raised)
@@ -1013,9 +1027,7 @@ async def test_the_harness_carries_a_reply_whose_class_cannot_be_built() -> None
     assert dead.message == AnswerOut(-1)  # the app whose class can build it decoded it
 
 
-async def test_stop_fails_a_pending_request_promptly_with_not_running(
-    memory_url: str, until: Until
-) -> None:
+async def test_stop_fails_a_pending_request_promptly_with_not_running(memory_url: str) -> None:
     client = App("client", transport=memory_url)
     client.route(Ask, "void")
     await client.start()
@@ -1023,7 +1035,7 @@ async def test_stop_fails_a_pending_request_promptly_with_not_running(
         await client.transport.declare("void")  # nobody consumes it: no reply will come
         void = client.transport.broker.queues["void"]  # type: ignore[attr-defined]
         request = asyncio.create_task(client.request(Ask(1), reply_type=Answer, timeout=30))
-        await until(lambda: len(void) == 1)  # the request went out; it waits for its reply
+        await eventually(lambda: len(void) == 1, "the request waiting in its queue for a reply")
         assert not request.done()
     finally:
         began = time.monotonic()
@@ -1057,7 +1069,7 @@ class FailsSecondOnce(DelegatingTransport):
 
 
 async def test_a_retry_after_a_partly_failed_commit_resends_under_the_same_ids(
-    memory_url: str, until: Until
+    memory_url: str,
 ) -> None:
     calls: list[int] = []
 
@@ -1076,8 +1088,8 @@ async def test_a_retry_after_a_partly_failed_commit_resends_under_the_same_ids(
         await transport.declare("outs")
         broker = transport.inner.broker  # type: ignore[attr-defined]
         await app.send_local(Job(1))
-        await until(lambda: len(transport.batches) == 2, timeout=5)
-        await until(lambda: broker.idle and app.in_flight == 0, timeout=5)
+        await eventually(lambda: len(transport.batches) == 2, "two commit attempts", timeout=5)
+        await quiet(broker, app)
         assert_settled(broker, "stable")
         arrived = [e.headers[Header.MESSAGE_ID] for e in in_queue(broker, "outs")]
 
@@ -1090,7 +1102,7 @@ async def test_a_retry_after_a_partly_failed_commit_resends_under_the_same_ids(
     assert Counter(arrived) == {first[0]: 2, "user-chosen-id": 1, first[2]: 2}
 
 
-async def test_two_messages_get_different_derived_ids(memory_url: str, until: Until) -> None:
+async def test_two_messages_get_different_derived_ids(memory_url: str) -> None:
     async def handle(message: Job, context: MessageContext) -> None:
         for _ in range(3):
             await context.app.send(Out(str(message.n)))
@@ -1104,7 +1116,7 @@ async def test_two_messages_get_different_derived_ids(memory_url: str, until: Un
         await transport.declare("outs")
         await app.send_local(Job(1))
         await app.send_local(Job(2))
-        await until(lambda: len(transport.batches) == 2, timeout=5)
+        await eventually(lambda: len(transport.batches) == 2, "both messages' sends", timeout=5)
     assert len({i for batch in transport.batches for i in batch}) == 6
 
 

@@ -10,8 +10,7 @@ import pytest
 
 from mersal import App, MessageContext, RetryPolicy
 from mersal.testing import Harness
-
-from .conftest import Until
+from tests.support import eventually
 
 
 @dataclass
@@ -144,13 +143,12 @@ async def test_an_immediate_retry_keeps_the_order_of_its_partition_key() -> None
 
 async def test_a_slow_partition_key_does_not_starve_other_keys() -> None:
     release = asyncio.Event()
-    other_key_ran = asyncio.Event()
+    handled: list[tuple[str, int]] = []
 
     async def handle(message: Keyed) -> None:
-        if message.key == "other":
-            other_key_ran.set()
-            return
-        await release.wait()
+        if message.key == "hot":
+            await release.wait()
+        handled.append((message.key, message.n))
 
     app = App("lanes", concurrency=4, grace_period=0.5)
     app.register(Keyed, handle)
@@ -160,16 +158,20 @@ async def test_a_slow_partition_key_does_not_starve_other_keys() -> None:
         await app.send_local(Keyed("other", 0), partition_key="other")
         try:
             # Only one "hot" message runs; three slots are free for the "other" key.
-            async with asyncio.timeout(1):
-                await other_key_ran.wait()
+            await eventually(
+                lambda: handled == [("other", 0)],
+                "the other key's message handled while the hot key's first one runs",
+                timeout=1,
+            )
         finally:
             release.set()
             await bus.idle()
 
+    assert handled == [("other", 0), *(("hot", n) for n in range(5))]
+    assert bus.dead_lettered == []
 
-async def test_stop_lets_in_flight_messages_finish_and_acks_them(
-    memory_url: str, until: Until
-) -> None:
+
+async def test_stop_lets_in_flight_messages_finish_and_acks_them(memory_url: str) -> None:
     started = asyncio.Event()
     release = asyncio.Event()
     finished: list[int] = []
@@ -186,11 +188,11 @@ async def test_stop_lets_in_flight_messages_finish_and_acks_them(
     await app.send_local(Job(2))
     async with asyncio.timeout(2):
         await started.wait()
-    await until(lambda: app.in_flight == 2)
+    await eventually(lambda: app.in_flight == 2, "two messages in flight")
 
     queue = app.transport.broker.queues["jobs"]  # type: ignore[attr-defined]
     stopping = asyncio.create_task(app.stop())
-    await until(lambda: queue.consumers == 0)  # stop() has begun: no more fetching
+    await eventually(lambda: queue.consumers == 0, "stop() has begun: no more fetching")
     assert not stopping.done()  # stop() waits for the two in-flight messages
     release.set()
     async with asyncio.timeout(2):
@@ -202,9 +204,7 @@ async def test_stop_lets_in_flight_messages_finish_and_acks_them(
     assert queue.unacked == 0
 
 
-async def test_a_handler_finishing_during_stop_can_still_send(
-    memory_url: str, until: Until
-) -> None:
+async def test_a_handler_finishing_during_stop_can_still_send(memory_url: str) -> None:
     started = asyncio.Event()
     release = asyncio.Event()
     errors: list[BaseException] = []
@@ -230,7 +230,7 @@ async def test_a_handler_finishing_during_stop_can_still_send(
         await started.wait()
     queue = app.transport.broker.queues["jobs"]  # type: ignore[attr-defined]
     stopping = asyncio.create_task(app.stop())
-    await until(lambda: queue.consumers == 0)  # stop() has begun: no more fetching
+    await eventually(lambda: queue.consumers == 0, "stop() has begun: no more fetching")
     assert not stopping.done()
     release.set()
     async with asyncio.timeout(2):
@@ -243,9 +243,7 @@ async def test_a_handler_finishing_during_stop_can_still_send(
     assert (len(queue), queue.unacked) == (0, 0)  # the job itself was acked
 
 
-async def test_stop_returns_a_message_that_outlives_the_grace_period(
-    memory_url: str, until: Until
-) -> None:
+async def test_stop_returns_a_message_that_outlives_the_grace_period(memory_url: str) -> None:
     started = asyncio.Event()
     cancelled: list[int] = []
 
@@ -281,7 +279,7 @@ async def test_stop_returns_a_message_that_outlives_the_grace_period(
     async with second:
         async with asyncio.timeout(2):
             got = await redelivered
-        await until(lambda: second.in_flight == 0)
+        await eventually(lambda: second.in_flight == 0, "the redelivered message settled")
 
     assert got == (Job(7), message_id, True)
     queue = second.transport.broker.queues["jobs"]  # type: ignore[attr-defined]
@@ -289,9 +287,7 @@ async def test_stop_returns_a_message_that_outlives_the_grace_period(
     assert queue.unacked == 0
 
 
-async def test_a_partition_key_keeps_its_order_across_a_graceful_stop(
-    memory_url: str, until: Until
-) -> None:
+async def test_a_partition_key_keeps_its_order_across_a_graceful_stop(memory_url: str) -> None:
     started = asyncio.Event()
     release = asyncio.Event()
     first_handled: list[int] = []
@@ -309,10 +305,12 @@ async def test_a_partition_key_keeps_its_order_across_a_graceful_stop(
     async with asyncio.timeout(2):
         await started.wait()
     # Message 0 runs; 1-7 wait in its lane (lane entries take no slot; prefetch is 2 x 4).
-    await until(lambda: first.in_flight == 8)
+    await eventually(
+        lambda: first.in_flight == 8, "the running message and the seven in its lane in flight"
+    )
     queue = first.transport.broker.queues["lanes"]  # type: ignore[attr-defined]
     stopping = asyncio.create_task(first.stop())
-    await until(lambda: queue.consumers == 0)  # stop() has begun: no more fetching
+    await eventually(lambda: queue.consumers == 0, "stop() has begun: no more fetching")
     release.set()
     async with asyncio.timeout(2):
         await stopping
@@ -326,14 +324,12 @@ async def test_a_partition_key_keeps_its_order_across_a_graceful_stop(
     second = App("lanes", transport=memory_url, concurrency=4)
     second.register(Keyed, record)
     async with second:
-        await until(lambda: len(second_handled) == 7)
+        await eventually(lambda: len(second_handled) == 7, "the seven returned messages handled")
 
     assert second_handled == [1, 2, 3, 4, 5, 6, 7]
 
 
-async def test_in_flight_counts_the_messages_a_stop_is_draining(
-    memory_url: str, until: Until
-) -> None:
+async def test_in_flight_counts_the_messages_a_stop_is_draining(memory_url: str) -> None:
     release = asyncio.Event()
 
     async def handle(message: Job) -> None:
@@ -344,11 +340,11 @@ async def test_in_flight_counts_the_messages_a_stop_is_draining(
     await app.start()
     await app.send_local(Job(1))
     await app.send_local(Job(2))
-    await until(lambda: app.in_flight == 2)
+    await eventually(lambda: app.in_flight == 2, "two messages in flight")
     queue = app.transport.broker.queues["jobs"]  # type: ignore[attr-defined]
     stopping = asyncio.create_task(app.stop())
     try:
-        await until(lambda: queue.consumers == 0)  # stop() has begun
+        await eventually(lambda: queue.consumers == 0, "stop() has begun")
         assert not stopping.done()
         assert app.in_flight == 2
     finally:
@@ -358,7 +354,7 @@ async def test_in_flight_counts_the_messages_a_stop_is_draining(
 
 
 async def test_a_worker_that_loses_its_consumer_reports_it(
-    memory_url: str, until: Until, caplog: pytest.LogCaptureFixture
+    memory_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     app = App("lost", transport=memory_url)
     app.register(Job, _ignore)
@@ -367,7 +363,7 @@ async def test_a_worker_that_loses_its_consumer_reports_it(
         queue = app.transport.broker.queues["lost"]  # type: ignore[attr-defined]
         assert queue.consumers == 1
         await app._worker.consumer.close()  # type: ignore[union-attr]  # as if the broker lost it
-        await until(lambda: not app.healthy)
+        await eventually(lambda: not app.healthy, "the app reports itself unhealthy")
 
     failures = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert any("stopped receiving" in r.getMessage() for r in failures)

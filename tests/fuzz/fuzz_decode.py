@@ -183,7 +183,7 @@ class Target:
         self.app = App("fuzz-target", transport="memory://fuzz-target", max_body_size=CAP)
         for cls in ALLOWED.values():
             self.app.types.add(cls)
-        self.decode = decode_step(CAP)
+        self.decode = decode_step(self.app.codec, self.app.types, CAP)
         self.loop = asyncio.new_event_loop()
         self.passed = 0
         self.refused = 0

@@ -19,7 +19,8 @@ from mersal import App, MessageContext, RetryPolicy
 from tests.fuzz.amqp import headers_of
 from tests.fuzz.corpus import PICKLE_BOMB, canaries_imported, nested
 from tests.fuzz.rig import CAP, DECODE_ERROR, JSON, ORDER, Order
-from tests.rabbitmq.rabbitmq_support import Broker, wait_until
+from tests.rabbitmq.rabbitmq_support import Broker
+from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -132,7 +133,7 @@ async def test_garbage_from_a_foreign_producer_ends_in_the_error_queue_with_a_re
             await broker.publish(message, name)
         good = aio_pika.Message(ORDER_BODY, message_id="good", type=ORDER, content_type=JSON)
         await broker.publish(good, name)
-        await wait_until(lambda: handled == ["good"], timeout=10, what="the good message")
+        await eventually(lambda: handled == ["good"], "the good message", timeout=10)
         dead = {}
         for _ in GARBAGE:
             arrived = await broker.get(error_queue, timeout=10)

@@ -29,7 +29,7 @@ import pytest
 from mersal import App, Envelope, Header, MessageContext, Outgoing, RetryPolicy, message
 from mersal.transport.memory import MemoryBroker, MemoryTransport
 from tests.fuzz.corpus import nested
-from tests.sql.support import until
+from tests.support import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 ORDER = "regressions.Order.v1"
@@ -68,15 +68,15 @@ class Rig:
         """Wait until `dead` dead letters arrived and nothing is left to handle; return them."""
         errors = self.broker.queues[self.app.retry.error_queue]
         home = self.broker.queues[self.app.name]
-        await until(
+        await eventually(
             lambda: (
                 len(errors) >= dead
                 and home.idle
                 and not self.broker.delayed
                 and self.app.in_flight == 0
             ),
+            f"{dead} dead letter(s) and an idle queue",
             timeout=5,
-            what=f"{dead} dead letter(s) and an idle queue",
         )
         return [stored.envelope for stored in errors.ready]
 

@@ -15,6 +15,7 @@ from mersal import App, MersalError
 from mersal.cli import main
 from mersal.transport import mask
 from tests.fuzz.rig import FUZZ
+from tests.support import eventually
 
 SECRET = "s3cret"
 
@@ -137,7 +138,10 @@ async def test_a_failed_start_leaks_the_password_nowhere(
     with pytest.raises(Exception) as raised:  # any type: what it says is tested
         async with asyncio.timeout(30):
             await app.start()
-    await asyncio.sleep(0.1)  # anything logged in the background after the failure
+    await eventually(  # then nothing is left to log after the failure
+        lambda: asyncio.all_tasks() == {asyncio.current_task()},
+        "every task the failed start left behind ended",
+    )
 
     assert not app.running
     texts = [*texts_of(raised.value), *texts_of_records(caplog.records), repr(app)]

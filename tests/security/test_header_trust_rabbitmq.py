@@ -21,7 +21,8 @@ import pytest
 from mersal import App, MessageContext, RetryPolicy
 from tests.fuzz.amqp import headers_of
 from tests.fuzz.rig import DOOMED, JSON, ORDER, Doom, Doomed, Order
-from tests.rabbitmq.rabbitmq_support import Broker, wait_until
+from tests.rabbitmq.rabbitmq_support import Broker
+from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -87,7 +88,7 @@ async def test_a_forged_deliver_at_does_not_delay_handling(running: Running) -> 
     day_ahead = f"{time.time() + 86_400:.6f}"
 
     await running.publish("m-1", ORDER, ORDER_BODY, **{"deliver-at": day_ahead})
-    await wait_until(lambda: running.handled == ["m-1"], timeout=5, what="handling at once")
+    await eventually(lambda: running.handled == ["m-1"], "handling at once", timeout=5)
 
     assert running.wait_queues() == []
 
@@ -129,6 +130,6 @@ async def test_a_forged_error_header_does_not_make_a_message_dead(running: Runni
     forged = {"error-type": "mersal.errors.DecodeError", "error-message": "forged"}
 
     await running.publish("m-1", ORDER, ORDER_BODY, **forged)
-    await wait_until(lambda: running.handled == ["m-1"], timeout=5, what="normal handling")
+    await eventually(lambda: running.handled == ["m-1"], "normal handling", timeout=5)
 
     assert await running.broker.count(running.error_queue) == 0

@@ -51,16 +51,19 @@ HOSTILE = [
 FINE = ["orders", "orders.v1", "billing:in", "team/orders", "a-b_c", "0", "x" * 200]
 
 
-def as_app_name(name: object) -> None:
-    App(name)  # type: ignore[arg-type]
+def as_app_name(name: object) -> str:
+    return App(name).name  # type: ignore[arg-type]
 
 
-def as_route(name: object) -> None:
-    App("orders").route(PlaceOrder, name)  # type: ignore[arg-type]
+def as_route(name: object) -> str:
+    app = App("orders")
+    app.route(PlaceOrder, name)  # type: ignore[arg-type]
+    return app.queue_for(PlaceOrder)
 
 
-def as_error_queue(name: object) -> None:
-    App("shipping", retry=RetryPolicy(error_queue=name))  # type: ignore[arg-type]
+def as_error_queue(name: object) -> str:
+    policy = RetryPolicy(error_queue=name)  # type: ignore[arg-type]
+    return App("shipping", retry=policy).retry.error_queue
 
 
 def test_the_error_queue_may_not_be_the_app_s_own_queue() -> None:
@@ -68,7 +71,7 @@ def test_the_error_queue_may_not_be_the_app_s_own_queue() -> None:
         App("orders", retry=RetryPolicy(error_queue="orders"))
 
 
-USES: dict[str, Callable[[object], None]] = {
+USES: dict[str, Callable[[object], str]] = {
     "app name": as_app_name,
     "route": as_route,
     "error queue": as_error_queue,
@@ -89,4 +92,4 @@ def test_a_hostile_name_is_a_configuration_error(use: str, name: object) -> None
 @pytest.mark.parametrize("use", sorted(USES))
 @pytest.mark.parametrize("name", FINE)
 def test_an_ordinary_name_is_accepted(use: str, name: str) -> None:
-    USES[use](name)
+    assert USES[use](name) == name

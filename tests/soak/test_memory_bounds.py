@@ -38,8 +38,7 @@ from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy import SqlOutboxStore, make_engine, make_tables
 from mersal_sqlalchemy.database import prepare_schema
 from mersal_sqlalchemy.outbox import write_outbox
-from tests.sql.support import until
-from tests.support import DelegatingTransport
+from tests.support import DelegatingTransport, eventually
 
 HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -198,10 +197,10 @@ class SideQueue:
 
 async def settled(app: App, queue: MemoryQueue) -> None:
     """Wait until the app handles nothing and nothing of its queue is ready or unacked."""
-    await until(
+    await eventually(
         lambda: app.in_flight == 0 and not queue.ready and not queue.unacked,
+        f"app {app.name!r} idle",
         timeout=30,
-        what=f"app {app.name!r} idle",
     )
 
 
@@ -357,21 +356,22 @@ async def test_rabbitmq_forgets_short_lived_consumers_and_closes_their_channels(
         acked = 0
         for n in range(200):
             acked += await one_rabbitmq_consumer(transport, side, n, sent)
-        await until(
+        await eventually(
             lambda: set(transport._consumers) == {live},
+            "only the live consumer left in transport._consumers",
             timeout=10,
-            what="only the live consumer left in transport._consumers",
         )
-        await until(  # a closed consumer's channel closes once its last delivery is settled
+        # A closed consumer's channel closes once its last delivery is settled.
+        await eventually(
             lambda: open_channels(transport) <= channels_before + transport.channels,
+            f"at most {channels_before} + {transport.channels} channels open",
             timeout=10,
-            what=f"at most {channels_before} + {transport.channels} channels open",
         )
 
         async def nothing_lost() -> bool:
             return await ready_in(url, side) == sent[0] - acked
 
-        await until(nothing_lost, timeout=10, what="every message not acked is back in its queue")
+        await eventually(nothing_lost, "every message not acked is back in its queue", timeout=10)
     finally:
         await transport.stop()
         await delete_queues(url, [home, side])
@@ -426,11 +426,11 @@ async def test_a_rabbitmq_consumer_keeps_nothing_from_the_channels_it_lost(vhost
             return sum(not channel.is_closed for channel, _ in consumer._buffer)
 
         for _ in range(10):  # the channel is lost (a consumer_timeout, a 406) ten times
-            await until(lambda: live_buffered() == 5, timeout=10, what="5 deliveries buffered")
+            await eventually(lambda: live_buffered() == 5, "5 deliveries buffered", timeout=10)
             channel = consumer._channel
             assert channel is not None
             await channel.close()
-        await until(lambda: live_buffered() == 5, timeout=10, what="5 deliveries buffered")
+        await eventually(lambda: live_buffered() == 5, "5 deliveries buffered", timeout=10)
         buffered = len(consumer._buffer)
         for _ in range(5):
             await (await consumer.get()).ack()
@@ -475,7 +475,7 @@ async def test_hostile_type_names_leave_nothing_in_the_registry_or_the_codec() -
             headers = {Header.TYPE: name, Header.MESSAGE_ID: f"hostile-{n}"}
             broker.route(Outgoing(app.name, Envelope(headers, b'{"n": 1}')))
         errors = broker.queues[app.retry.error_queue]
-        await until(lambda: len(errors) == 2_000, timeout=20, what="2,000 dead letters")
+        await eventually(lambda: len(errors) == 2_000, "2,000 dead letters", timeout=20)
         after = sizes()
     assert after == before
 
@@ -513,7 +513,7 @@ async def test_requests_answered_late_or_never_leave_no_reply_waiters() -> None:
         transport = requester.transport
         assert isinstance(transport, MemoryTransport)
         reply_queue = transport.broker.queues[replies.queue]
-        await until(lambda: reply_queue.idle, what="the late replies were taken and dropped")
+        await eventually(lambda: reply_queue.idle, "the late replies were taken and dropped")
         waiting = dict(replies._waiting)
     assert [r for r in results if r is not None] == [Answer(n) for n in range(0, 100, 2)]
     assert waiting == {}

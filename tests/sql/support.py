@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
 from lagom import Container
 from sqlalchemy import String, Table, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
@@ -158,23 +156,6 @@ async def count(engine: AsyncEngine, table: Table, *where: Any) -> int:
 async def outbox_empty(storage: SqlStorage) -> bool:
     """Whether the app has no outbox rows waiting."""
     return await storage.pending() == 0
-
-
-async def until(
-    predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0, what: str = ""
-) -> None:
-    """Wait until `predicate` holds; fail the test if it does not within `timeout` seconds."""
-    try:
-        async with asyncio.timeout(timeout):
-            while True:
-                result = predicate()
-                if inspect.isawaitable(result):
-                    result = await result
-                if result:
-                    return
-                await asyncio.sleep(0.005)
-    except TimeoutError:
-        pytest.fail(f"not within {timeout}s: {what or predicate}")
 
 
 class Sink:

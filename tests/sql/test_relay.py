@@ -22,8 +22,8 @@ from tests.sql.support import (
     orders_app,
     outbox_empty,
     storage_of,
-    until,
 )
+from tests.support import eventually
 
 
 async def send_ships(app: App, numbers: range) -> list[str]:
@@ -47,8 +47,8 @@ async def test_rows_of_a_relay_killed_before_publishing_leave_after_a_restart(
 
     second = orders_app(database, memory_url, Probe())
     async with second:
-        await until(lambda: len(sink.ids()) == 3, what="the restarted relay sends the rows")
-        await until(lambda: outbox_empty(storage_of(second)))
+        await eventually(lambda: len(sink.ids()) == 3, "the restarted relay sends the rows")
+        await eventually(lambda: outbox_empty(storage_of(second)), "the outbox empty")
     assert sink.ids() == ids
 
 
@@ -59,7 +59,7 @@ async def test_messages_of_one_transaction_leave_in_the_order_they_were_sent(
     app = orders_app(database, memory_url, Probe())
     async with app:
         ids = await send_ships(app, range(50))
-        await until(lambda: len(sink.ids()) == 50)
+        await eventually(lambda: len(sink.ids()) == 50, "all 50 rows sent")
     assert sink.ids() == ids
 
 
@@ -75,8 +75,8 @@ async def test_a_row_that_cannot_be_routed_is_parked_and_later_rows_still_leave(
             before = await app.send(Ship(1))
             await app.send(7)
             after = await app.send(Ship(2))
-        await until(lambda: after in sink.ids(), what="the rows after the parked one leave")
-        await until(lambda: outbox_empty(storage), what="only the parked row is left")
+        await eventually(lambda: after in sink.ids(), "the rows after the parked one leave")
+        await eventually(lambda: outbox_empty(storage), "only the parked row is left")
         outbox = storage.tables.outbox
         async with storage.engine.connect() as connection:
             parked = (await connection.execute(select(outbox))).one()
@@ -99,8 +99,8 @@ async def test_a_broker_outage_while_relaying_loses_nothing(database: str, memor
     async with app:
         storage = storage_of(app)
         ids = await send_ships(app, range(5))
-        await until(lambda: len(sink.ids()) == 5, timeout=10, what="sent once the broker is back")
-        await until(lambda: outbox_empty(storage))
+        await eventually(lambda: len(sink.ids()) == 5, "sent once the broker is back", timeout=10)
+        await eventually(lambda: outbox_empty(storage), "the outbox empty")
     assert transport.failed == 3
     assert sink.ids() == ids
 
@@ -129,8 +129,11 @@ async def test_two_relays_on_one_table_send_every_row_once(
     try:
         for relay in relays:
             relay.start()
-        await until(lambda: len(sink.ids()) >= 2_000, timeout=30, what="every row is sent")
-        await until(lambda: sum(relay.published for relay in relays) == 2_000)
+        await eventually(lambda: len(sink.ids()) >= 2_000, "every row is sent", timeout=30)
+        await eventually(
+            lambda: sum(relay.published for relay in relays) == 2_000,
+            "the relays count 2,000 published rows",
+        )
         assert await count(engines[0], table) == 0
     finally:
         for relay in relays:
@@ -178,8 +181,8 @@ async def test_a_commit_in_another_process_wakes_the_relay_through_notify(
                     [Outgoing("sink", envelope)],
                     storage.tables.channel,
                 )
-            await until(lambda: sink.ids() == ["from-elsewhere"], timeout=3, what="NOTIFY woke it")
-        await until(lambda: no_listener_left(other_process), what="stop closed the connection")
+            await eventually(lambda: sink.ids() == ["from-elsewhere"], "NOTIFY woke it", timeout=3)
+        await eventually(lambda: no_listener_left(other_process), "stop closed the connection")
     finally:
         await other_process.dispose()
 
@@ -239,8 +242,8 @@ async def test_the_listen_connection_comes_back_after_it_is_lost(
                         "WHERE datname = current_database() AND query LIKE 'LISTEN%'"
                     )
                 )
-            await until(lambda: not listener.listening, what="the LISTEN connection is gone")
-            await until(lambda: listener.listening, what="it is back")
+            await eventually(lambda: not listener.listening, "the LISTEN connection is gone")
+            await eventually(lambda: listener.listening, "it is back")
             async with other_process.begin() as connection:
                 await write_outbox(
                     connection,
@@ -249,6 +252,10 @@ async def test_the_listen_connection_comes_back_after_it_is_lost(
                     [Outgoing("sink", envelope_of(app, Ship(1), "after-reconnect"))],
                     storage.tables.channel,
                 )
-            await until(lambda: sink.ids() == ["after-reconnect"], timeout=3)
+            await eventually(
+                lambda: sink.ids() == ["after-reconnect"],
+                "the row sent after the reconnect",
+                timeout=3,
+            )
     finally:
         await other_process.dispose()

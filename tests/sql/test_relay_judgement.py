@@ -19,7 +19,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -37,13 +37,11 @@ from mersal.transport import Outgoing, Transport
 from mersal.transport.memory import MemoryTransport
 from mersal_sqlalchemy import SqlOutboxStore, SqlStorage, attach, make_engine
 from tests.cli.conftest import mersal
-from tests.sql.support import Sink, until
-from tests.support import DelegatingTransport
+from tests.sql.support import Sink
+from tests.support import DelegatingTransport, eventually
 
 HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
 SHIP = "tests.relay.Ship.v1"
-QUIET = 1.5
-"""Seconds to keep watching after the outbox drained: a row sent again would arrive meanwhile."""
 
 
 @message(SHIP)
@@ -388,7 +386,7 @@ async def still_handles(raw: Raw, app: App, handled: list[int]) -> None:
         b'{"n": -1}', message_id=str(uuid.uuid4()), type=SHIP, content_type="application/json"
     )
     await raw.publish(outgoing, app.name)
-    await until(lambda: len(handled) > before, timeout=10, what="the app still handles messages")
+    await eventually(lambda: len(handled) > before, "the app still handles messages", timeout=10)
     assert handled[before:] == [-1]
 
 
@@ -415,19 +413,19 @@ async def test_rows_that_cannot_go_are_parked_and_the_rest_of_their_batch_leaves
         ids = await insert_rows(engine, table, name, rows)
         storage.wake()
         good_ids = [json.loads(row.headers)[Header.MESSAGE_ID] for row in rows if not row.reason]
-        await until(
-            lambda: all(received.ids[i] for i in good_ids), timeout=10, what="every good row leaves"
+        await eventually(
+            lambda: all(received.ids[i] for i in good_ids), "every good row leaves", timeout=10
         )
-        await until(_none_waiting(engine, table), timeout=10, what="no row is left unparked")
+        await eventually(_none_waiting(engine, table), "no row is left unparked", timeout=10)
         bad = [row for row in rows if row.reason]
         relay = storage.relay
         assert relay is not None
-        await until(lambda: relay.parked_rows == len(bad), timeout=5, what="parked rows counted")
-        await asyncio.sleep(QUIET)  # watch: a row of the batch sent again would arrive now
+        await eventually(lambda: relay.parked_rows == len(bad), "parked rows counted", timeout=5)
+        marker = await relay_moved_on(storage, name, sink, lambda: received.ids)
         assert not app.healthy, "parked rows must make the app unhealthy"
         check_parking(rows, ids, await stored_rows(engine, table))
         assert received.duplicates() == {}
-        assert set(received.ids) == set(good_ids)
+        assert set(received.ids) == {*good_ids, marker}
         assert received.messages["good-200"].headers[Header.REPLY_TO] == "r" * 300
         assert received.messages["good-201"].headers[Header.TYPE] == "y" * 300
 
@@ -440,11 +438,29 @@ async def test_rows_that_cannot_go_are_parked_and_the_rest_of_their_batch_leaves
         await raw.declare(nowhere)
         arrived = await raw.record(nowhere)
         assert await mersal("outbox", "retry", str(unroutable), "--database", postgres_url) == 0
-        await until(lambda: arrived.ids["bad-13"] == 1, timeout=10, what="the retried row leaves")
+        await eventually(lambda: arrived.ids["bad-13"] == 1, "the retried row leaves", timeout=10)
         parked_ids.remove(unroutable)
         await retry_and_purge(postgres_url, app, parked_ids, capsys)
     assert received.duplicates() == {}
     assert arrived.ids == Counter({"bad-13": 1})
+
+
+async def relay_moved_on(
+    storage: SqlStorage, app: str, sink: str, arrived: Callable[[], Container[str]]
+) -> str:
+    """Relay one more row to `sink`, wait until it arrived and left the outbox; its message id.
+
+    The relay works through its passes one after another and deletes a row once the broker has
+    it, so when this row is through, every send of an earlier row reached `sink` before it: a row
+    of an earlier batch sent again would have arrived by now.
+    """
+    marker = f"marker-{uuid.uuid4().hex[:8]}"
+    engine, table = storage.engine, storage.tables.outbox
+    await insert_rows(engine, table, app, [Row(marker, sink, headers_json(marker))])
+    storage.wake()
+    await eventually(lambda: marker in arrived(), "a row relayed after the batch", timeout=10)
+    await eventually(_none_waiting(engine, table), "the later row deleted", timeout=10)
+    return marker
 
 
 def _none_waiting(engine: AsyncEngine, table: Table) -> Any:
@@ -473,18 +489,18 @@ async def test_rows_that_cannot_go_are_parked_without_a_broker(
         ids = await insert_rows(engine, table, name, rows)
         storage.wake()
         good_ids = [json.loads(row.headers)[Header.MESSAGE_ID] for row in rows if not row.reason]
-        await until(_none_waiting(engine, table), timeout=10, what="no row is left unparked")
+        await eventually(_none_waiting(engine, table), "no row is left unparked", timeout=10)
         relay = storage.relay
         assert relay is not None
         bad = [row for row in rows if row.reason]
-        await until(lambda: relay.parked_rows == len(bad), timeout=5, what="parked rows counted")
-        await asyncio.sleep(QUIET)  # watch: a row of the batch sent again would arrive now
+        await eventually(lambda: relay.parked_rows == len(bad), "parked rows counted", timeout=5)
+        marker = await relay_moved_on(storage, name, "sink", sink.ids)
         check_parking(rows, ids, await stored_rows(engine, table))
         assert not app.healthy
         parked_ids = [i for row, i in zip(rows, ids, strict=True) if row.reason]
         await list_parked(database, parked_ids, capsys)
         await retry_and_purge(database, app, parked_ids, capsys)
-    assert sorted(sink.ids()) == sorted(good_ids)
+    assert sorted(sink.ids()) == sorted([*good_ids, marker])
     assert sink.duplicates() == {}
 
 
@@ -518,11 +534,11 @@ async def retry_and_purge(
             for i in parked_ids
         )
 
-    await until(parked_again, timeout=10, what="the relay parks the retried rows again")
+    await eventually(parked_again, "the relay parks the retried rows again", timeout=10)
     assert await mersal("outbox", "purge", *map(str, parked_ids), "--database", database) == 0
     assert await stored_rows(engine, table) == {}
     assert await mersal("outbox", "list", "--database", database) == 0
-    await until(lambda: relay.parked_rows == 0, timeout=5, what="the relay counts none")
+    await eventually(lambda: relay.parked_rows == 0, "the relay counts none", timeout=5)
     assert app.healthy
 
 
@@ -554,13 +570,13 @@ async def test_a_row_the_broker_refuses_is_parked_and_its_batch_leaves_once(
         ]
         ids = await insert_rows(engine, table, name, rows)
         storage.wake()
-        await until(_none_waiting(engine, table), timeout=10, what="no row is left unparked")
+        await eventually(_none_waiting(engine, table), "no row is left unparked", timeout=10)
         good_ids = {f"good-{n}" for n in range(40)}
-        await until(lambda: set(received.ids) >= good_ids, timeout=10, what="every good row")
-        await asyncio.sleep(QUIET)  # watch: a row of the batch sent again would arrive now
+        await eventually(lambda: set(received.ids) >= good_ids, "every good row", timeout=10)
+        marker = await relay_moved_on(storage, name, sink, lambda: received.ids)
         check_parking(rows, ids, await stored_rows(engine, table))
         await still_handles(raw, app, handled)
-    assert set(received.ids) == good_ids
+    assert set(received.ids) == {*good_ids, marker}
     check_unknown_outcomes(received, before_refused)
 
 
@@ -608,14 +624,14 @@ async def test_a_body_over_the_brokers_limit_is_parked_not_sent_again_and_again(
         ids = await insert_rows(engine, table, name, rows)
         del huge
         storage.wake()
-        await until(_none_waiting(engine, table), timeout=30, what="no row is left unparked")
+        await eventually(_none_waiting(engine, table), "no row is left unparked", timeout=30)
         good_ids = {f"good-{n}" for n in range(10)}
-        await until(lambda: set(received.ids) >= good_ids, timeout=10, what="every good row")
-        await asyncio.sleep(QUIET)  # watch: a row of the batch sent again would arrive now
+        await eventually(lambda: set(received.ids) >= good_ids, "every good row", timeout=10)
+        marker = await relay_moved_on(storage, name, sink, lambda: received.ids)
         check_parking(rows, ids, await stored_rows(engine, table))
         assert app.healthy is False
         await still_handles(raw, app, handled)
-    assert set(received.ids) == good_ids
+    assert set(received.ids) == {*good_ids, marker}
     check_unknown_outcomes(received, before_refused)
 
 
@@ -661,10 +677,10 @@ async def test_a_reply_to_a_requester_that_is_gone_is_dropped_and_an_unroutable_
             await requester.request(Ask(2, hold=True), timeout=0.5, reply_type=Answer)
         await requester.stop()  # its temporary reply queue goes with its connection
         gone = reply_queues[-1]
-        await until(lambda: _missing(raw, gone), timeout=5, what="the reply queue is gone")
+        await eventually(lambda: _missing(raw, gone), "the reply queue is gone", timeout=5)
         release.set()
-        await until(lambda: answered == [1, 2], timeout=5, what="the late reply is written")
-        await until(lambda: relay.dropped == 1, timeout=5, what="the relay drops the reply")
+        await eventually(lambda: answered == [1, 2], "the late reply is written", timeout=5)
+        await eventually(lambda: relay.dropped == 1, "the relay drops the reply", timeout=5)
         assert await stored_rows(engine, table) == {}, "the dropped reply must be deleted"
         dropped = [
             record
@@ -679,7 +695,7 @@ async def test_a_reply_to_a_requester_that_is_gone_is_dropped_and_an_unroutable_
 
         async with replier.transaction():
             await replier.send(Lost(3))
-        await until(lambda: relay.parked_rows > 0, timeout=5, what="the unroutable send is parked")
+        await eventually(lambda: relay.parked_rows > 0, "the unroutable send is parked", timeout=5)
         [parked] = (await stored_rows(engine, table)).values()
         assert parked.parked_reason is not None and "Unroutable" in parked.parked_reason
         assert not replier.healthy
@@ -726,10 +742,10 @@ async def test_a_stop_mid_relay_leaves_no_lease_and_a_restart_sends_the_rest(
         table = storage_of(app).tables.outbox
         async with app.transaction():
             ids = [await app.send(Ship(n)) for n in range(ROWS)]
-        await until(
+        await eventually(
             lambda: sum(1 for i in ids if received.ids[i]) >= stop_after,  # noqa: B023
+            f"{stop_after} rows delivered",
             timeout=20,
-            what=f"{stop_after} rows delivered",
         )
         await app.stop()
 
@@ -743,20 +759,24 @@ async def test_a_stop_mid_relay_leaves_no_lease_and_a_restart_sends_the_rest(
         assert all(row.parked_at is None for row in stored.values())
         left = {message_id_of(row) for row in stored.values()}
         sent = set(ids) - left
-        await until(
+        await eventually(
             lambda: sent <= set(received.ids),  # noqa: B023
+            "every deleted row was delivered",
             timeout=10,
-            what="every deleted row was delivered",
         )
 
         again = raw.watch(stopping_app(name, amqp_url, postgres_url, 5.0))
         async with again:
-            await until(
+            await eventually(
                 lambda: all(received.ids[i] for i in ids),  # noqa: B023
+                "a fresh start sends the rest",
                 timeout=30,
-                what="a fresh start sends the rest",
             )
-            await until(_none_waiting(storage_of(again).engine, table), timeout=10)
+            await eventually(
+                _none_waiting(storage_of(again).engine, table),
+                "no row is left unparked",
+                timeout=10,
+            )
         duplicates = sum(1 for i in ids if received.ids[i] > 1)
         seen.append((stop_after, drain, len(left), duplicates))
         # Rows of the batch the stop cut off may arrive twice: see
@@ -901,8 +921,8 @@ async def test_a_delivery_with_thousands_of_tiny_headers_reaches_the_error_queue
     async with app:
         dead = await raw.record(error_queue)
         await raw.publish(hostile, name)
-        await until(lambda: dead.ids["tiny-headers"] == 1, timeout=15, what="the dead letter")
-        await until(lambda: app.in_flight == 0, timeout=5, what="the delivery is settled")
+        await eventually(lambda: dead.ids["tiny-headers"] == 1, "the dead letter", timeout=15)
+        await eventually(lambda: app.in_flight == 0, "the delivery is settled", timeout=5)
     # The app stopped: a delivery it had not settled would be back in its queue now.
     assert await raw.count(name) == 0
     assert calls == [7] * policy.max_attempts
@@ -959,10 +979,10 @@ async def test_a_message_id_with_a_nul_character_is_handled_once(
     app, handled = nul_app(database, memory_url)
     async with app:
         route_raw(app, {Header.MESSAGE_ID: "nul\x00id"})
-        await until(
-            lambda: bool(handled or dead_letters(app)), timeout=5, what="handled or refused"
+        await eventually(
+            lambda: bool(handled or dead_letters(app)), "handled or refused", timeout=5
         )
-        await until(lambda: app.in_flight == 0, timeout=5)
+        await eventually(lambda: app.in_flight == 0, "the delivery is settled", timeout=5)
         dead = [letter.get(Header.ERROR_MESSAGE, "")[:200] for letter in dead_letters(app)]
     assert handled == ["nul\x00id"], f"not handled; dead-lettered with {dead}"
     assert dead == []
@@ -976,9 +996,13 @@ async def test_a_reply_address_with_a_nul_character_is_parked_or_refused_at_the_
     async with app:
         storage = storage_of(app)
         route_raw(app, {Header.MESSAGE_ID: "m-1", Header.REPLY_TO: "gone\x00queue"})
-        await until(lambda: bool(handled), timeout=5, what="the handler ran")
-        await until(lambda: app.in_flight == 0, timeout=5, what="the delivery is settled")
-        await until(_none_waiting(storage.engine, storage.tables.outbox), timeout=5)
+        await eventually(lambda: bool(handled), "the handler ran", timeout=5)
+        await eventually(lambda: app.in_flight == 0, "the delivery is settled", timeout=5)
+        await eventually(
+            _none_waiting(storage.engine, storage.tables.outbox),
+            "no row is left unparked",
+            timeout=5,
+        )
         stored = list((await stored_rows(storage.engine, storage.tables.outbox)).values())
         dead = dead_letters(app)
     if dead:  # refused at the call, as a reply to an address no broker takes

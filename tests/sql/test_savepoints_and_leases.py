@@ -29,9 +29,8 @@ from tests.sql.support import (
     create_business_tables,
     outbox_empty,
     storage_of,
-    until,
 )
-from tests.support import DelegatingTransport
+from tests.support import DelegatingTransport, eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -125,7 +124,7 @@ async def test_savepoints_in_a_handler_commit_or_roll_back_and_the_message_commi
                 and len(sink.ids()) + len(sink.ids("error")) >= len(STYLES)
             )
 
-        await until(finished, timeout=10, what="every message handled or dead-lettered")
+        await eventually(finished, "every message handled or dead-lettered", timeout=10)
         async with storage.engine.connect() as connection:
             rows = (await connection.execute(select(ORDERS.c.order_id))).scalars().all()
         handled = await count(storage.engine, storage.tables.inbox)
@@ -186,12 +185,12 @@ async def test_rows_the_broker_keeps_refusing_do_not_hold_back_the_rows_behind_t
         async with app.transaction():
             for n in range(3):
                 await app.send(Ship(n))
-        await until(lambda: len(sink.ids()) == 3, timeout=3, what="the rows behind them leave")
+        await eventually(lambda: len(sink.ids()) == 3, "the rows behind them leave", timeout=3)
         # ... while the refused ones are still tried, not parked nor forgotten.
-        await until(
+        await eventually(
             lambda: len(transport.tries) == batch and min(transport.tries.values()) >= 2,
+            "each refused row is tried again",
             timeout=5,
-            what="each refused row is tried again",
         )
         assert await storage.pending() == batch
         assert storage.parked == 0
@@ -216,7 +215,7 @@ async def test_a_busy_app_is_healthy_again_soon_after_its_parked_rows_are_dealt_
         table = storage.tables.outbox
         async with app.transaction():
             await app.send(Lost(1))
-        await until(lambda: not app.healthy, timeout=5, what="the unroutable row is parked")
+        await eventually(lambda: not app.healthy, "the unroutable row is parked", timeout=5)
         async with storage.engine.connect() as connection:
             parked = (await connection.execute(select(table.c.id))).scalars().all()
         assert len(parked) == 1
@@ -234,7 +233,7 @@ async def test_a_busy_app_is_healthy_again_soon_after_its_parked_rows_are_dealt_
         else:
             await sink.transport.declare("nobody-declared-this")
             assert await mersal("outbox", "retry", "--all", "--database", database) == 0
-        await until(commit_a_row, timeout=4 * poll_interval, what="healthy while busy")
+        await eventually(commit_a_row, "healthy while busy", timeout=4 * poll_interval)
         assert storage.parked == 0
         if action == "retry":
-            await until(lambda: len(sink.ids("nobody-declared-this")) == 1, what="it leaves")
+            await eventually(lambda: len(sink.ids("nobody-declared-this")) == 1, "it leaves")

@@ -15,7 +15,8 @@ from mersal.cli import main
 from mersal_sqlalchemy import HEAD_REVISION, attach, make_engine, make_tables
 from mersal_sqlalchemy.cli import alembic_config, upgrade
 from tests.sql.conftest import sqlite_file
-from tests.sql.support import Probe, Ship, Sink, count, orders_app, storage_of, until
+from tests.sql.support import Probe, Ship, Sink, count, orders_app, storage_of
+from tests.support import eventually
 
 
 def describe_schema(connection: Connection) -> dict[str, Any]:
@@ -81,28 +82,29 @@ async def test_an_app_on_a_database_without_the_tables_names_the_command(
 
 
 @pytest.mark.integration
-async def test_an_app_on_tables_of_an_unknown_revision_fails_at_start(
-    postgres_url: str, memory_url: str
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        pytest.param(
+            "UPDATE mersal_outbox_alembic_version SET version_num = 'mersal_0000'",
+            "mersal db upgrade",
+            id="an unknown revision",
+        ),
+        pytest.param(
+            "ALTER TABLE mersal_outbox DROP COLUMN parked_reason",
+            r"parked_reason.*mersal db upgrade",
+            id="a missing column",
+        ),
+    ],
+)
+async def test_an_app_on_tables_that_do_not_match_its_schema_fails_at_start(
+    postgres_url: str, memory_url: str, damage: str, says: str
 ) -> None:
     engine = make_engine(postgres_url)
     async with engine.begin() as connection:
-        await connection.execute(
-            text("UPDATE mersal_outbox_alembic_version SET version_num = 'mersal_0000'")
-        )
+        await connection.execute(text(damage))
     await engine.dispose()
-    with pytest.raises(ConfigurationError, match="mersal db upgrade"):
-        await orders_app(postgres_url, memory_url, Probe()).start()
-
-
-@pytest.mark.integration
-async def test_an_app_on_tables_missing_a_column_fails_at_start(
-    postgres_url: str, memory_url: str
-) -> None:
-    engine = make_engine(postgres_url)
-    async with engine.begin() as connection:
-        await connection.execute(text("ALTER TABLE mersal_outbox DROP COLUMN parked_reason"))
-    await engine.dispose()
-    with pytest.raises(ConfigurationError, match=r"parked_reason.*mersal db upgrade"):
+    with pytest.raises(ConfigurationError, match=says):
         await orders_app(postgres_url, memory_url, Probe()).start()
 
 
@@ -206,7 +208,9 @@ async def test_tables_of_other_names_work_end_to_end(postgres_url: str, memory_u
         assert storage.tables.channel == "billing_outbox"
         async with app.transaction():
             sent = await app.send(Ship(1))
-        await until(lambda: sink.ids() == [sent])
+        await eventually(
+            lambda: sink.ids() == [sent], "the message leaves through the custom outbox table"
+        )
     unmigrated = orders_app(postgres_url, memory_url, Probe(), outbox_table="other_outbox")
     with pytest.raises(ConfigurationError, match="--outbox-table other_outbox"):
         await unmigrated.start()

@@ -28,8 +28,8 @@ from tests.sql.support import (
     create_business_tables,
     outbox_empty,
     storage_of,
-    until,
 )
+from tests.support import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,8 +105,11 @@ async def test_a_handler_may_not_end_the_messages_session(
     billing = billing_app(memory_url, probe)
     async with billing, orders:
         await orders.send(PlaceOrder("o-1"))
-        await until(lambda: len(sink.ids("error")) == 1, what="the message is dead-lettered")
-        await until(lambda: sink.queue_settled("orders") and orders.in_flight == 0)
+        await eventually(lambda: len(sink.ids("error")) == 1, "the message is dead-lettered")
+        await eventually(
+            lambda: sink.queue_settled("orders") and orders.in_flight == 0,
+            "the delivery is acked and settled",
+        )
         await assert_nothing_committed(orders)
     assert probe.calls == POLICY.max_attempts
     assert [type(error) for error in refused] == [MersalError] * POLICY.max_attempts
@@ -138,8 +141,11 @@ async def test_a_rollback_behind_mersals_back_fails_the_attempt_at_commit(
     billing = billing_app(memory_url, probe)
     async with billing, orders:
         await orders.send(PlaceOrder("o-1"))
-        await until(lambda: len(sink.ids("error")) == 1, what="the message is dead-lettered")
-        await until(lambda: sink.queue_settled("orders") and orders.in_flight == 0)
+        await eventually(lambda: len(sink.ids("error")) == 1, "the message is dead-lettered")
+        await eventually(
+            lambda: sink.queue_settled("orders") and orders.in_flight == 0,
+            "the delivery is acked and settled",
+        )
         await assert_nothing_committed(orders)
     assert probe.calls == POLICY.max_attempts
     assert probe.billed == []
@@ -175,9 +181,12 @@ async def test_a_transaction_block_on_the_messages_session_joins_the_message(
     async with billing, orders:
         storage = storage_of(orders)
         await orders.send(PlaceOrder("o-1"))
-        await until(lambda: len(probe.billed) == 2, what="both events of attempt 2 arrive")
-        await until(lambda: outbox_empty(storage), what="the relay sent every row")
-        await until(lambda: sink.queue_settled("orders") and orders.in_flight == 0)
+        await eventually(lambda: len(probe.billed) == 2, "both events of attempt 2 arrive")
+        await eventually(lambda: outbox_empty(storage), "the relay sent every row")
+        await eventually(
+            lambda: sink.queue_settled("orders") and orders.in_flight == 0,
+            "the delivery is acked and settled",
+        )
         assert await count(storage.engine, ORDERS) == 1
         assert await count(storage.engine, storage.tables.inbox) == 1
     assert probe.calls == 2
@@ -217,9 +226,12 @@ async def test_a_transaction_block_on_another_session_inside_a_handler_is_refuse
     async with billing, orders:
         storage = storage_of(orders)
         await orders.send(PlaceOrder("o-1"))
-        await until(lambda: probe.billed == ["o-1"], what="the handler's own event arrives")
-        await until(lambda: outbox_empty(storage), what="the relay sent every row")
-        await until(lambda: sink.queue_settled("orders") and orders.in_flight == 0)
+        await eventually(lambda: probe.billed == ["o-1"], "the handler's own event arrives")
+        await eventually(lambda: outbox_empty(storage), "the relay sent every row")
+        await eventually(
+            lambda: sink.queue_settled("orders") and orders.in_flight == 0,
+            "the delivery is acked and settled",
+        )
         assert await count(storage.engine, ORDERS) == 1
         assert await count(storage.engine, storage.tables.outbox) == 0
     assert probe.calls == 1

@@ -34,7 +34,7 @@ from bench.sqlite import (
 )
 from mersal import App, Header, RetryPolicy
 from mersal.transport.memory import MemoryQueue, MemoryTransport
-from tests.sql.support import until
+from tests.support import eventually
 
 MESSAGES = 400
 CONCURRENCY = 32
@@ -181,11 +181,11 @@ async def test_a_copy_of_a_handled_message_is_skipped_on_sqlite(
         home, errors = queues_of(app)
         headers = {Header.MESSAGE_ID: f"once-{uuid.uuid4().hex}"}
         await app.send(Job(1), headers=headers)
-        await until(lambda: gate.calls == 1 and home.idle, what="the first copy was handled")
-        await until(lambda: app.in_flight == 0, what="the first copy was committed")
+        await eventually(lambda: gate.calls == 1 and home.idle, "the first copy was handled")
+        await eventually(lambda: app.in_flight == 0, "the first copy was committed")
         await app.send(Job(1), headers=headers)
-        await until(lambda: duplicates_logged(caplog) != [], what="the copy is skipped")
-        await until(lambda: home.idle and app.in_flight == 0, what="the copy is acked")
+        await eventually(lambda: duplicates_logged(caplog) != [], "the copy is skipped")
+        await eventually(lambda: home.idle and app.in_flight == 0, "the copy is acked")
         dead = len(errors)
     finally:
         await app.stop()
@@ -208,8 +208,8 @@ async def test_two_copies_handled_at_once_on_sqlite_leave_one_row(
         headers = {Header.MESSAGE_ID: f"twice-{uuid.uuid4().hex}"}
         await app.send(Job(2), headers=headers)
         await app.send(Job(2), headers=headers)
-        await until(lambda: gate.calls == 2, what="both copies reach the handler")
-        await until(lambda: home.idle and app.in_flight == 0, what="both copies are acked")
+        await eventually(lambda: gate.calls == 2, "both copies reach the handler")
+        await eventually(lambda: home.idle and app.in_flight == 0, "both copies are acked")
         dead = len(errors)
     finally:
         await app.stop()

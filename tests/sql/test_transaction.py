@@ -20,8 +20,8 @@ from tests.sql.support import (
     create_business_tables,
     orders_app,
     storage_of,
-    until,
 )
+from tests.support import eventually
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ async def test_orm_rows_and_messages_commit_together(
         async with app.transaction(session):
             session.add(Order(order_id="o-1"))
             sent = await app.send(Ship(1))
-        await until(lambda: sink.ids() == [sent], what="the message leaves after the commit")
+        await eventually(lambda: sink.ids() == [sent], "the message leaves after the commit")
     assert await count(user_engine, ORDERS) == 1
 
 
@@ -62,7 +62,7 @@ async def test_core_statements_on_the_session_commit_with_the_messages(
         async with app.transaction(session):
             await session.execute(ORDERS.insert().values(order_id="o-1"))
             sent = [await app.send(Ship(n)) for n in range(2)]
-        await until(lambda: sink.ids() == sent)
+        await eventually(lambda: sink.ids() == sent, "both messages leave after the commit")
     assert await count(user_engine, ORDERS) == 1
 
 
@@ -96,7 +96,7 @@ async def test_a_transaction_the_caller_began_is_the_one_that_commits(
             async with app.transaction(session):
                 session.add(Order(order_id="o-2"))
                 sent = await app.send(Ship(1))
-        await until(lambda: sink.ids() == [sent])
+        await eventually(lambda: sink.ids() == [sent], "the message leaves after the commit")
     assert await count(user_engine, ORDERS) == 2
 
 
@@ -109,7 +109,7 @@ async def test_a_connection_works_like_a_session(
         async with app.transaction(connection):
             await connection.execute(ORDERS.insert().values(order_id="o-1"))
             sent = await app.send(Ship(1))
-        await until(lambda: sink.ids() == [sent])
+        await eventually(lambda: sink.ids() == [sent], "the message leaves after the commit")
         with pytest.raises(Boom):
             async with app.transaction(connection):
                 await connection.execute(ORDERS.insert().values(order_id="o-2"))
@@ -132,5 +132,5 @@ async def test_without_a_session_the_block_uses_one_of_the_apps_own(
             async with app.transaction():
                 await app.send(Ship(2))
                 raise Boom("no")
-        await until(lambda: sink.ids() == [sent])
+        await eventually(lambda: sink.ids() == [sent], "only the committed message leaves")
         assert await nothing_left(app)

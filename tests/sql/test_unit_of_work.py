@@ -27,8 +27,8 @@ from tests.sql.support import (
     orders_app,
     outbox_empty,
     storage_of,
-    until,
 )
+from tests.support import eventually
 
 
 async def test_a_handler_that_raises_leaves_nothing_and_sends_nothing(
@@ -41,7 +41,7 @@ async def test_a_handler_that_raises_leaves_nothing_and_sends_nothing(
     async with billing, orders:
         storage = storage_of(orders)
         await orders.send(PlaceOrder("o-1", fail=True))
-        await until(lambda: len(sink.ids("error")) == 1, what="the message is dead-lettered")
+        await eventually(lambda: len(sink.ids("error")) == 1, "the message is dead-lettered")
         assert probe.calls == 1
         engine = storage.engine
         assert await count(engine, ORDERS) == 0
@@ -63,9 +63,9 @@ async def test_a_handler_that_succeeds_commits_its_row_and_its_messages_leave(
         storage = storage_of(orders)
         for n in range(3):
             await orders.send(PlaceOrder(f"o-{n}"))
-        await until(lambda: len(probe.billed) == 3, what="billing got every OrderPlaced")
-        await until(lambda: outbox_empty(storage), what="the relay deleted the confirmed rows")
-        await until(lambda: orders.in_flight == 0)
+        await eventually(lambda: len(probe.billed) == 3, "billing got every OrderPlaced")
+        await eventually(lambda: outbox_empty(storage), "the relay deleted the confirmed rows")
+        await eventually(lambda: orders.in_flight == 0, "every delivery settled")
         assert sorted(probe.billed) == ["o-0", "o-1", "o-2"]
         assert await count(storage.engine, ORDERS) == 3
         assert await count(storage.engine, storage.tables.outbox) == 0
@@ -84,10 +84,10 @@ async def test_the_same_message_delivered_twice_is_handled_once(
         envelope = envelope_of(orders, PlaceOrder("o-1"), "the-same-id")
         caplog.set_level(logging.INFO, logger="mersal.sqlalchemy")
         await orders.transport.send([Outgoing("orders", envelope)])
-        await until(lambda: probe.billed == ["o-1"], what="the first copy was handled")
+        await eventually(lambda: probe.billed == ["o-1"], "the first copy was handled")
         await orders.transport.send([Outgoing("orders", envelope.copy())])
-        await until(lambda: "duplicate" in caplog.text, what="the second copy is skipped")
-        await until(lambda: sink.queue_settled("orders"), what="both copies are acked")
+        await eventually(lambda: "duplicate" in caplog.text, "the second copy is skipped")
+        await eventually(lambda: sink.queue_settled("orders"), "both copies are acked")
         assert storage.relay is not None
         assert await storage.relay.flush() == 0
         assert probe.calls == 1
@@ -109,7 +109,7 @@ async def test_a_copy_arriving_while_the_first_is_handled_waits_and_is_skipped(
         storage = storage_of(orders)
         envelope = envelope_of(orders, PlaceOrder("o-1"), "concurrent-id")
         await orders.transport.send([Outgoing("orders", envelope), Outgoing("orders", envelope)])
-        await until(probe.entered.is_set, what="the first copy is in its handler")
+        await eventually(probe.entered.is_set, "the first copy is in its handler")
 
         async def second_copy_waits_on_the_inbox_row() -> bool:
             query = text(
@@ -119,11 +119,11 @@ async def test_a_copy_arriving_while_the_first_is_handled_waits_and_is_skipped(
             async with storage.engine.connect() as connection:
                 return bool((await connection.execute(query)).scalar_one())
 
-        await until(second_copy_waits_on_the_inbox_row, what="the second copy waits")
+        await eventually(second_copy_waits_on_the_inbox_row, "the second copy waits")
         assert probe.gate is not None
         probe.gate.set()
-        await until(lambda: sink.queue_settled("orders"), what="both copies are acked")
-        await until(lambda: probe.billed == ["o-1"])
+        await eventually(lambda: sink.queue_settled("orders"), "both copies are acked")
+        await eventually(lambda: probe.billed == ["o-1"], "billing got the one OrderPlaced")
         assert probe.calls == 1
         assert await count(storage.engine, ORDERS) == 1
         assert await count(storage.engine, storage.tables.inbox) == 1
@@ -140,7 +140,7 @@ async def test_a_message_without_an_id_is_handled_without_the_inbox(
         envelope = envelope_of(orders, PlaceOrder("o-1"), "")
         del envelope.headers["message-id"]
         await orders.transport.send([Outgoing("orders", envelope)])
-        await until(lambda: probe.billed == ["o-1"])
+        await eventually(lambda: probe.billed == ["o-1"], "billing got the OrderPlaced")
         assert await count(storage.engine, ORDERS) == 1
         assert await count(storage.engine, storage.tables.inbox) == 0
 
@@ -159,7 +159,10 @@ async def test_each_attempt_gets_a_fresh_session(database: str, memory_url: str)
     async with orders:
         await orders.send(PlaceOrder("o-1"))
         await orders.send(PlaceOrder("o-2"))
-        await until(lambda: len(sessions) == 2 and orders.in_flight == 0)
+        await eventually(
+            lambda: len(sessions) == 2 and orders.in_flight == 0,
+            "both messages handled and settled",
+        )
     assert sessions[0] is not sessions[1]
 
 
@@ -187,7 +190,7 @@ async def test_a_handler_may_not_commit_the_messages_session(
     app.route(PlaceOrder, "orders")
     async with app:
         await app.send(PlaceOrder("o-1"))
-        await until(lambda: len(sink.ids("error")) == 1)
+        await eventually(lambda: len(sink.ids("error")) == 1, "the message is dead-lettered")
         assert await count(storage_of(app).engine, ORDERS) == 0
     dead = next(o for o in sink.seen if o.address == "error")
     assert "do not commit the message's session" in dead.envelope.headers["error-message"]
