@@ -1,12 +1,8 @@
 """The RabbitMQ transport for Mersal (aio-pika): `App(..., transport="amqp://...")`."""
 
 from mersal_rabbitmq import patches
-from mersal_rabbitmq.transport import (
-    ConsumerLost,
-    RabbitMQConsumer,
-    RabbitMQDelivery,
-    RabbitMQTransport,
-)
+from mersal_rabbitmq.consuming import ConsumerLost, RabbitMQConsumer, RabbitMQDelivery
+from mersal_rabbitmq.transport import RabbitMQTransport
 
 patches.apply()
 

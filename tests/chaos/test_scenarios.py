@@ -17,9 +17,10 @@ import aio_pika
 import pytest
 
 from mersal import Header
-from mersal_rabbitmq.transport import wait_milliseconds, wait_queue_name
+from mersal_rabbitmq.delays import wait_milliseconds, wait_queue_name
 from tests.chaos.ledger import Proc, Progress, Scenario
 from tests.chaos.worker import DOOM_TYPE, ERROR_QUEUE, WORK_QUEUE
+from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -279,21 +280,26 @@ class DepthSampler:
 
     async def run(self, timeout: float) -> None:
         """Sample until the whole burst is in the error queue and every intent was effected."""
+        await eventually(
+            self.sample,
+            "the whole burst in the error queue and every intent effected",
+            timeout=timeout,
+            interval=0.05,
+        )
+
+    async def sample(self) -> bool:
+        """Take one sample; whether the whole burst is dead and every intent effected."""
         s = self.scenario
-        async with asyncio.timeout(timeout):
-            while True:
-                before = await s.progress()
-                ready_work = await self.ready(WORK_QUEUE)
-                ready_wait = sum([await self.ready(queue) for queue in sorted(self.wait_queues)])
-                dead = await self.ready(ERROR_QUEUE)
-                after = await s.progress()
-                self.samples += 1
-                self.max_wait = max(self.max_wait, ready_wait)
-                work_at_most = after.committed - before.effected
-                self.max_doom = max(self.max_doom, ready_work + ready_wait - work_at_most)
-                if dead >= self.burst and after.effected == s.intents:
-                    return
-                await asyncio.sleep(0.05)
+        before = await s.progress()
+        ready_work = await self.ready(WORK_QUEUE)
+        ready_wait = sum([await self.ready(queue) for queue in sorted(self.wait_queues)])
+        dead = await self.ready(ERROR_QUEUE)
+        after = await s.progress()
+        self.samples += 1
+        self.max_wait = max(self.max_wait, ready_wait)
+        work_at_most = after.committed - before.effected
+        self.max_doom = max(self.max_doom, ready_work + ready_wait - work_at_most)
+        return dead >= self.burst and after.effected == s.intents
 
 
 async def read_error_queue(url: str) -> list[dict[str, str]]:

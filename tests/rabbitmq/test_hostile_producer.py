@@ -244,7 +244,7 @@ class Planned:
 
 
 def _text_of(value: Any) -> str | None:
-    """A header value as the app reads it (see mersal_rabbitmq.transport.header_text)."""
+    """A header value as the app reads it (see mersal_rabbitmq.wire.header_text)."""
     if isinstance(value, str):
         return value
     if isinstance(value, bytearray):

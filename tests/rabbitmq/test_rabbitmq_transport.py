@@ -26,7 +26,8 @@ from mersal import (
     Unsendable,
 )
 from mersal_rabbitmq import ConsumerLost, RabbitMQTransport
-from mersal_rabbitmq.transport import _Publisher, distinct_runs, wait_milliseconds, wait_queue_name
+from mersal_rabbitmq.delays import wait_milliseconds, wait_queue_name
+from mersal_rabbitmq.publishing import Publisher, distinct_runs
 
 pytestmark = pytest.mark.integration
 
@@ -369,8 +370,8 @@ async def test_a_consumer_whose_channel_closed_consumes_again_on_a_new_one(
     caplog.set_level(logging.INFO, logger="mersal.rabbitmq")
 
     # acking a delivery tag the channel never had makes RabbitMQ close that channel (406)
-    channel = first._message.channel
-    await channel.basic_ack(delivery_tag=first._message.delivery_tag + 1000)
+    channel = first.message.channel
+    await channel.basic_ack(delivery_tag=first.message.delivery_tag + 1000)
     await wait_until(lambda: f"consuming {queue!r} again" in caplog.text, what="resubscribed")
     with pytest.raises(Exception, match="RabbitMQ will deliver it again"):
         await first.ack()
@@ -390,7 +391,7 @@ async def test_an_unconfirmed_publish_is_outcome_unknown_and_can_be_sent_again(
         await asyncio.sleep(10)
         return True
 
-    monkeypatch.setattr(_Publisher, "publish", never_confirmed)
+    monkeypatch.setattr(Publisher, "publish", never_confirmed)
     started_at = time.monotonic()
     with pytest.raises(OutcomeUnknown, match=r"not confirmed within 0\.3s"):
         await transport.send([Outgoing(queue, envelope("m-17"))])

@@ -50,6 +50,8 @@ DECODE_PATH = (
     "mersal/transport/__init__.py",
     "mersal/transport/memory.py",
     "mersal_rabbitmq/transport.py",
+    "mersal_rabbitmq/consuming.py",
+    "mersal_rabbitmq/wire.py",
 )
 DYNAMIC_NAMES = frozenset({"importlib", "__import__", "pydoc", "runpy", "globals", "locals"})
 

@@ -1,0 +1,316 @@
+"""Confirmed publishing: a pool of channels, one message id in flight per channel, isolation.
+
+Publishing uses a small pool of plain channels with publisher confirms and `on_return_raises`
+(not `aio_pika.pool.Pool`, which keeps closed channels, aio-pika #670); a closed channel is
+replaced when next needed. One message id is never in flight twice on one channel (aio-pika
+#689): a batch is split into runs without a repeated id, and a channel whose publish timed out
+or was cancelled is retired. A message whose channel the broker closed under it (a refusal,
+perhaps of another message on that channel) is published again alone, on a channel of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+
+import aiormq
+from aio_pika.abc import AbstractChannel
+
+from mersal.errors import MersalError, OutcomeUnknown, Unroutable, Unsendable
+from mersal.messages import Envelope, describe
+from mersal.transport import Limits, Outgoing, mask, problem_of
+from mersal_rabbitmq.connection import CHANNEL_ERRORS, Connection, close_quietly
+from mersal_rabbitmq.delays import MAX_WAIT_MS, wait_milliseconds
+from mersal_rabbitmq.topology import EVENTS, Topology
+from mersal_rabbitmq.wire import amqp_properties
+
+log = logging.getLogger("mersal.rabbitmq")
+
+BROKER_REFUSALS = (
+    aiormq.exceptions.ChannelPreconditionFailed,
+    aiormq.exceptions.ChannelAccessRefused,
+    aiormq.exceptions.ChannelNotFoundEntity,
+)
+"""Channel closes with which RabbitMQ refuses what a publish carried (406, 403, 404)."""
+
+
+class Publisher:
+    """One pooled publishing channel and the message ids in flight on it."""
+
+    def __init__(self, channel: AbstractChannel, underlay: aiormq.abc.AbstractChannel) -> None:
+        self.channel = channel
+        self.underlay = underlay
+        self.in_flight: set[str] = set()
+        self.retired = False
+
+    @property
+    def usable(self) -> bool:
+        """Whether new publishes may use this channel."""
+        return not self.retired and not self.channel.is_closed
+
+    async def publish(self, exchange: str, routing_key: str, envelope: Envelope) -> bool:
+        """Publish and wait for the confirm; False if the broker returned it as unroutable."""
+        if self.channel.is_closed:
+            raise aiormq.exceptions.ChannelInvalidStateError(f"{self.channel!r} closed")
+        properties = amqp_properties(envelope)
+        try:
+            result = await self.underlay.basic_publish(
+                envelope.body,
+                exchange=exchange,
+                routing_key=routing_key,
+                properties=properties,
+                mandatory=exchange != EVENTS,
+            )
+        except aiormq.exceptions.PublishError:
+            return False
+        except aiormq.exceptions.DeliveryError as error:
+            raise MersalError(
+                f"RabbitMQ refused {describe(envelope.headers)} ({error}): "
+                "it may be short of memory or disk, or the queue is full; send it again later"
+            ) from None
+        return not isinstance(result, aiormq.abc.DeliveredMessage)
+
+
+class PublisherPool:
+    """A few confirming channels; a closed or retired one is replaced when next needed."""
+
+    def __init__(self, open_publisher: Callable[[], Awaitable[Publisher]], size: int) -> None:
+        self._open = open_publisher
+        self._slots: list[Publisher | None] = [None] * size
+        self._turn = itertools.count()
+        self._lock = asyncio.Lock()
+        self._released: asyncio.Future[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+
+    async def claim(self, ids: set[str]) -> Publisher:
+        """A channel with none of `ids` in flight, now marked as carrying them."""
+        for publisher in self._slots:  # the common case: an open channel is free for `ids`
+            if publisher is not None and publisher.usable and publisher.in_flight.isdisjoint(ids):
+                publisher.in_flight |= ids
+                return publisher
+        while True:
+            async with self._lock:
+                publisher = await self._find(ids)
+                if publisher is not None:
+                    publisher.in_flight |= ids
+                    return publisher
+                if self._released is None:
+                    self._released = asyncio.get_running_loop().create_future()
+                released = self._released
+            await released
+
+    def release(self, publisher: Publisher, ids: set[str]) -> None:
+        """The publishes of `ids` on `publisher` are over."""
+        publisher.in_flight -= ids
+        if publisher.retired and not publisher.in_flight:
+            task = asyncio.create_task(close_quietly(publisher.channel))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        released, self._released = self._released, None
+        if released is not None and not released.done():
+            released.set_result(None)
+
+    async def _find(self, ids: set[str]) -> Publisher | None:
+        size = len(self._slots)
+        start = next(self._turn)
+        for index in ((start + step) % size for step in range(size)):
+            publisher = self._slots[index]
+            if publisher is None or not publisher.usable:
+                publisher = self._slots[index] = await self._open()
+            if publisher.in_flight.isdisjoint(ids):
+                return publisher
+        return None
+
+
+class Publishing:
+    """Publishes with confirms on pooled channels and reports each message's own outcome."""
+
+    def __init__(
+        self,
+        connection: Connection,
+        topology: Topology,
+        *,
+        channels: int,
+        publish_timeout: float,
+        confirms: bool,
+    ) -> None:
+        self._connection = connection
+        self._topology = topology
+        self._publish_timeout = publish_timeout
+        self._confirms = confirms
+        self._pool = PublisherPool(self._open_publisher, channels)
+
+    async def send_each(
+        self, messages: Sequence[Outgoing], limits: Limits
+    ) -> list[Exception | None]:
+        """Publish what fits `limits`, in order; for each, None once confirmed, or why not.
+
+        A message the broker answered by closing the channel (it refused something in it) had
+        company on that channel: each such message is published again alone, on a channel of
+        its own, so that only the one the broker refuses is reported as refused.
+        """
+        results: list[Exception | None] = [None] * len(messages)
+        carried: list[int] = []
+        for index, outgoing in enumerate(messages):
+            problem = problem_of(outgoing, limits)
+            if problem is None:
+                carried.append(index)
+            else:
+                results[index] = Unsendable(f"cannot send it to {outgoing.address!r}: {problem}")
+        for run in distinct_runs([messages[index] for index in carried]):
+            indices, carried = carried[: len(run)], carried[len(run) :]
+            for index, result in zip(indices, await self._send_run(run), strict=True):
+                results[index] = result
+        if any(lost_channel(result) for result in results):
+            await self._isolate(messages, results)
+        return results
+
+    async def _isolate(self, messages: Sequence[Outgoing], results: list[Exception | None]) -> None:
+        """Send again, one by one and each on a channel of its own, what lost its channel.
+
+        A refusal closes the channel others were publishing on (and with it perhaps the whole
+        connection); alone, the message the broker refuses is known, and the others go. All of
+        it within one publish timeout: in an outage, what is left stays "outcome unknown".
+        """
+        deadline = asyncio.get_running_loop().time() + self._publish_timeout
+        for index, result in enumerate(results):
+            if result is not None and not isinstance(result, Unsendable):
+                results[index] = await self._send_alone(messages[index], deadline)
+
+    async def _send_run(self, run: Sequence[Outgoing]) -> list[Exception | None]:
+        """Publish messages with distinct ids on one channel; each one's result."""
+        ids = {o.envelope.message_id for o in run if o.envelope.message_id}
+        deadline = asyncio.get_running_loop().time() + self._publish_timeout
+        try:
+            async with asyncio.timeout_at(deadline):
+                publisher = await self._claim(ids)
+        except TimeoutError:
+            unknown = OutcomeUnknown(
+                f"no channel to publish on within {self._publish_timeout:g}s: "
+                f"is RabbitMQ at {mask(self._connection.address)} reachable? Send again"
+            )
+            return [unknown] * len(run)
+        try:
+            results = await asyncio.gather(
+                *(self._publish(publisher, outgoing, deadline) for outgoing in run),
+                return_exceptions=True,
+            )
+        except asyncio.CancelledError:
+            publisher.retired = True  # confirms may still arrive for what was written
+            raise
+        finally:
+            self._pool.release(publisher, ids)
+        return [_result(result) for result in results]
+
+    async def _send_alone(self, outgoing: Outgoing, deadline: float) -> Exception | None:
+        """Publish one message on a channel of its own: the broker's refusal is then its own."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                publisher = await self._open_publisher()
+        except (TimeoutError, RuntimeError, *CHANNEL_ERRORS) as error:  # aiormq: "closed"
+            return OutcomeUnknown(f"no channel to publish on ({type(error).__name__}): send again")
+        try:
+            await self._publish(publisher, outgoing, deadline)
+        except OutcomeUnknown as error:
+            if refused_by_broker(error):
+                return Unsendable(
+                    f"RabbitMQ refused {describe(outgoing.envelope.headers)} to "
+                    f"{outgoing.address!r} and closed the channel: {error.__cause__}"
+                )
+            return error
+        except MersalError as error:
+            return error
+        finally:
+            await close_quietly(publisher.channel)
+        return None
+
+    async def _open_publisher(self) -> Publisher:
+        channel = await self._connection.channel(confirms=self._confirms)
+        return Publisher(channel, await channel.get_underlay_channel())
+
+    async def _claim(self, ids: set[str]) -> Publisher:
+        """A publishing channel for `ids`, trying again while the connection comes back."""
+        while True:
+            try:
+                return await self._pool.claim(ids)
+            except CHANNEL_ERRORS as error:
+                log.debug("no publishing channel yet (%s: %s)", type(error).__name__, error)
+                await asyncio.sleep(0.1)
+
+    async def _publish(self, publisher: Publisher, outgoing: Outgoing, deadline: float) -> None:
+        what = f"{describe(outgoing.envelope.headers)} to {outgoing.address!r}"
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._deliver(publisher, outgoing)
+        except TimeoutError:
+            publisher.retired = True  # its confirm (or return) may still come on this channel
+            raise OutcomeUnknown(
+                f"{what} was not confirmed within {self._publish_timeout:g}s; send it again "
+                "(the receiver's inbox drops duplicates)"
+            ) from None
+        except CHANNEL_ERRORS as error:
+            raise OutcomeUnknown(
+                f"{what} lost its channel before a confirm ({type(error).__name__}: {error}); "
+                "send it again"
+            ) from error
+
+    async def _deliver(self, publisher: Publisher, outgoing: Outgoing) -> None:
+        exchange, routing_key, waiting = await self._destination(outgoing)
+        if await publisher.publish(exchange, routing_key, outgoing.envelope):
+            return
+        if waiting:  # the wait queue was deleted since it was declared: declare it again, once
+            self._topology.forget(routing_key)
+            exchange, routing_key, _ = await self._destination(outgoing)
+            if await publisher.publish(exchange, routing_key, outgoing.envelope):
+                return
+        raise Unroutable(
+            f"no queue named {outgoing.address!r}: start the app that owns it, or check the route"
+        )
+
+    async def _destination(self, outgoing: Outgoing) -> tuple[str, str, bool]:
+        """The exchange and routing key to publish to, and whether that is a wait queue."""
+        exchange = EVENTS if outgoing.publish else ""
+        delay = outgoing.delay
+        if delay <= 0:
+            return exchange, outgoing.address, False
+        milliseconds = wait_milliseconds(delay)
+        if milliseconds > MAX_WAIT_MS:
+            raise Unsendable(
+                f"a delay of {delay:.0f}s is over the {MAX_WAIT_MS // 1000}s RabbitMQ can wait"
+            )
+        queue = await self._topology.wait_queue(exchange, outgoing.address, milliseconds)
+        return "", queue, True
+
+
+def distinct_runs(messages: Sequence[Outgoing]) -> Iterator[list[Outgoing]]:
+    """Consecutive runs of messages in which no message id repeats (aio-pika #689)."""
+    run: list[Outgoing] = []
+    seen: set[str] = set()
+    for outgoing in messages:
+        message_id = outgoing.envelope.message_id
+        if message_id and message_id in seen:
+            yield run
+            run, seen = [], set()
+        run.append(outgoing)
+        if message_id:
+            seen.add(message_id)
+    if run:
+        yield run
+
+
+def refused_by_broker(result: BaseException | None) -> bool:
+    """Whether a publish failed because the broker closed its channel in answer to a refusal."""
+    return isinstance(result, OutcomeUnknown) and isinstance(result.__cause__, BROKER_REFUSALS)
+
+
+def lost_channel(result: BaseException | None) -> bool:
+    """Whether a publish failed because its channel closed under it (perhaps at another refusal)."""
+    return isinstance(result, OutcomeUnknown) and isinstance(result.__cause__, CHANNEL_ERRORS)
+
+
+def _result(result: BaseException | None) -> Exception | None:
+    if result is None or isinstance(result, Exception):
+        return result
+    raise result  # a BaseException that is not an Exception: let it through

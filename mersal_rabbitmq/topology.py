@@ -1,0 +1,212 @@
+"""The broker-side topology: the events exchange, queues and their shapes, bindings, wait queues.
+
+A send goes through the default exchange (routing key = queue name) with `mandatory`, so a send
+to a missing queue raises `Unroutable`. A publish goes to one durable topic exchange,
+`mersal.events`, with the message type name as routing key, not mandatory (an event nobody
+subscribes to is fine); `bind(queue, topic)` binds with that exact name. Type names contain
+dots, which separate words in topic routing, but a binding key without wildcards still only
+matches itself. Queues are durable with `x-queue-type` = `queue_type`; a temporary queue is an
+exclusive, auto-delete, non-durable classic queue that goes away with the connection.
+
+Everything is declared on one channel, replaced when an error closed it (RabbitMQ closes it on
+a 406), and remembered: the topology registers with the connection and declares it all again
+after every reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aio_pika
+import aiormq
+from aio_pika.abc import AbstractChannel
+
+from mersal.errors import ConfigurationError, Unroutable
+from mersal_rabbitmq.connection import Connection
+from mersal_rabbitmq.delays import wait_queue_name
+
+log = logging.getLogger("mersal.rabbitmq")
+
+EVENTS = "mersal.events"
+"""The durable topic exchange every publish goes through."""
+QUEUE_TYPES = ("classic", "quorum")
+"""The values `x-queue-type` may take here."""
+
+
+@dataclass(frozen=True)
+class QueueShape:
+    """How a queue is declared."""
+
+    durable: bool = True
+    exclusive: bool = False
+    auto_delete: bool = False
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+
+
+def durable_shape(queue_type: str) -> QueueShape:
+    """An ordinary queue: durable, of the configured type."""
+    return QueueShape(arguments={"x-queue-type": queue_type})
+
+
+def temporary_shape() -> QueueShape:
+    """A queue that goes away with the connection."""
+    return QueueShape(durable=False, exclusive=True, auto_delete=True)
+
+
+def wait_shape(queue_type: str, exchange: str, routing_key: str, milliseconds: int) -> QueueShape:
+    """A wait queue: holds each message `milliseconds`, then dead-letters it to its destination."""
+    arguments: dict[str, Any] = {
+        "x-queue-type": queue_type,
+        "x-message-ttl": milliseconds,
+        "x-dead-letter-exchange": exchange,
+        "x-dead-letter-routing-key": routing_key,
+    }
+    if queue_type == "quorum":
+        arguments["x-dead-letter-strategy"] = "at-least-once"
+        arguments["x-overflow"] = "reject-publish"  # at-least-once dead-lettering requires it
+    return QueueShape(arguments=arguments)
+
+
+class Topology:
+    """What this transport declared: declared on one channel, and again after a reconnect."""
+
+    def __init__(self, connection: Connection, queue_type: str) -> None:
+        self._connection = connection
+        self._queue_type = queue_type
+        self._channel: AbstractChannel | None = None
+        self._lock = asyncio.Lock()
+        self.queues: dict[str, QueueShape] = {}
+        self.bindings: dict[str, set[str]] = {}
+
+    async def start(self) -> None:
+        """Declare the topic exchange; from now on, everything again after each reconnect."""
+        self._connection.register("declaring the topology", self.restore)
+        await self.declare_exchange()
+
+    async def declare_exchange(self) -> None:
+        """Declare the durable topic exchange that publishes go through."""
+        async with self._lock:
+            channel = await self._ready_channel()
+            try:
+                await channel.declare_exchange(EVENTS, aio_pika.ExchangeType.TOPIC, durable=True)
+            except aiormq.exceptions.ChannelPreconditionFailed as error:
+                raise ConfigurationError(
+                    f"exchange {EVENTS!r} exists with other settings ({_reply(error)}): "
+                    "delete it so that it is declared again as a durable topic exchange"
+                ) from None
+
+    async def declare(self, name: str, shape: QueueShape) -> None:
+        """Declare a queue and remember it."""
+        async with self._lock:
+            await self._declare(name, shape)
+        self.queues[name] = shape
+
+    async def bind(self, queue: str, topic: str) -> None:
+        """Bind a queue to the topic exchange and remember it."""
+        async with self._lock:
+            await self._bind(queue, topic)
+        self.bindings.setdefault(queue, set()).add(topic)
+
+    async def wait_queue(self, exchange: str, routing_key: str, milliseconds: int) -> str:
+        """The wait queue for a destination and delay, declared on first use."""
+        name = wait_queue_name(exchange, routing_key, milliseconds)
+        if name in self.queues:
+            return name
+        async with self._lock:
+            if name in self.queues:
+                return name
+            if not exchange and not await self._exists(routing_key):
+                raise Unroutable(
+                    f"no queue named {routing_key!r}: start the app that owns it, "
+                    "or check the route"
+                )
+            shape = wait_shape(self._queue_type, exchange, routing_key, milliseconds)
+            await self._declare(name, shape)
+            self.queues[name] = shape
+        return name
+
+    def forget(self, name: str) -> None:
+        """Declare `name` again on next use."""
+        self.queues.pop(name, None)
+
+    async def restore_queue(self, name: str) -> None:
+        """Declare a remembered queue and its bindings again; nothing for others."""
+        shape = self.queues.get(name)
+        if shape is None:
+            return
+        async with self._lock:
+            await self._declare(name, shape)
+            for topic in sorted(self.bindings.get(name, ())):
+                await self._bind(name, topic)
+
+    async def restore(self) -> None:
+        """Declare everything remembered again (after a reconnect); log what fails."""
+        await _logging_failure(EVENTS, self.declare_exchange())
+        for name in list(self.queues):
+            await _logging_failure(name, self.restore_queue(name))
+
+    async def _ready_channel(self) -> AbstractChannel:
+        channel = self._channel
+        if channel is None or channel.is_closed:
+            channel = self._channel = await self._connection.channel()
+        return channel
+
+    async def _declare(self, name: str, shape: QueueShape) -> None:
+        channel = await self._ready_channel()
+        try:
+            await channel.declare_queue(
+                name,
+                durable=shape.durable,
+                exclusive=shape.exclusive,
+                auto_delete=shape.auto_delete,
+                arguments=dict(shape.arguments),
+            )
+        except aiormq.exceptions.ChannelPreconditionFailed as error:
+            raise ConfigurationError(
+                f"queue {name!r} already exists with other arguments ({_reply(error)}); this "
+                f"app declares it durable={shape.durable} with {dict(shape.arguments)}: delete "
+                "the queue (after moving its messages) or configure the transport to match"
+            ) from None
+        except aiormq.exceptions.ChannelLockedResource:
+            raise ConfigurationError(
+                f"queue {name!r} is exclusive to another connection: choose another name"
+            ) from None
+        except aiormq.exceptions.ChannelAccessRefused as error:
+            raise ConfigurationError(f"may not declare queue {name!r}: {_reply(error)}") from None
+
+    async def _bind(self, queue: str, topic: str) -> None:
+        channel = await self._ready_channel()
+        amqp_queue = await channel.get_queue(queue, ensure=False)
+        try:
+            await amqp_queue.bind(EVENTS, topic)
+        except aiormq.exceptions.ChannelNotFoundEntity as error:
+            raise Unroutable(
+                f"cannot bind queue {queue!r} to {topic!r} ({_reply(error)}): declare it first"
+            ) from None
+
+    async def _exists(self, queue: str) -> bool:
+        channel = await self._ready_channel()
+        try:
+            await channel.declare_queue(queue, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return False
+        except aiormq.exceptions.ChannelLockedResource:
+            return True  # an exclusive queue of another connection: it exists
+        return True
+
+
+def _reply(error: BaseException) -> str:
+    """The broker's reply text without its code prefix."""
+    text = str(error)
+    return text.partition(" - ")[2] or text
+
+
+async def _logging_failure(name: str, declaration: Awaitable[None]) -> None:
+    try:
+        await declaration
+    except Exception as error:  # a consumer of the queue declares it again itself
+        log.warning("declaring %r again failed: %s: %s", name, type(error).__name__, error)
