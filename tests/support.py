@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import os
 import shutil
 import subprocess
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, overload
 
@@ -74,6 +76,32 @@ def rabbitmqctl(*args: str) -> str:
     if result.returncode:
         raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {result.stderr or result.stdout}")
     return result.stdout
+
+
+def rabbitmqctl_rows(*args: str) -> list[dict[str, Any]]:
+    """Run `rabbitmqctl -q ARGS --formatter json` (a `list_*` command) and return its rows."""
+    rows: list[dict[str, Any]] = json.loads(rabbitmqctl(*args, "--formatter", "json") or "[]")
+    return rows
+
+
+def broker_channels(connection_name: str) -> int:
+    """How many channels RabbitMQ counts on the connection named `connection_name`.
+
+    The name is the one a client gives its connection (`?name=` in an aio-pika URL); exactly
+    one open connection must carry it.
+    """
+    rows = rabbitmqctl_rows("list_connections", "channels", "client_properties")
+    named = ["connection_name", "longstr", connection_name]
+    counts = [row["channels"] for row in rows if named in row["client_properties"]]
+    if len(counts) != 1:
+        raise AssertionError(f"{len(counts)} connections named {connection_name!r}, not one")
+    return int(counts[0])
+
+
+def broker_consumers(vhost: str) -> Counter[str]:
+    """How many consumers RabbitMQ counts on each queue of `vhost` that has any."""
+    rows = rabbitmqctl_rows("list_consumers", "-p", vhost, "queue_name")
+    return Counter(row["queue_name"] for row in rows)
 
 
 class DelegatingTransport:

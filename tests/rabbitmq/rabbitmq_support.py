@@ -1,18 +1,16 @@
-"""Helpers for the RabbitMQ tests: rabbitmqctl, a raw broker connection, polling."""
+"""Helpers for the RabbitMQ tests: rabbitmqctl, and a raw connection to the broker."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 
-from tests.support import rabbitmqctl
+from tests.support import eventually, rabbitmqctl
 
-__all__ = ["Broker", "rabbitmqctl", "wait_until"]
+__all__ = ["Broker", "rabbitmqctl"]
 
 
 class Broker:
@@ -44,14 +42,14 @@ class Broker:
     async def get(self, queue: str, timeout: float = 5.0) -> AbstractIncomingMessage:
         """The next message in `queue` (acked), waiting up to `timeout` seconds."""
         amqp_queue = await self.channel.get_queue(queue, ensure=False)
-        deadline = time.monotonic() + timeout
-        while True:
-            message = await amqp_queue.get(no_ack=True, fail=False)
-            if message is not None:
-                return message
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing arrived in {queue!r} within {timeout}s")
-            await asyncio.sleep(0.02)
+        message = await eventually(
+            lambda: amqp_queue.get(no_ack=True, fail=False),
+            f"a message in {queue!r}",
+            timeout=timeout,
+            interval=0.02,
+        )
+        assert message is not None
+        return message
 
     async def count(self, queue: str) -> int:
         """How many messages are ready in `queue`."""
@@ -75,19 +73,3 @@ class Broker:
         """Delete queues (missing ones are fine)."""
         for name in names:
             await self.channel.queue_delete(name)
-
-
-async def wait_until(
-    condition: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = ""
-) -> None:
-    """Poll `condition` until it holds; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
-        await asyncio.sleep(0.02)

@@ -40,6 +40,7 @@ from tests.fuzz.corpus import order_json, surely_not_an_order
 from tests.fuzz.rig import DECODE_ERROR, FUZZ, JSON, ORDER, Order
 from tests.fuzz.strategies import attempts, garbage_bodies, over_cap, valid_orders, wrong_fields
 from tests.sql.conftest import postgres_database
+from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -50,8 +51,6 @@ SHORT_STRING = 255
 TEMPORARY_REPLY_TO = "temporary-reply-to"
 """The header that marks a reply address as a requester's temporary queue (on the wire)."""
 SETTLE = 15.0
-QUIET = 0.3
-"""Seconds to keep watching once an example settled: a copy sent twice would arrive meanwhile."""
 
 EXPLORE = os.environ.get("MERSAL_FUZZ") == "explore"
 HOSTILE = settings(FUZZ, max_examples=150 if EXPLORE else 15)
@@ -351,6 +350,30 @@ GOOD = Shape(
 )
 """A well-formed Order without a reply address: every batch ends with one."""
 
+AFTER = [
+    dataclasses.replace(GOOD, reply="existing"),
+    dataclasses.replace(GOOD, type_=("property", "hostile.Nobody.v1")),
+]
+"""Sent once a batch settled, through every queue the rig watches (downstream, replies, the
+error queue): a copy of the batch's sent twice would arrive there before these."""
+
+
+@dataclass(frozen=True)
+class Unsettled:
+    """What keeps a batch from being settled: false, so that `eventually` keeps waiting."""
+
+    outbox_waiting: int
+    parked: int
+    expected_parked: int
+    dropped: int
+    expected_dropped: int
+    in_flight: int
+    unaccounted_for: int
+    first_unaccounted_for: str
+
+    def __bool__(self) -> bool:
+        return False
+
 
 # The rig: one app for every example of a test, on its own event loop.
 
@@ -479,63 +502,77 @@ class Rig:
             await self.channel.default_exchange.publish(one.message, self.name)
         try:
             await self._settle(planned, dropped_before)
-            await asyncio.sleep(QUIET)  # watch: a copy sent twice would arrive now
+            await self._move_on()
             await self._assert_outcomes(planned, dropped_before)
         finally:
             self.earlier |= ours
         await self._purge_parked()
 
+    async def _move_on(self) -> None:
+        """Send AFTER and wait until it settled: what the batch sent twice is in by then."""
+        relay = self.storage.relay
+        assert relay is not None
+        dropped_before = relay.dropped
+        after = [plan(one, uuid.uuid4().hex, self.prefix, self.replies) for one in AFTER]
+        self.earlier |= {one.message_id for one in after}
+        for one in after:
+            await self.channel.default_exchange.publish(one.message, self.name)
+        await self._settle(after, dropped_before)
+
     async def _settle(self, planned: list[Planned], dropped_before: int) -> None:
         """Wait until every delivery came to its end and the outbox has nothing left to send."""
+        await eventually(
+            lambda: self._settled(planned, dropped_before),
+            "every delivery handled or dead-lettered and the outbox sent, parked or dropped",
+            timeout=SETTLE,
+            interval=0.02,
+        )
+
+    async def _settled(self, planned: list[Planned], dropped_before: int) -> bool | Unsettled:
+        """True once settled; else what is left. A handled one dead-lettered fails at once."""
         downstream, replies, errors = (
             self.recorders[q] for q in (self.downstream, self.replies, self.error_queue)
         )
         relay = self.storage.relay
         assert relay is not None
-        addresses = {one.reply_to for one in planned}
+        instead = self._refused_instead(planned)
+        expected_parked, expected_dropped = _replies_kept(planned, instead)
         missing: list[str] = []
-        expected_parked = expected_dropped = 0
-        try:
-            async with asyncio.timeout(SETTLE):
-                while True:
-                    missing = []
-                    instead = self._refused_instead(planned)
-                    expected_parked, expected_dropped = _replies_kept(planned, instead)
-                    for one in planned:
-                        if one.message_id in instead:
-                            continue
-                        if one.fate == HANDLED:
-                            if one.message_id in errors.ids:
-                                letter = errors.by_id[one.message_id][0]
-                                raise AssertionError(
-                                    f"dead-lettered, not handled: {_reason(letter)}: {one!r:.600}"
-                                )
-                            done = downstream.sources[one.message_id] and (
-                                one.reply != "delivered" or replies.sources[one.message_id]
-                            )
-                        else:
-                            done = bool(errors.ids[one.message_id])
-                        if not done:
-                            missing.append(f"{one.fate}: {one!r:.300}")
-                    waiting = await self.storage.pending()
-                    parked = sum(address in addresses for address, _ in await self._parked())
-                    if (
-                        not missing
-                        and not waiting
-                        and parked == expected_parked
-                        and relay.dropped - dropped_before == expected_dropped
-                        and not self.app.in_flight
-                    ):
-                        return
-                    await asyncio.sleep(0.02)
-        except TimeoutError:
-            raise AssertionError(
-                f"not settled within {SETTLE}s: {len(missing)} deliveries unaccounted for "
-                f"({missing[:3]}), {await self.storage.pending()} outbox rows waiting, "
-                f"{len(await self._parked())} parked (expected {expected_parked}), "
-                f"{relay.dropped - dropped_before} dropped (expected {expected_dropped}), "
-                f"{self.app.in_flight} in flight"
-            ) from None
+        for one in planned:
+            if one.message_id in instead:
+                continue
+            if one.fate == HANDLED:
+                if one.message_id in errors.ids:
+                    letter = errors.by_id[one.message_id][0]
+                    raise AssertionError(
+                        f"dead-lettered, not handled: {_reason(letter)}: {one!r:.600}"
+                    )
+                done = downstream.sources[one.message_id] and (
+                    one.reply != "delivered" or replies.sources[one.message_id]
+                )
+            else:
+                done = bool(errors.ids[one.message_id])
+            if not done:
+                missing.append(f"{one.fate}: {one!r:.300}")
+        addresses = {one.reply_to for one in planned}
+        left = Unsettled(
+            outbox_waiting=await self.storage.pending(),
+            parked=sum(address in addresses for address, _ in await self._parked()),
+            expected_parked=expected_parked,
+            dropped=relay.dropped - dropped_before,
+            expected_dropped=expected_dropped,
+            in_flight=self.app.in_flight,
+            unaccounted_for=len(missing),
+            first_unaccounted_for=missing[0] if missing else "",
+        )
+        settled = (
+            not missing
+            and not left.outbox_waiting
+            and left.parked == expected_parked
+            and left.dropped == expected_dropped
+            and not left.in_flight
+        )
+        return settled or left
 
     async def _assert_outcomes(self, planned: list[Planned], dropped_before: int) -> None:
         downstream, replies, errors = (

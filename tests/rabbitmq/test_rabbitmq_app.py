@@ -8,10 +8,11 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from rabbitmq_support import Broker, rabbitmqctl, wait_until
+from rabbitmq_support import Broker, rabbitmqctl
 
 from mersal import App, Header, MessageContext, OutcomeUnknown, RetryPolicy, message
 from mersal_rabbitmq import RabbitMQTransport
+from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +82,7 @@ async def test_a_command_is_handled_and_its_event_reaches_the_subscriber(
 
     async with billing, orders:
         sent_id = await orders.send(PlaceOrder("o-1"))
-        await wait_until(lambda: len(billed) == 1, what="the event at billing")
+        await eventually(lambda: len(billed) == 1, "the event at billing", timeout=10)
 
     assert [seen.message for seen in handled] == [PlaceOrder("o-1")]
     assert [seen.message for seen in billed] == [OrderPlaced("o-1")]
@@ -175,7 +176,7 @@ async def test_nothing_is_lost_when_the_broker_closes_every_connection(
                 await asyncio.sleep(0.01)  # keep sending while the connections close
         assert closing is not None
         await closing
-        await wait_until(lambda: len(handled) == 200, timeout=30, what="all 200 handled")
+        await eventually(lambda: len(handled) == 200, "all 200 handled", timeout=30)
 
     assert handled == {f"o-{n}" for n in range(200)}
     assert sent_after_close >= 20, "the connections closed too late to test anything"

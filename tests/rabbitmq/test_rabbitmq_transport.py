@@ -13,7 +13,7 @@ from decimal import Decimal
 import aio_pika
 import aiormq
 import pytest
-from rabbitmq_support import Broker, rabbitmqctl, wait_until
+from rabbitmq_support import Broker, rabbitmqctl
 
 from mersal import (
     ConfigurationError,
@@ -28,6 +28,7 @@ from mersal import (
 from mersal_rabbitmq import ConsumerLost, RabbitMQTransport
 from mersal_rabbitmq.delays import wait_milliseconds, wait_queue_name
 from mersal_rabbitmq.publishing import Publisher, distinct_runs
+from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -295,14 +296,22 @@ async def test_closing_a_consumer_returns_buffered_deliveries_and_keeps_handed_o
     await transport.send([Outgoing(queue, envelope(f"m-{n}")) for n in range(3)])
     consumer = await transport.consume(queue, prefetch=5)
     held = await asyncio.wait_for(consumer.get(), 5)
-    await asyncio.sleep(0.2)  # the other two arrive in the consumer's buffer
+    await eventually(
+        lambda: broker_count_is(broker, queue, 0), "the other two delivered to the consumer"
+    )
 
     await consumer.close()
-    await wait_until(lambda: broker_count_is(broker, queue, 2), what="two returned")
-    await held.ack()  # still owed after close, and its channel is still open
-    await wait_until(lambda: broker_count_is(broker, queue, 2), what="still two")
+    await eventually(lambda: broker_count_is(broker, queue, 2), "the two buffered returned")
     with pytest.raises(Exception, match="closed"):
         await consumer.get()
+    await held.ack()  # still owed after close, and its channel is still open
+    # Unsettled, it would come back when its channel closes: after a stop, the queue holds the
+    # two returned and a message sent after them, and nothing else.
+    await transport.stop()
+    await broker.publish(aio_pika.Message(b"{}", message_id="m-after"), queue)
+    after_stop = [(await broker.get(queue)).message_id for _ in range(3)]
+    assert (sorted(after_stop[:2]), after_stop[2]) == (["m-1", "m-2"], "m-after")
+    assert await broker.count(queue) == 0
 
 
 async def broker_count_is(broker: Broker, queue: str, expected: int) -> bool:
@@ -321,7 +330,9 @@ async def test_a_consumer_whose_queue_was_deleted_declares_it_again_and_goes_on(
 
     caplog.set_level(logging.INFO, logger="mersal.rabbitmq")
     await broker.delete([queue])
-    await wait_until(lambda: f"consuming {queue!r} again" in caplog.text, what="resubscribed")
+    await eventually(
+        lambda: f"consuming {queue!r} again" in caplog.text, "resubscribed", timeout=10
+    )
     assert any(
         r.levelno == logging.WARNING and "cancelled the consumer" in r.getMessage()
         for r in caplog.records
@@ -372,7 +383,9 @@ async def test_a_consumer_whose_channel_closed_consumes_again_on_a_new_one(
     # acking a delivery tag the channel never had makes RabbitMQ close that channel (406)
     channel = first.message.channel
     await channel.basic_ack(delivery_tag=first.message.delivery_tag + 1000)
-    await wait_until(lambda: f"consuming {queue!r} again" in caplog.text, what="resubscribed")
+    await eventually(
+        lambda: f"consuming {queue!r} again" in caplog.text, "resubscribed", timeout=10
+    )
     with pytest.raises(Exception, match="RabbitMQ will deliver it again"):
         await first.ack()
     again = await asyncio.wait_for(consumer.get(), 5)
@@ -411,13 +424,19 @@ async def test_temporary_queues_and_their_consumers_come_back_after_a_reconnect(
     consumer = await transport.consume(temporary, prefetch=1)
 
     await asyncio.to_thread(rabbitmqctl, "close_all_connections", "-p", vhost, "test")
-    await wait_until(lambda: transport.connected, what="reconnected")
-    for _ in range(100):  # the consumer declares its queue again after the reconnect
+    await eventually(lambda: transport.connected, "reconnected", timeout=10)
+
+    async def sent() -> bool:
         try:
             await transport.send([Outgoing(temporary, envelope("m-18"))])
-            break
         except (Unroutable, OutcomeUnknown):
-            await asyncio.sleep(0.1)
+            return False
+        return True
+
+    # the consumer declares its queue again after the reconnect
+    await eventually(
+        sent, "a send to the temporary queue, declared again", timeout=10, interval=0.1
+    )
     delivery = await asyncio.wait_for(consumer.get(), 10)
     assert delivery.envelope.message_id == "m-18"
     await delivery.ack()
@@ -430,13 +449,16 @@ async def test_prefetch_bounds_the_unacknowledged_deliveries_and_stop_returns_th
     transport = await started(make_transport, queue)
     await transport.send([Outgoing(queue, envelope(f"m-{n}")) for n in range(5)])
     consumer = await transport.consume(queue, prefetch=2)
-    held = [await asyncio.wait_for(consumer.get(), 5) for _ in range(2)]
+    taken = [await asyncio.wait_for(consumer.get(), 5) for _ in range(2)]
 
-    await asyncio.sleep(0.2)
-    assert await broker.count(queue) == 3  # the other three wait for room
+    await taken[0].ack()  # room for one more
+    taken.append(await asyncio.wait_for(consumer.get(), 5))  # the broker filled it ...
+    assert await broker.count(queue) == 2  # ... and no more: the other two wait for room
     await transport.stop()  # unacknowledged deliveries go back to the queue
-    await wait_until(lambda: broker_count_is(broker, queue, 5), what="all five back")
-    assert {delivery.envelope.message_id for delivery in held} == {"m-0", "m-1"}
+    await eventually(
+        lambda: broker_count_is(broker, queue, 4), "the two unacknowledged back", timeout=10
+    )
+    assert [delivery.envelope.message_id for delivery in taken] == ["m-0", "m-1", "m-2"]
 
 
 async def test_a_publish_the_broker_nacks_raises_a_mersal_error(

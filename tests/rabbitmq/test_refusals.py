@@ -24,7 +24,7 @@ import pamqp.encode
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 from pamqp import common
-from rabbitmq_support import Broker, rabbitmqctl, wait_until
+from rabbitmq_support import Broker, rabbitmqctl
 
 from mersal import App, Envelope, Header, MessageContext, RetryPolicy, Unsendable, message
 from mersal.pipeline import Next
@@ -32,6 +32,7 @@ from mersal.transport import Outgoing
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy import SqlStorage, attach
 from tests.sql.conftest import postgres_database
+from tests.support import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -169,7 +170,7 @@ async def test_a_publish_the_broker_refuses_fails_alone_in_its_batch_and_a_later
     later = [to(sink, f"later-{n}") for n in range(5)]
     assert await transport.send_each(later) == [None] * 5
     wanted = {id_of(o) for o in [*sent, *later] if not id_of(o).startswith("bad")}
-    await wait_until(lambda: set(received.ids) >= wanted, timeout=10, what="every good one")
+    await eventually(lambda: set(received.ids) >= wanted, "every good one", timeout=10)
     assert not [i for i in received.ids if i.startswith("bad")]
 
 
@@ -197,7 +198,7 @@ async def test_a_publish_the_broker_refuses_costs_batches_sent_beside_it_nothing
     assert await transport.send_each(later) == [None] * 5
     sent = [*(o for batch in batches for o in batch), *later]
     wanted = {id_of(o) for o in sent if not id_of(o).startswith("bad")}
-    await wait_until(lambda: set(received.ids) >= wanted, timeout=10, what="every good one")
+    await eventually(lambda: set(received.ids) >= wanted, "every good one", timeout=10)
     assert not [i for i in received.ids if i.startswith("bad")]
 
 
@@ -277,7 +278,7 @@ async def test_handlers_whose_publishes_are_refused_cost_the_others_nothing(
                 and app.in_flight == 0
             )
 
-        await wait_until(done, timeout=15, what="every job handled or dead-lettered")
+        await eventually(done, "every job handled or dead-lettered", timeout=15)
         assert app.healthy
 
     assert dead_jobs() == refused  # a dead letter may leave twice (its confirm lost), no more
@@ -321,12 +322,12 @@ async def test_refused_outbox_rows_are_parked_promptly_and_the_rows_behind_them_
             )
 
         # The relay judges a hundred rows a second or more: 10 s is ample for 150 refused ones.
-        await wait_until(judged, timeout=10, what="refused rows parked, good rows delivered")
+        await eventually(judged, "refused rows parked, good rows delivered", timeout=10)
         assert not app.healthy  # parked rows wait for an operator
         # Later rows go as usual.
         async with app.transaction():
             await app.send(Ship(5), headers={Header.MESSAGE_ID: "ship-5"})
-        await wait_until(lambda: "ship-5" in received.ids, timeout=10, what="a later row")
+        await eventually(lambda: "ship-5" in received.ids, "a later row", timeout=10)
 
 
 async def test_refused_outbox_rows_leave_the_apps_consumer_and_its_deliveries_alone(
@@ -362,7 +363,7 @@ async def test_refused_outbox_rows_leave_the_apps_consumer_and_its_deliveries_al
         try:
             for n in range(5):  # in flight on the app's consumer while the relay meets refusals
                 await app.send(Slow(n), headers={Header.MESSAGE_ID: f"slow-{n}"})
-            await wait_until(lambda: entered == slow_ids, timeout=10, what="five handlers running")
+            await eventually(lambda: entered == slow_ids, "five handlers running", timeout=10)
             async with app.transaction():
                 for n in range(refused_rows):
                     await app.publish(Bad(n))
@@ -370,14 +371,14 @@ async def test_refused_outbox_rows_leave_the_apps_consumer_and_its_deliveries_al
             async def parked() -> bool:
                 return storage.parked == refused_rows and await storage.pending() == 0
 
-            await wait_until(parked, timeout=10, what="the refused rows parked")
+            await eventually(parked, "the refused rows parked", timeout=10)
         finally:
             release.set()
 
         async def settled() -> bool:
             return app.in_flight == 0 and await raw.count(name) == 0
 
-        await wait_until(settled, timeout=10, what="the slow messages settled")
+        await eventually(settled, "the slow messages settled", timeout=10)
 
     # The refusals did not take the consumer's connection: nothing was delivered again (the
     # inbox would hide a second delivery from the handler, not from the pipeline).
@@ -454,7 +455,7 @@ async def test_a_header_name_or_message_id_that_is_not_utf8_costs_the_consumer_n
                 and app.in_flight == 0
             )
 
-        await wait_until(done, timeout=15, what="the odd messages and the next ones settled")
+        await eventually(done, "the odd messages and the next ones settled", timeout=15)
         dead = await broker.count(error_queue)
         assert app.healthy
 

@@ -11,15 +11,20 @@ and `full` (200,000 messages, 2,000 consumers, as the issue asks; `make chaos`).
 The other tests look at one structure each that a message, a key, a consumer or a hostile
 producer could make grow: RabbitMQ's consumers, a RabbitMQ consumer's buffer, a memory queue's
 waiters, the type registry and the codec's decoders, the reply waiters, the relay's failure
-counts and the test harness's observers.
+counts and the test harness's observers. The RabbitMQ ones look from outside: closed consumers
+through weak references (nothing may still hold one) and the broker's own lists of channels and
+consumers (`rabbitmqctl`), a consumer's buffer through the message bodies still in memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
+import tracemalloc
 import uuid
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +43,13 @@ from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy import SqlOutboxStore, make_engine, make_tables
 from mersal_sqlalchemy.database import prepare_schema
 from mersal_sqlalchemy.outbox import write_outbox
-from tests.support import DelegatingTransport, eventually
+from tests.support import (
+    DelegatingTransport,
+    broker_channels,
+    broker_consumers,
+    eventually,
+    rabbitmqctl,
+)
 
 HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -271,14 +282,7 @@ async def test_distinct_keys_and_short_lived_consumers_leave_memory_where_it_was
     assert grown <= size.margin, f"RSS grew {grown / MiB:.2f} MiB after the base point ({shown})"
 
 
-# RabbitMQ: closed consumers are forgotten, their channels closed.
-
-
-def open_channels(transport: RabbitMQTransport) -> int:
-    """How many AMQP channels the transport's connection has open."""
-    connection = transport._connection
-    assert connection is not None and connection.transport is not None
-    return len(connection.transport.connection.channels)
+# RabbitMQ, seen from outside: what lets go of a closed consumer, what the broker counts.
 
 
 async def ready_in(url: str, queue: str) -> int:
@@ -297,84 +301,112 @@ async def delete_queues(url: str, names: Sequence[str]) -> None:
             await channel.queue_delete(name)
 
 
-async def one_rabbitmq_consumer(
-    transport: RabbitMQTransport, queue: str, n: int, sent: list[int]
-) -> int:
-    """A short-lived consumer that ends in a way chosen by `n`; returns how many it acked."""
+class ShortLived:
+    """Short-lived consumers of one RabbitMQ queue, each ending its own way, weakly remembered."""
 
-    async def send() -> None:
-        sent[0] += 1
-        await transport.send([Outgoing(queue, side_envelope(sent[0]))])
+    def __init__(self, transport: RabbitMQTransport, queue: str) -> None:
+        self.transport = transport
+        self.queue = queue
+        self.sent = 0
+        self.acked = 0
+        self.closed: list[weakref.ref[Consumer]] = []
 
-    consumer = await transport.consume(queue, prefetch=2)
-    variant = n % 5
-    if variant == 3:  # closed at once: whatever it buffered goes back
+    async def send(self) -> None:
+        """One more message for the queue."""
+        self.sent += 1
+        await self.transport.send([Outgoing(self.queue, side_envelope(self.sent))])
+
+    async def one(self, n: int) -> None:
+        """A consumer that ends in a way chosen by `n`."""
+        consumer = await self.transport.consume(self.queue, prefetch=2)
+        self.closed.append(weakref.ref(consumer))
+        variant = n % 5
+        if variant == 3:  # closed at once: whatever it buffered goes back
+            await consumer.close()
+            return
+        if variant == 4:  # closed while its get waits (or after it took something)
+            getting = asyncio.ensure_future(consumer.get())
+            await asyncio.sleep(0.005)
+            await consumer.close()
+            try:
+                delivery: Delivery = await getting
+            except ConsumerClosed:
+                return
+            await delivery.nack(requeue=True)
+            return
+        await self.send()
+        async with asyncio.timeout(10):
+            delivery = await consumer.get()
+        if variant == 0:  # settled, then closed
+            await delivery.ack()
+            await consumer.close()
+            self.acked += 1
+            return
         await consumer.close()
-        return 0
-    if variant == 4:  # closed while its get waits (or after it took something)
-        getting = asyncio.ensure_future(consumer.get())
-        await asyncio.sleep(0.005)
-        await consumer.close()
-        try:
-            delivery: Delivery = await getting
-        except ConsumerClosed:
-            return 0
-        await delivery.nack(requeue=True)
-        return 0
-    await send()
-    async with asyncio.timeout(10):
-        delivery = await consumer.get()
-    if variant == 0:  # settled, then closed
-        await delivery.ack()
-        await consumer.close()
-        return 1
-    await consumer.close()
-    if variant == 1:  # settled after the close
-        await delivery.ack()
-        return 1
-    await delivery.nack(requeue=True)  # given back after the close
-    return 0
+        if variant == 1:  # settled after the close
+            await delivery.ack()
+            self.acked += 1
+            return
+        await delivery.nack(requeue=True)  # given back after the close
+
+    def kept(self) -> int:
+        """How many of the closed consumers something still holds, after a full collection."""
+        gc.collect()
+        return sum(ref() is not None for ref in self.closed)
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-async def test_rabbitmq_forgets_short_lived_consumers_and_closes_their_channels(
+async def test_rabbitmq_lets_go_of_short_lived_consumers_and_closes_their_channels(
     vhost: str,
 ) -> None:
     url = f"amqp://guest:guest@{HOST}/{vhost}"
     tag = uuid.uuid4().hex[:10]
-    home, side = f"soak-home-{tag}", f"soak-side-{tag}"
-    transport = RabbitMQTransport(url)
+    home, queue = f"soak-home-{tag}", f"soak-side-{tag}"
+    name = f"soak-{tag}"  # the connection's name, as the broker lists it
+    transport = RabbitMQTransport(f"{url}?name={name}")
     await transport.start()
     try:
         await transport.declare(home)
-        await transport.declare(side)
-        live = await transport.consume(home, prefetch=10)
-        sent = [0]
+        await transport.declare(queue)
+        await transport.consume(home, prefetch=10)
         await transport.send([Outgoing(home, side_envelope(0))])  # opens a publisher
-        channels_before = open_channels(transport)
-        acked = 0
+        channels_before = await asyncio.to_thread(broker_channels, name)
+        side = ShortLived(transport, queue)
         for n in range(200):
-            acked += await one_rabbitmq_consumer(transport, side, n, sent)
+            await side.one(n)
+        # aiormq's reader keeps the channel it last read a frame for until the next frame:
+        # one more confirmed publish moves it on, past the last short-lived consumer's channel
+        await transport.send([Outgoing(home, side_envelope(0))])
+
         await eventually(
-            lambda: set(transport._consumers) == {live},
-            "only the live consumer left in transport._consumers",
+            lambda: side.kept() == 0,
+            "nothing holds a closed consumer (not the transport, its connection or channels)",
             timeout=10,
+            interval=0.05,
         )
+        consumers = await asyncio.to_thread(broker_consumers, vhost)
+        assert (consumers[home], consumers[queue]) == (1, 0), consumers
+
         # A closed consumer's channel closes once its last delivery is settled.
+        async def channels_closed() -> bool:
+            open_now = await asyncio.to_thread(broker_channels, name)
+            return open_now <= channels_before + transport.channels
+
         await eventually(
-            lambda: open_channels(transport) <= channels_before + transport.channels,
+            channels_closed,
             f"at most {channels_before} + {transport.channels} channels open",
             timeout=10,
+            interval=0.2,
         )
 
         async def nothing_lost() -> bool:
-            return await ready_in(url, side) == sent[0] - acked
+            return await ready_in(url, queue) == side.sent - side.acked
 
         await eventually(nothing_lost, "every message not acked is back in its queue", timeout=10)
     finally:
         await transport.stop()
-        await delete_queues(url, [home, side])
+        await delete_queues(url, [home, queue])
 
 
 async def test_consumers_closed_while_waiting_on_an_idle_memory_queue_leave_no_waiters() -> None:
@@ -407,9 +439,18 @@ async def test_an_app_restarted_on_an_idle_memory_queue_leaves_no_waiters() -> N
     assert waiters <= 1, f"{waiters} waiters on a queue nobody consumes any more"
 
 
+LOST_BODY = 100_000
+"""The size of each message the lost-channel test buffers: large enough to see in memory."""
+LOSSES = 5
+"""How many channels the lost-channel test loses."""
+
+
 @pytest.mark.integration
-@pytest.mark.timeout(60)
-async def test_a_rabbitmq_consumer_keeps_nothing_from_the_channels_it_lost(vhost: str) -> None:
+@pytest.mark.timeout(90)
+async def test_a_rabbitmq_consumer_keeps_nothing_from_the_channels_it_lost(
+    vhost: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mersal.rabbitmq")
     url = f"amqp://guest:guest@{HOST}/{vhost}"
     queue = f"soak-lost-{uuid.uuid4().hex[:10]}"
     transport = RabbitMQTransport(url)
@@ -417,28 +458,48 @@ async def test_a_rabbitmq_consumer_keeps_nothing_from_the_channels_it_lost(vhost
     try:
         await transport.declare(queue)
         consumer = await transport.consume(queue, prefetch=5)
-        body = b"x" * 100_000
+        body = b"x" * LOST_BODY
         await transport.send(
             [Outgoing(queue, Envelope({Header.MESSAGE_ID: f"lost-{n}"}, body)) for n in range(5)]
         )
 
-        def live_buffered() -> int:
-            return sum(not channel.is_closed for channel, _ in consumer._buffer)
+        async def five_delivered() -> bool:
+            return await ready_in(url, queue) == 0  # a prefetch of 5: all on its channel
 
-        for _ in range(10):  # the channel is lost (a consumer_timeout, a 406) ten times
-            await eventually(lambda: live_buffered() == 5, "5 deliveries buffered", timeout=10)
-            channel = consumer._channel
-            assert channel is not None
-            await channel.close()
-        await eventually(lambda: live_buffered() == 5, "5 deliveries buffered", timeout=10)
-        buffered = len(consumer._buffer)
-        for _ in range(5):
-            await (await consumer.get()).ack()
+        def consuming_again() -> int:
+            return sum(f"consuming {queue!r} again" in r.getMessage() for r in caplog.records)
+
+        async def lose_the_channel() -> None:
+            """Lose the channel of all five, untaken (with the connection: both come back)."""
+            await eventually(five_delivered, "all five delivered to the consumer", timeout=10)
+            before = consuming_again()
+            await asyncio.to_thread(rabbitmqctl, "close_all_connections", "-p", vhost, "soak")
+            await eventually(
+                lambda: consuming_again() > before, "consuming again on a new channel", timeout=10
+            )
+
+        tracemalloc.start()
+        try:
+            for _ in range(LOSSES):
+                await lose_the_channel()
+            await eventually(five_delivered, "all five delivered once more", timeout=10)
+            gc.collect()
+            snapshot = tracemalloc.take_snapshot()
+        finally:
+            tracemalloc.stop()
+        # the blocks of a body's size allocated since (the logs keep small things: tracebacks)
+        bodies = sum(trace.size >= LOST_BODY for trace in snapshot.traces)
+        held = [await asyncio.wait_for(consumer.get(), 10) for _ in range(5)]
+        for delivery in held:
+            await delivery.ack()
         await consumer.close()
     finally:
         await transport.stop()
         await delete_queues(url, [queue])
-    assert buffered <= 5, f"{buffered} deliveries buffered for a prefetch of 5"
+    assert {delivery.envelope.message_id for delivery in held} == {f"lost-{n}" for n in range(5)}
+    # The five buffered now, and as many again to spare (a read buffer); kept, the five of each
+    # lost channel would add 5 * LOSSES more.
+    assert bodies <= 10, f"{bodies} bodies held after {LOSSES} lost channels: theirs are kept"
 
 
 async def test_hostile_type_names_leave_nothing_in_the_registry_or_the_codec() -> None:
