@@ -215,24 +215,22 @@ def incoming_pipeline(
         [
             ("retry", retry),  # runs the rest once per attempt; decides retry or dead letter
             ("decode", decode_step(codec, types, max_body_size)),
-            # with a storage: ("unit_of_work", ...), ("inbox", ...) here
+            # with a storage: ("unit_of_work", ...), ("inbox", ...)
             ("activate", activate_step(handlers)),
             ("dispatch", dispatch_step(clock)),
-            ("commit", commit_step),  # with a storage: the storage's
+            ("commit", commit_step),
         ],
         end=handled,
     )
 
 
 def add_storage_steps(incoming: Pipeline[MessageContext], storage: StorageSteps) -> None:
-    """Place a storage's steps: its unit of work right after decoding, then its inbox check;
-    its commit (into the message's database transaction) instead of the core's.
+    """Place a storage's steps: its unit of work right after decoding, then its inbox check.
 
     A `ConfigurationError` names the missing step if the pipeline no longer has the anchor.
     """
     incoming.insert_after("decode", "unit_of_work", storage.unit_of_work)
     incoming.insert_after("unit_of_work", "inbox", storage.check_inbox)
-    incoming.replace("commit", storage.commit)
 
 
 def outgoing_pipeline(
@@ -258,10 +256,6 @@ class StorageSteps(Protocol):
 
     async def check_inbox(self, context: MessageContext, next: Next[MessageContext]) -> None:
         """Skip a message whose id the inbox already holds."""
-        ...
-
-    async def commit(self, context: MessageContext, next: Next[MessageContext]) -> None:
-        """Commit the message's transaction into the storage (its sends become outbox rows)."""
         ...
 
 

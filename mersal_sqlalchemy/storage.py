@@ -313,23 +313,18 @@ class SqlStorage:
         return session
 
     async def unit_of_work(self, context: MessageContext, next: Next[MessageContext]) -> None:
-        """Handle the message in a session of its own, ended (committed or not) after the rest."""
+        """Handle the message in a session of its own, committed by the message's transaction."""
         session = self.sessions(info={GUARDED: True})
         context.items[SESSION] = session
-        context.transaction.session = session
+        transaction = context.transaction
+        transaction.session = session
+        inbox_id = context.message_id if self.inbox_at_commit else ""
+        transaction.replace_commit(self._committer(session, inbox_id))
+        transaction.after_commit(self._waker(transaction))
         try:
             await next(context)
         finally:
             await run_to_end(_end(session))
-
-    async def commit(self, context: MessageContext, next: Next[MessageContext]) -> None:
-        """Commit the message's transaction in its session: outbox rows, inbox row, writes."""
-        transaction = context.transaction
-        inbox_id = context.message_id if self.inbox_at_commit else ""
-        transaction.replace_commit(self._committer(self.session_of(context), inbox_id))
-        transaction.after_commit(self._waker(transaction))
-        await transaction.commit()
-        await next(context)
 
     async def check_inbox(self, context: MessageContext, next: Next[MessageContext]) -> None:
         """Skip a message this app has handled already (ack it); record it otherwise.
