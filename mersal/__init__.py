@@ -9,6 +9,7 @@ from mersal.errors import (
     NotRunning,
     OutcomeUnknown,
     RequestTimeout,
+    UnexpectedReply,
     Unroutable,
     Unsendable,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "RetryPolicy",
     "TransactionClosed",
     "Transport",
+    "UnexpectedReply",
     "Unroutable",
     "Unsendable",
     "message",

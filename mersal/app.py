@@ -23,6 +23,7 @@ from mersal.errors import (
     MersalError,
     NotRunning,
     RequestTimeout,
+    UnexpectedReply,
     Unsendable,
 )
 from mersal.handlers import Handler, Handlers, M
@@ -279,7 +280,7 @@ class App:
         reply_type: None = ...,
         headers: Mapping[str, str] | None = ...,
         partition_key: str | None = ...,
-    ) -> object: ...
+    ) -> Any: ...
 
     async def request(
         self,
@@ -289,11 +290,11 @@ class App:
         reply_type: type | None = None,
         headers: Mapping[str, str] | None = None,
         partition_key: str | None = None,
-    ) -> object:
+    ) -> Any:
         """Send a command now and wait for its reply (the replier calls `app.reply`).
 
-        With `reply_type`, the reply's type is registered (so that it decodes) and the result
-        is typed as it.
+        With `reply_type`, the reply's type is registered (so that it decodes), and a reply of
+        another type raises `UnexpectedReply`.
         """
         if reply_type is not None:
             self.types.add(reply_type)
@@ -309,13 +310,19 @@ class App:
                 message, self.queue_for(type(message)), False, merged, partition_key, direct=True
             )
             async with asyncio.timeout(timeout):
-                return await waiter
+                reply = await waiter
         except TimeoutError:
             raise RequestTimeout(
                 f"no reply to {type(message).__qualname__} {message_id} within {timeout:g}s"
             ) from None
         finally:
             replies.forget(message_id)
+        if reply_type is not None and not isinstance(reply, reply_type):
+            raise UnexpectedReply(
+                f"the reply to {type(message).__qualname__} {message_id} is a "
+                f"{type(reply).__qualname__}, not the {reply_type.__qualname__} asked for"
+            )
+        return reply
 
     @asynccontextmanager
     async def transaction(self, session: object = None) -> AsyncIterator[Transaction]:
@@ -544,6 +551,12 @@ class App:
                     f"app {self.name!r} subscribes to {message_type.__qualname__} but has no "
                     f"handler for it: app.register({message_type.__qualname__}, handler)"
                 )
+        if "commit" not in self.incoming.names:
+            raise ConfigurationError(
+                "app.incoming has no 'commit' step, so what handlers send (and, with a database, "
+                "what they write) would never be committed: put it back, or replace it with a "
+                "step that awaits context.transaction.commit()"
+            )
         self.handlers.check()
 
     def _check_running(self) -> None:

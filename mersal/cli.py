@@ -3,10 +3,9 @@
 `mersal run module:app` runs until SIGINT or SIGTERM; `mersal dlq list|show|replay` works on an
 error queue through the transport; installed adapters add theirs (`mersal db ...` and
 `mersal outbox ...` come with the SQL adapter) through the `mersal.commands` entry points.
-
-For adapters' commands: `load_app`, `positive_int` and `align` are this module's
-documented helpers.
 """
+
+# For adapters' commands: `load_app`, `positive_int` and `align` are documented helpers.
 
 from __future__ import annotations
 

@@ -31,6 +31,10 @@ class RequestTimeout(MersalError):
     """No reply arrived within the request's timeout."""
 
 
+class UnexpectedReply(MersalError):
+    """A request's reply is not of the `reply_type` it asked for."""
+
+
 class NotRunning(MersalError):
     """The app must be started (`await app.start()` or `async with app`) for this call."""
 

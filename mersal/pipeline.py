@@ -227,8 +227,20 @@ def incoming_pipeline(
 def add_storage_steps(incoming: Pipeline[MessageContext], storage: StorageSteps) -> None:
     """Place a storage's steps: its unit of work right after decoding, then its inbox check.
 
-    A `ConfigurationError` names the missing step if the pipeline no longer has the anchor.
+    A `ConfigurationError` says what to change if the pipeline no longer has the anchor; the
+    pipeline is left as it was.
     """
+    if "decode" not in incoming.names:
+        raise ConfigurationError(
+            "a storage places its unit of work and inbox steps right after 'decode', which "
+            f"app.incoming no longer has (its steps: {incoming.names}): keep a step named 'decode'"
+        )
+    taken = [name for name in ("unit_of_work", "inbox") if name in incoming.names]
+    if taken:
+        raise ConfigurationError(
+            f"app.incoming already has a step named {taken[0]!r}, a name the storage's step "
+            "needs: rename yours"
+        )
     incoming.insert_after("decode", "unit_of_work", storage.unit_of_work)
     incoming.insert_after("unit_of_work", "inbox", storage.check_inbox)
 

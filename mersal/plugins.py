@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +32,8 @@ TRANSPORTS = "mersal.transports"
 STORAGES = "mersal.storages"
 COMMANDS = "mersal.commands"
 
-ADAPTER_EXTRAS = "pip install 'mersal[rabbitmq]' or 'mersal[sqlalchemy]'"
+TRANSPORT_EXTRA = "pip install 'mersal[rabbitmq]' for amqp://"
+STORAGE_EXTRA = "pip install 'mersal[sqlalchemy]' for postgresql and sqlite"
 
 log = logging.getLogger("mersal.plugins")
 
@@ -61,7 +62,12 @@ def transport_for(url: str, shown: str) -> Transport:
     """The transport an installed adapter makes for `url` (`shown`: the URL, password masked)."""
     scheme = url.partition("://")[0].lower()
     make: Callable[[str], Transport] = load(
-        TRANSPORTS, scheme, f"transport {shown!r}", builtin=["memory"], suffix="://"
+        TRANSPORTS,
+        scheme,
+        f"transport {shown!r}",
+        install=TRANSPORT_EXTRA,
+        builtin=["memory"],
+        suffix="://",
     )
     return make(url)
 
@@ -69,46 +75,85 @@ def transport_for(url: str, shown: str) -> Transport:
 def storage_for(app: App, shown: str) -> Storage:
     """The storage an installed adapter makes for `app.database` (`shown`: masked)."""
     assert app.database is not None
-    scheme, separator, _ = app.database.partition(":")
+    scheme, separator, _ = app.database.partition("://")
     if not separator or not scheme.replace("+", "").isalnum():
         raise ConfigurationError(
             f"database {shown!r} is not a database URL: use "
             "'postgresql+asyncpg://user:password@host/name' or 'sqlite+aiosqlite:///file.db'"
         )
     scheme = scheme.partition("+")[0].lower()
-    make: Callable[[App], Storage] = load(STORAGES, scheme, f"database {shown!r}")
+    make: Callable[[App], Storage] = load(
+        STORAGES, scheme, f"database {shown!r}", install=STORAGE_EXTRA
+    )
     return make(app)
 
 
 def add_commands(commands: argparse._SubParsersAction[Any]) -> None:
-    """Add the sub-commands of every installed adapter; one that fails to load is skipped."""
-    for entry in sorted(entry_points(group=COMMANDS), key=lambda entry: entry.name):
+    """Add the sub-commands of every installed adapter; one that fails is skipped, with a word.
+
+    An adapter that is not importable (its extra is not installed) is skipped quietly; one
+    that fails otherwise, or that takes a command name already there, with a warning.
+    """
+    for entry in sorted(_distinct(entry_points(group=COMMANDS)), key=lambda e: e.name):
         try:
             add: Callable[[argparse._SubParsersAction[Any]], None] = entry.load()
         except ImportError as error:
             log.debug("the %r commands are not available (%s)", entry.name, error)
             continue
-        add(commands)
+        except Exception as error:
+            log.warning("skipping the %r commands of %s: %r", entry.name, entry.value, error)
+            continue
+        try:
+            add(commands)  # a name already taken raises (argparse: "conflicting subparser")
+        except Exception as error:
+            log.warning("skipping the %r commands of %s: %s", entry.name, entry.value, error)
 
 
-def load(group: str, name: str, what: str, *, builtin: Sequence[str] = (), suffix: str = "") -> Any:
-    """The object the entry point `name` of `group` names; a `ConfigurationError` if none can."""
-    found = [entry for entry in entry_points(group=group) if entry.name == name]
+def load(
+    group: str,
+    name: str,
+    what: str,
+    *,
+    install: str,
+    builtin: Sequence[str] = (),
+    suffix: str = "",
+) -> Any:
+    """The object the entry point `name` of `group` names; a `ConfigurationError` if none can.
+
+    `install` says how to get Mersal's own adapter; two adapters claiming one name are refused.
+    """
+    found = _distinct(entry for entry in entry_points(group=group) if entry.name == name)
     if not found:
         known = [*builtin, *sorted({entry.name for entry in entry_points(group=group)})]
         raise ConfigurationError(
             f"Mersal does not support {what}: no installed adapter handles {name + suffix!r} "
-            f"(known: {', '.join(known_name + suffix for known_name in known) or 'none'}); "
-            f"use one of those or install the adapter for it ({ADAPTER_EXTRAS} for Mersal's own)"
+            f"(known: {', '.join(known_name + suffix for known_name in known) or 'none'}; "
+            "Mersal's adapters are found only when Mersal is installed, `pip install -e .` for "
+            f"a checkout); use one of those or install the adapter for it ({install})"
         )
-    return _loaded(found[0], what)
+    if len(found) > 1:
+        raise ConfigurationError(
+            f"{what}: {len(found)} installed adapters claim {name + suffix!r} "
+            f"({', '.join(entry.value for entry in found)}): uninstall all but one"
+        )
+    return _loaded(found[0], what, install)
 
 
-def _loaded(entry: EntryPoint, what: str) -> Any:
+def _distinct(entries: Iterable[EntryPoint]) -> list[EntryPoint]:
+    """One of each (name, value): a package found twice on the path counts once."""
+    return list({(entry.name, entry.value): entry for entry in entries}.values())
+
+
+def _loaded(entry: EntryPoint, what: str, install: str) -> Any:
     try:
         return entry.load()
     except ImportError as error:
         raise ConfigurationError(
             f"{what} needs {entry.module}, which cannot be imported ({error}): install what it "
-            f"needs ({ADAPTER_EXTRAS} for Mersal's own adapters)"
+            f"needs ({install})"
         ) from None
+    except Exception as error:
+        raise ConfigurationError(
+            f"{what}: the adapter {entry.value} failed to load ({type(error).__name__}: "
+            f"{error}): fix or uninstall it"
+        ) from error

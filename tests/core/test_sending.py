@@ -8,7 +8,16 @@ from datetime import timedelta
 
 import pytest
 
-from mersal import App, Header, MersalError, MessageContext, RequestTimeout, Unroutable, message
+from mersal import (
+    App,
+    Header,
+    MersalError,
+    MessageContext,
+    RequestTimeout,
+    UnexpectedReply,
+    Unroutable,
+    message,
+)
 from mersal.testing import Harness
 
 
@@ -479,3 +488,16 @@ async def test_defer_refuses_a_delay_that_is_not_finite(delay: float) -> None:
 
 async def _ignore(message: Remind) -> None:
     return None
+
+
+async def test_a_reply_of_another_type_than_asked_for_raises_unexpected_reply() -> None:
+    async def quote(message: GetQuote, context: MessageContext) -> None:
+        await context.app.reply(GetQuote(f"not a quote for {message.item}"))
+
+    shop = App("shop")
+    shop.route(GetQuote, "pricing")
+    pricing = App("pricing")
+    pricing.register(GetQuote, quote)
+    async with Harness(shop, pricing):
+        with pytest.raises(UnexpectedReply, match="is a GetQuote, not the Quote asked for"):
+            await shop.request(GetQuote("pen"), reply_type=Quote, timeout=2)

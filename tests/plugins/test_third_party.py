@@ -125,3 +125,79 @@ def test_an_adapter_that_cannot_be_imported_says_what_to_install(
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigurationError, match="needs no_such_module, which cannot be imported"):
         transport_from("broken://somewhere")
+
+
+def install(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, name: str, entry_points: str, code: str = ""
+) -> None:
+    """A distribution `name` on sys.path: its module (if `code`) and its entry points."""
+    if code:
+        (folder / f"{name}.py").write_text(textwrap.dedent(code))
+    info = folder / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_a_broken_command_plugin_is_skipped_with_a_warning_and_the_rest_works(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    install(
+        tmp_path,
+        monkeypatch,
+        "shadowing",
+        "[mersal.commands]\nbroken = shadowing:broken\nshadow = shadowing:shadow\n",
+        """
+        def broken(commands):
+            raise RuntimeError("this plugin is broken")
+
+        def shadow(commands):
+            commands.add_parser("run")
+        """,
+    )
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("'broken' commands" in text and "this plugin is broken" in text for text in warned)
+    assert any("'shadow' commands" in text and "run" in text for text in warned)
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert "module:attribute naming an App" in capsys.readouterr().out
+
+
+def test_two_adapters_claiming_one_scheme_are_refused_naming_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    install(tmp_path, monkeypatch, "first_acme", "[mersal.transports]\nacme2 = first_acme:T\n")
+    install(tmp_path, monkeypatch, "second_acme", "[mersal.transports]\nacme2 = second_acme:T\n")
+    with pytest.raises(ConfigurationError, match="2 installed adapters claim 'acme2://'") as raised:
+        transport_from("acme2://bus")
+    assert "first_acme:T" in str(raised.value) and "second_acme:T" in str(raised.value)
+
+
+def test_an_adapter_that_fails_to_load_is_a_configuration_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    install(
+        tmp_path,
+        monkeypatch,
+        "exploding",
+        "[mersal.transports]\nboom = exploding:T\n",
+        "raise RuntimeError('no config file')\n",
+    )
+    with pytest.raises(ConfigurationError, match=r"failed to load .*no config file"):
+        transport_from("boom://bus")
+
+
+@pytest.mark.parametrize("database", ["u:secret@host/orders", "orders.db", "sqlite:/x.db"])
+async def test_a_database_that_is_not_a_url_is_refused_as_such(database: str) -> None:
+    app = App("orders", transport="memory://", database=database)
+    with pytest.raises(ConfigurationError, match="is not a database URL") as raised:
+        await app.start()
+    assert "secret" not in str(raised.value)

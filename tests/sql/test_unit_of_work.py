@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from mersal import App, MessageContext, RetryPolicy
+from mersal import App, ConfigurationError, MessageContext, RetryPolicy
 from mersal.pipeline import Next
 from mersal.testing import Harness
 from mersal.transport import Outgoing
@@ -211,3 +211,40 @@ async def test_the_harness_waits_for_the_outbox_to_drain(database: str, memory_u
         relay.start()
         await bus.idle(timeout=20)
         assert probe.billed == ["o-1"]
+
+
+@pytest.mark.parametrize("attached", ["by App(database=...)", "by attach(app)"])
+async def test_a_commit_step_of_the_user_commits_through_the_outbox(
+    database: str, memory_url: str, attached: str
+) -> None:
+    await create_business_tables(database)
+    probe = Probe()
+    seen: list[str] = []
+
+    async def audited_commit(context: MessageContext, next: Next[MessageContext]) -> None:
+        seen.append(context.message_id)
+        await context.transaction.commit()
+        await next(context)
+
+    explicit = {"relay_batch": 100} if attached == "by attach(app)" else {}
+    orders = orders_app(database, memory_url, probe, **explicit)
+    billing = billing_app(memory_url, probe)
+    orders.incoming.replace("commit", audited_commit)
+    async with billing, orders:
+        storage = storage_of(orders)
+        await orders.send(PlaceOrder("o-1"))
+        await eventually(lambda: probe.billed == ["o-1"], "billing got OrderPlaced")
+        await eventually(lambda: orders.in_flight == 0, "the delivery settled")
+        assert len(seen) == 1
+        assert await count(storage.engine, ORDERS) == 1
+        assert await count(storage.engine, storage.tables.inbox) == 1
+
+
+async def test_an_app_whose_pipeline_lost_its_commit_step_does_not_start(
+    database: str, memory_url: str
+) -> None:
+    orders = orders_app(database, memory_url, Probe())
+    orders.incoming.remove("commit")
+    with pytest.raises(ConfigurationError, match="no 'commit' step"):
+        await orders.start()
+    assert not orders.running

@@ -67,6 +67,8 @@ app.register(PlaceOrder, anything)
 async def check(bus: Harness) -> str:
     orders: list[PlaceOrder] = bus.published_of(PlaceOrder) + bus.sent_of(PlaceOrder)
     reply: CancelOrder = await app.request(PlaceOrder("1"), reply_type=CancelOrder)
+    untyped = await app.request(PlaceOrder("2"))  # no reply_type: whatever comes back
+    print(untyped.order_id)
     transport = RabbitMQTransport("amqp://guest:guest@127.0.0.1/")
     print(transport, attach)
     return orders[0].order_id + reply.order_id

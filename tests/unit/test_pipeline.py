@@ -5,7 +5,7 @@ from collections.abc import Callable
 import pytest
 
 from mersal import ConfigurationError, Pipeline
-from mersal.pipeline import Next, Step
+from mersal.pipeline import Next, Step, add_storage_steps
 
 Calls = list[str]
 
@@ -200,3 +200,43 @@ async def test_an_error_in_a_step_reaches_the_steps_before_it() -> None:
 
     assert seen == ["boom"]
     assert calls == []
+
+
+class Steps:
+    """A storage's steps, as `add_storage_steps` sees them."""
+
+    async def unit_of_work(self, calls: Calls, next: Next[Calls]) -> None:
+        await next(calls)
+
+    async def check_inbox(self, calls: Calls, next: Next[Calls]) -> None:
+        await next(calls)
+
+
+def test_a_storage_s_steps_go_right_after_decode() -> None:
+    incoming = pipeline("retry", "decode", "activate", "dispatch", "commit")
+    add_storage_steps(incoming, Steps())  # type: ignore[arg-type]
+    assert incoming.names == [
+        "retry",
+        "decode",
+        "unit_of_work",
+        "inbox",
+        "activate",
+        "dispatch",
+        "commit",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("names", "complaint"),
+    [
+        (["retry", "activate", "commit"], "keep a step named 'decode'"),
+        (["decode", "inbox", "commit"], "already has a step named 'inbox'"),
+    ],
+)
+def test_a_storage_that_cannot_place_its_steps_changes_nothing(
+    names: list[str], complaint: str
+) -> None:
+    incoming = pipeline(*names)
+    with pytest.raises(ConfigurationError, match=complaint):
+        add_storage_steps(incoming, Steps())  # type: ignore[arg-type]
+    assert incoming.names == names
