@@ -29,18 +29,33 @@ and a RabbitMQ vhost of its own, both made for the run and dropped at its end:
   consumer counts each message id that reaches the queue. Duplicates = deliveries - distinct
   ids (must be 0); missing = rows - distinct ids (must be 0); the smaller share is the part of
   the rows the less busy instance published (both relays took part when it is above 0).
+- The pre-seeded chain, against a raw chain. On a second database and vhost of their own (both
+  sides fresh and alike), `SEEDED` PlaceOrder commands are sent to the orders queue before the
+  orders App starts; the same orders handler (no after-commit stamp) and a billing App that
+  counts. Chains per second run from the orders app's start to the last OrderPlaced handled;
+  CPU per chain is this process's over the same interval. The raw chain does the same durable
+  steps with asyncpg and aio-pika and no Mersal code on the way (`RawOrders`): the same number
+  of commands waiting in a queue of its own, consumed with manual acks at the app's default
+  prefetch and concurrency; per command one transaction writes the order, an outbox and an
+  inbox row (tables shaped like ours); a relay claims outbox rows with a lease
+  (FOR UPDATE SKIP LOCKED), publishes them persistent, mandatory and confirmed, and deletes
+  the confirmed ones; a consumer counts the events, each id once. Timed the same way: from
+  connecting to the last event counted. Successive runs alternate which side goes first.
 
 Environment: MERSAL_BENCH_POSTGRES (default `postgresql+asyncpg://postgres@127.0.0.1:5432`,
 a server where that user may create databases) and MERSAL_BENCH_RABBITMQ_HOST (127.0.0.1;
 `rabbitmqctl` makes the vhost, so run as root on the RabbitMQ host).
 
 `python -m bench.outbox chain` runs only the setup, a warm-up and the full-load chain, and prints
-its figures: the thing to profile.
+its figures: the thing to profile. `python -m bench.outbox seeded` (the pre-seeded orders app)
+and `python -m bench.outbox raw-chain` (the raw chain) do the same for one side of the last part.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import inspect
 import itertools
 import os
@@ -48,20 +63,28 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from datetime import timedelta
+from operator import itemgetter
 from pathlib import Path
+from typing import Any
 
 import aio_pika
-from aio_pika.abc import AbstractIncomingMessage
-from sqlalchemy import String, func, select, text
+import aiormq
+import asyncpg  # type: ignore[import-untyped]
+import msgspec
+from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractIncomingMessage
+from sqlalchemy import String, func, select, table, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import NullPool
 
 from bench.support import PHASE_TIMEOUT, Phase, Tally, percentile_ms, private_vhost
 from mersal import App, MessageContext, message
+from mersal.app import check_prefetch
 from mersal.messages import Envelope, Header
 from mersal.transport import Outgoing
 from mersal_sqlalchemy import SqlStorage, attach, make_engine, make_tables
@@ -81,7 +104,15 @@ TWIN_ROWS = 2_000
 TWIN_GRACE = 1.0
 """Seconds to keep counting after every id arrived, for copies that come late."""
 
+SEEDED = 2_000
+"""PlaceOrder commands waiting in the queue when the pre-seeded orders app (or raw chain) starts."""
+
 RELAY_BATCH: int = inspect.signature(attach).parameters["relay_batch"].default
+LEASE: float = inspect.signature(attach).parameters["lease"].default
+POLL_INTERVAL: float = inspect.signature(attach).parameters["poll_interval"].default
+CONCURRENCY: int = inspect.signature(App).parameters["concurrency"].default
+PREFETCH = check_prefetch(None, CONCURRENCY)
+"""The orders app's defaults, which the raw chain copies."""
 POSTGRES = os.environ.get("MERSAL_BENCH_POSTGRES", "postgresql+asyncpg://postgres@127.0.0.1:5432")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -122,6 +153,7 @@ class Order(Base):
 
 async def run() -> dict[str, float | int]:
     """Every phase on a database and a vhost of the run's own, gone afterwards."""
+    raw_first = next(_runs) % 2 == 1
     async with private_database() as database, private_vhost("mersal-bench-outbox") as transport:
         async with Chain(database, transport) as chain:
             await chain.full_load(WARM_UP)
@@ -129,8 +161,9 @@ async def run() -> dict[str, float | int]:
             half_rate = full.rate / 2
             half = await chain.half_load(half_rate)
             idle = await chain.idle(IDLE_SAMPLES)
-        relay, raw = await relay_against_raw(database, transport, raw_first=next(_runs) % 2 == 1)
+        relay, raw = await relay_against_raw(database, transport, raw_first=raw_first)
         twins = await two_instances(database, transport)
+    seeded, raw_chain = await seeded_against_raw(raw_first=raw_first)
     return {
         "outbox_chain_msgs_per_s": full.rate,
         "outbox_chain_cpu_ms": full.cpu_seconds * 1e3,
@@ -147,6 +180,11 @@ async def run() -> dict[str, float | int]:
         "two_instances_duplicates": twins.duplicates,
         "two_instances_missing": twins.missing,
         "two_instances_smaller_share": twins.smaller_share,
+        "outbox_seeded_chains_per_s": seeded.rate,
+        "outbox_seeded_cpu_ms_per_chain": seeded.cpu_seconds * 1e3,
+        "raw_chain_per_s": raw_chain.rate,
+        "raw_cpu_ms_per_chain": raw_chain.cpu_seconds * 1e3,
+        "outbox_seeded_ratio_to_raw_chain": seeded.rate / raw_chain.rate,
     }
 
 
@@ -238,8 +276,8 @@ class Chain:
         return Phase(samples / elapsed, latencies, (time.process_time() - cpu) / samples)
 
 
-def placing_orders(commits: dict[str, float]) -> type:
-    """The orders handler class, stamping its commits into `commits`."""
+def placing_orders(commits: dict[str, float] | None = None) -> type:
+    """The orders handler class, stamping its commits into `commits` (if given)."""
 
     class PlaceOrderHandler:
         """Adds the order row and publishes OrderPlaced: both commit together, or neither."""
@@ -250,6 +288,8 @@ def placing_orders(commits: dict[str, float]) -> type:
         async def __call__(self, message: PlaceOrder) -> None:
             self.session.add(Order(id=message.order_id, amount=message.amount))
             message_id = await self.app.publish(OrderPlaced(message.order_id, message.amount))
+            if commits is None:
+                return
 
             async def stamp() -> None:
                 commits[message_id] = time.perf_counter()
@@ -489,6 +529,405 @@ async def relay_instance(name: str) -> None:
     print(f"published {relay.published}", flush=True)
 
 
+# The pre-seeded chain, and the raw chain.
+
+RAW_APP = "raw-orders"
+"""The raw chain's command queue, and its name in the outbox and inbox rows."""
+RAW_BILLING = "raw-billing"
+RAW_EVENTS = "raw.events"
+"""The raw chain's topic exchange for events (Mersal's is `mersal.events`)."""
+COMMAND_TYPE = "bench.PlaceOrder.v1"
+EVENT_TYPE = "bench.OrderPlaced.v1"
+RETRY_DELAY = timedelta(seconds=1)
+"""How long a row the broker did not confirm waits before the raw relay tries it again."""
+
+RAW_TABLES = make_tables("raw_outbox", "raw_inbox")
+"""The raw chain's outbox and inbox: ours, under other names (same columns and indexes)."""
+RAW_ORDERS = Base.metadata.tables["orders"].to_metadata(RAW_TABLES.metadata, name="raw_orders")
+"""The raw chain's orders table: `orders` under another name, beside the outbox and inbox."""
+
+INSERT_INBOX = (
+    "INSERT INTO raw_inbox (app, message_id) VALUES ($1, $2) "
+    "ON CONFLICT DO NOTHING RETURNING message_id"
+)
+INSERT_ORDER = "INSERT INTO raw_orders (id, amount) VALUES ($1, $2)"
+INSERT_OUTBOX = (
+    "INSERT INTO raw_outbox (app, address, publish, headers, body) VALUES ($1, $2, $3, $4, $5)"
+)
+CLAIM = """
+UPDATE raw_outbox SET lease_until = now() + $3::interval, attempts = attempts + 1
+WHERE id IN (
+    SELECT id FROM raw_outbox
+    WHERE app = $1 AND parked_at IS NULL AND (lease_until IS NULL OR lease_until < now())
+    ORDER BY id LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+RETURNING id, address, publish, headers, body
+"""
+DELETE_SENT = "DELETE FROM raw_outbox WHERE id = ANY($1::bigint[])"
+RELEASE = "UPDATE raw_outbox SET lease_until = now() + $2::interval WHERE id = ANY($1::bigint[])"
+
+PROPERTIES = frozenset(("message-id", "correlation-id", "type", "reply-to", "content-type"))
+"""Headers that travel as AMQP properties (as Mersal sends them); the rest as AMQP headers."""
+
+
+class RawCommand(msgspec.Struct):
+    """PlaceOrder as the raw chain reads it."""
+
+    order_id: str
+    amount: float
+
+
+class RawEvent(msgspec.Struct):
+    """OrderPlaced as the raw chain writes and reads it."""
+
+    order_id: str
+    amount: float
+
+
+JSON = msgspec.json.Encoder()
+COMMAND_JSON = msgspec.json.Decoder(RawCommand)
+EVENT_JSON = msgspec.json.Decoder(RawEvent)
+HEADERS_JSON = msgspec.json.Decoder(dict[str, str])
+
+
+class Arrivals:
+    """The distinct message ids that reached the end of a chain, and any copies."""
+
+    def __init__(self, expected: int) -> None:
+        self.tally = Tally(expected, "chains reached the end")
+        self.ids: set[str] = set()
+        self.copies = 0
+
+    def record(self, message_id: str) -> None:
+        """Count a delivery: a new id completes a chain, a known one is a copy."""
+        if message_id in self.ids:
+            self.copies += 1
+            return
+        self.ids.add(message_id)
+        self.tally.record(None)
+
+    def phase(self, started: float, cpu: float) -> Phase:
+        """The phase's figures; a `RuntimeError` if any event arrived twice."""
+        if self.copies:
+            raise RuntimeError(f"{self.copies} events arrived more than once")
+        return self.tally.phase(started, cpu)
+
+
+async def seeded_against_raw(*, raw_first: bool) -> tuple[Phase, Phase]:
+    """The pre-seeded orders app and the raw chain, on a database and a vhost of their own."""
+    async with private_database() as database, private_vhost("mersal-bench-seeded") as transport:
+        await create_business_tables(database)
+        phases: dict[str, Phase] = {}
+        for side in ("raw", "app") if raw_first else ("app", "raw"):
+            chain = raw_chain if side == "raw" else seeded_chain
+            phases[side] = await chain(database, transport)
+    return phases["app"], phases["raw"]
+
+
+async def create_business_tables(database: str) -> None:
+    """The orders table, and the raw chain's orders, outbox and inbox tables."""
+    engine = make_engine(database, poolclass=NullPool)
+    try:
+        async with engine.begin() as connection:
+            await connection.run_sync(Base.metadata.create_all)
+            await connection.run_sync(RAW_TABLES.metadata.create_all)
+    finally:
+        await engine.dispose()
+
+
+async def expect_rows(database: str, expected: dict[str, int]) -> None:
+    """A `RuntimeError` unless each table holds the expected number of rows."""
+    engine = make_engine(database, poolclass=NullPool)
+    try:
+        async with engine.connect() as connection:
+            for name, rows in expected.items():
+                query = select(func.count()).select_from(table(name))
+                found = (await connection.execute(query)).scalar_one()
+                if found != rows:
+                    raise RuntimeError(f"table {name} holds {found} rows, not {rows}")
+    finally:
+        await engine.dispose()
+
+
+async def send_all(send: Callable[[], Awaitable[object]], count: int) -> None:
+    """Call `send` `count` times, `IN_FLIGHT` calls always outstanding."""
+    numbers = itertools.count()
+
+    async def sender() -> None:
+        while next(numbers) < count:
+            await send()
+
+    await asyncio.gather(*(sender() for _ in range(min(IN_FLIGHT, count))))
+
+
+async def delete_queues(transport: str, queues: list[str], exchanges: list[str]) -> None:
+    """Delete a phase's queues and exchanges, with whatever they still hold."""
+    connection = await aio_pika.connect(transport)
+    try:
+        channel = await connection.channel()
+        for queue in queues:
+            await channel.queue_delete(queue)
+        for exchange in exchanges:
+            await channel.exchange_delete(exchange)
+    finally:
+        await connection.close()
+
+
+# The pre-seeded orders app.
+
+
+async def seeded_chain(database: str, transport: str) -> Phase:
+    """`SEEDED` commands wait in the orders queue; time a fresh orders app through them."""
+    arrivals = Arrivals(SEEDED)
+
+    async def count(message: OrderPlaced, context: MessageContext) -> None:
+        arrivals.record(context.message_id)
+
+    billing = App("billing", transport=transport)
+    billing.register(OrderPlaced, count)
+    billing.subscribe(OrderPlaced)
+    orders = App("orders", transport=transport, database=database)
+    orders.register(PlaceOrder, placing_orders())
+    queues = [orders.name, billing.name, "frontend", orders.retry.error_queue]
+    try:
+        async with billing:
+            await seed_orders(transport, orders.name)
+            gc.collect()
+            started, cpu = time.perf_counter(), time.process_time()
+            async with orders:
+                await arrivals.tally.wait()
+    finally:
+        await delete_queues(transport, queues, [])
+    await expect_rows(database, {"orders": SEEDED, "mersal_outbox": 0})
+    return arrivals.phase(started, cpu)
+
+
+async def seed_orders(transport: str, queue: str) -> None:
+    """`SEEDED` PlaceOrder commands sent (confirmed) to `queue`, declared as its app would."""
+    frontend = App("frontend", transport=transport)
+    frontend.route(PlaceOrder, queue)
+    async with frontend:
+        await frontend.transport.declare(queue)
+        await send_all(lambda: frontend.send(PlaceOrder(uuid.uuid4().hex, 9.5)), SEEDED)
+
+
+# The raw chain: asyncpg and aio-pika, no Mersal code on the way.
+
+
+async def raw_chain(database: str, transport: str) -> Phase:
+    """`SEEDED` commands wait in the raw queue; time `RawOrders` through them."""
+    arrivals = Arrivals(SEEDED)
+    dsn = make_url(database).set(drivername="postgresql").render_as_string(hide_password=False)
+    connection = await aio_pika.connect(transport)  # the seeding and billing side's
+    try:
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        await declare_raw_topology(channel)
+        await seed_raw(channel)
+        counting = await connection.channel()
+        await counting.set_qos(prefetch_count=PREFETCH)
+        await (await counting.get_queue(RAW_BILLING)).consume(counter(arrivals))
+        gc.collect()
+        started, cpu = time.perf_counter(), time.process_time()
+        async with raw_orders(dsn, transport):
+            await arrivals.tally.wait()
+    finally:
+        await connection.close()
+        await delete_queues(transport, [RAW_APP, RAW_BILLING], [RAW_EVENTS])
+    await expect_rows(database, {"raw_orders": SEEDED, "raw_inbox": SEEDED, "raw_outbox": 0})
+    return arrivals.phase(started, cpu)
+
+
+async def declare_raw_topology(channel: AbstractChannel) -> None:
+    """The command queue, the events exchange and the billing queue bound to OrderPlaced."""
+    events = await channel.declare_exchange(RAW_EVENTS, aio_pika.ExchangeType.TOPIC, durable=True)
+    await channel.declare_queue(RAW_APP, durable=True, arguments={"x-queue-type": "classic"})
+    billing = await channel.declare_queue(
+        RAW_BILLING, durable=True, arguments={"x-queue-type": "classic"}
+    )
+    await billing.bind(events, routing_key=EVENT_TYPE)
+
+
+async def seed_raw(channel: AbstractChannel) -> None:
+    """`SEEDED` PlaceOrder commands, persistent, mandatory and confirmed, into the raw queue."""
+    exchange = channel.default_exchange
+
+    async def send() -> None:
+        message_id = str(uuid.uuid4())
+        amqp = aio_pika.Message(
+            JSON.encode(RawCommand(uuid.uuid4().hex, 9.5)),
+            headers={"sent-at": f"{time.time():.6f}", "source": "frontend"},
+            message_id=message_id,
+            correlation_id=message_id,
+            type=COMMAND_TYPE,
+            reply_to="frontend",
+            content_type="application/json",
+            timestamp=time.time(),
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+        await exchange.publish(amqp, routing_key=RAW_APP, mandatory=True)
+
+    await send_all(send, SEEDED)
+
+
+def counter(arrivals: Arrivals) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
+    """The raw billing consumer: decode the event, count its id, ack."""
+
+    async def count(message: AbstractIncomingMessage) -> None:
+        EVENT_JSON.decode(message.body)
+        arrivals.record(message.message_id or "")
+        await message.ack()
+
+    return count
+
+
+@asynccontextmanager
+async def raw_orders(dsn: str, transport: str) -> AsyncIterator[RawOrders]:
+    """`RawOrders` connected, relaying and consuming; stopped and disconnected afterwards."""
+    async with AsyncExitStack() as stack:
+        pool = await asyncpg.create_pool(dsn, min_size=CONCURRENCY, max_size=CONCURRENCY)
+        stack.push_async_callback(pool.close)
+        relay_connection = await asyncpg.connect(dsn)
+        stack.push_async_callback(relay_connection.close)
+        connection = await aio_pika.connect(transport)
+        stack.push_async_callback(connection.close)
+        publishing = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        events = await publishing.get_exchange(RAW_EVENTS)
+        orders = RawOrders(pool, relay_connection, publishing, events)
+        orders.start_relay()
+        stack.push_async_callback(orders.stop_relay)
+        consuming = await connection.channel()
+        stack.push_async_callback(consuming.close)
+        await consuming.set_qos(prefetch_count=PREFETCH)
+        await (await consuming.get_queue(RAW_APP)).consume(orders.handle)
+        yield orders
+
+
+class RawOrders:
+    """The orders service by hand: each command's rows in one transaction, then a relay.
+
+    A command (at most `CONCURRENCY` at once): one transaction inserts the inbox row (a copy
+    handled already is acked with nothing written), the order and the OrderPlaced outbox row;
+    commit, ack, wake the relay. The relay claims up to `RELAY_BATCH` rows with a lease,
+    publishes them all with confirms and deletes the confirmed ones (the others wait
+    `RETRY_DELAY`), until none is left; then it waits to be woken, or `POLL_INTERVAL`.
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        relay_connection: Any,
+        publishing: AbstractChannel,
+        events: AbstractExchange,
+    ) -> None:
+        self.pool = pool
+        self.relay_connection = relay_connection
+        self.publishing = publishing
+        self.events = events
+        self.slots = asyncio.Semaphore(CONCURRENCY)
+        self.wake = asyncio.Event()
+        self.stopping = False
+        self.unconfirmed = 0
+        self._relay: asyncio.Task[None] | None = None
+
+    async def handle(self, message: AbstractIncomingMessage) -> None:
+        """One command: commit its rows, ack, wake the relay; nack (requeue) if that fails."""
+        async with self.slots:
+            try:
+                await self.commit(message)
+            except Exception:
+                await message.nack(requeue=True)
+                raise
+            await message.ack()
+            self.wake.set()
+
+    async def commit(self, message: AbstractIncomingMessage) -> None:
+        """The inbox row, the order and the OrderPlaced outbox row, in one transaction."""
+        command = COMMAND_JSON.decode(message.body)
+        headers, body = raw_event(command, message)
+        async with self.pool.acquire() as connection, connection.transaction():
+            if await connection.fetchval(INSERT_INBOX, RAW_APP, message.message_id) is None:
+                return  # a copy of a command handled already
+            await connection.execute(INSERT_ORDER, command.order_id, command.amount)
+            await connection.execute(INSERT_OUTBOX, RAW_APP, EVENT_TYPE, True, headers, body)
+
+    def start_relay(self) -> None:
+        """Run the relay loop in the background."""
+        self._relay = asyncio.create_task(self.relay(), name="raw-relay")
+
+    async def stop_relay(self) -> None:
+        """Stop the relay once it has sent what waits."""
+        self.stopping = True
+        self.wake.set()
+        if self._relay is not None:
+            await self._relay
+
+    async def relay(self) -> None:
+        """Send rows until none is left, whenever woken or every `POLL_INTERVAL` seconds."""
+        while True:
+            self.wake.clear()
+            while rows := await self.claim():
+                await self.send(rows)
+            if self.stopping:
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_INTERVAL):
+                    await self.wake.wait()
+
+    async def claim(self) -> list[Any]:
+        """Lease up to `RELAY_BATCH` unsent rows (committed at once), oldest first."""
+        lease = timedelta(seconds=LEASE)
+        rows = await self.relay_connection.fetch(CLAIM, RAW_APP, RELAY_BATCH, lease)
+        return sorted(rows, key=itemgetter("id"))
+
+    async def send(self, rows: list[Any]) -> None:
+        """Publish the rows at once; delete the confirmed ones, put the others back for later."""
+        results = await asyncio.gather(*map(self.publish, rows), return_exceptions=True)
+        outcomes = list(zip(rows, results, strict=True))
+        sent = [row["id"] for row, result in outcomes if result is None]
+        failed = [row["id"] for row, result in outcomes if result is not None]
+        if sent:
+            await self.relay_connection.execute(DELETE_SENT, sent)
+        if failed:
+            await self.relay_connection.execute(RELEASE, failed, RETRY_DELAY)
+            self.unconfirmed += len(failed)
+
+    async def publish(self, row: Any) -> None:
+        """One row, persistent and mandatory; returns once the broker has confirmed it."""
+        headers = HEADERS_JSON.decode(row["headers"])
+        amqp = aio_pika.Message(
+            row["body"],
+            headers={key: value for key, value in headers.items() if key not in PROPERTIES},
+            message_id=headers.get("message-id"),
+            correlation_id=headers.get("correlation-id"),
+            type=headers.get("type"),
+            reply_to=headers.get("reply-to"),
+            content_type=headers.get("content-type"),
+            timestamp=float(headers["sent-at"]),
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+        exchange = self.events if row["publish"] else self.publishing.default_exchange
+        confirmation = await exchange.publish(amqp, routing_key=row["address"], mandatory=True)
+        if not isinstance(confirmation, aiormq.spec.Basic.Ack):
+            raise RuntimeError(f"outbox row {row['id']} was not confirmed: {confirmation!r}")
+
+
+def raw_event(command: RawCommand, cause: AbstractIncomingMessage) -> tuple[str, bytes]:
+    """The OrderPlaced outbox row's headers (JSON text, as ours) and body for a command."""
+    message_id = str(uuid.uuid4())
+    headers = {
+        "message-id": message_id,
+        "type": EVENT_TYPE,
+        "correlation-id": cause.correlation_id or message_id,
+        "causation-id": cause.message_id or "",
+        "sent-at": f"{time.time():.6f}",
+        "content-type": "application/json",
+        "source": RAW_APP,
+        "reply-to": RAW_APP,
+    }
+    return JSON.encode(headers).decode(), JSON.encode(RawEvent(command.order_id, command.amount))
+
+
 # The database and the vhost.
 
 
@@ -530,16 +969,34 @@ async def chain_only() -> dict[str, float | int]:
     }
 
 
+async def seeded_only(side: str) -> dict[str, float | int]:
+    """One side of the pre-seeded comparison (`seeded` or `raw-chain`) on its own: to profile."""
+    async with private_database() as database, private_vhost("mersal-bench-seeded") as transport:
+        await create_business_tables(database)
+        if side == "seeded":
+            phase = await seeded_chain(database, transport)
+            return {
+                "outbox_seeded_chains_per_s": phase.rate,
+                "outbox_seeded_cpu_ms_per_chain": phase.cpu_seconds * 1e3,
+            }
+        phase = await raw_chain(database, transport)
+        return {"raw_chain_per_s": phase.rate, "raw_cpu_ms_per_chain": phase.cpu_seconds * 1e3}
+
+
 def main(argv: list[str]) -> int:
-    """`relay-instance NAME` (a child of the two-instance phase) or `chain` (for profiling)."""
+    """`relay-instance NAME` (a child of the two-instance phase), or a part alone to profile."""
     if argv[:1] == ["relay-instance"] and len(argv) == 2:
         asyncio.run(relay_instance(argv[1]))
         return 0
-    if argv == ["chain"]:
-        for key, value in asyncio.run(chain_only()).items():
+    if argv in (["chain"], ["seeded"], ["raw-chain"]):
+        part = chain_only() if argv == ["chain"] else seeded_only(argv[0])
+        for key, value in asyncio.run(part).items():
             print(f"{key}={value:.4g}", flush=True)
         return 0
-    print("usage: python -m bench.outbox relay-instance NAME | chain", file=sys.stderr)
+    print(
+        "usage: python -m bench.outbox relay-instance NAME | chain | seeded | raw-chain",
+        file=sys.stderr,
+    )
     return 2
 
 
