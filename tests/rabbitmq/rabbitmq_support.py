@@ -52,10 +52,14 @@ class Broker:
         return message
 
     async def count(self, queue: str) -> int:
-        """How many messages are ready in `queue`."""
-        result = await self.channel.declare_queue(queue, passive=True)
-        count = result.declaration_result.message_count
-        return int(count or 0)
+        """How many messages are ready in `queue` (a passive declare, on a channel of its own)."""
+        channel = await self.connection.channel()
+        try:
+            declared = await channel.declare_queue(queue, passive=True)
+            return int(declared.declaration_result.message_count or 0)
+        finally:
+            if not channel.is_closed:
+                await channel.close()
 
     async def exists(self, queue: str) -> bool:
         """Whether `queue` exists (a passive declare, on a channel of its own)."""

@@ -37,6 +37,7 @@ from mersal.transport import Outgoing, Transport
 from mersal.transport.memory import MemoryTransport
 from mersal_sqlalchemy import SqlOutboxStore, SqlStorage, attach, make_engine
 from tests.cli.conftest import mersal
+from tests.rabbitmq.rabbitmq_support import Broker
 from tests.sql.support import Sink
 from tests.support import DelegatingTransport, eventually
 
@@ -107,28 +108,26 @@ class Recorder:
         return {message_id: n for message_id, n in self.ids.items() if n > 1}
 
 
-class Raw:
+class Raw(Broker):
     """An aio-pika connection of the test's own: a producer that is not Mersal, and a watcher.
 
     The queues it declares, and those of the apps it watches, are deleted after the test.
     """
 
     def __init__(self, url: str, connection: AbstractConnection, channel: AbstractChannel) -> None:
+        super().__init__(connection, channel)
         self.url = url
-        self.connection = connection
-        self.channel = channel
-        self.made: set[str] = set()
         self.apps: list[App] = []
 
-    def watch(self, app: App) -> App:
-        """Delete the queues `app` declares after the test."""
+    def watch(self, app: App) -> App:  # type: ignore[override]
+        """Stop `app` and delete the queues it declares after the test."""
         self.apps.append(app)
+        super().watch(app.transport)
         return app
 
-    async def declare(self, name: str) -> str:
-        """Declare a durable queue (deleted after the test)."""
-        self.made.add(name)
-        await self.channel.declare_queue(name, durable=True)
+    async def declare(self, name: str, **options: Any) -> str:  # type: ignore[override]
+        """Declare a durable queue (deleted after the test); its name."""
+        await super().declare(name, durable=True, **options)
         return name
 
     async def record(self, queue: str) -> Recorder:
@@ -138,34 +137,6 @@ class Raw:
         amqp_queue = await channel.get_queue(queue, ensure=False)
         await amqp_queue.consume(recorder.on_message, no_ack=True)
         return recorder
-
-    async def publish(self, outgoing: aio_pika.Message, routing_key: str) -> None:
-        """Publish a raw message through the default exchange."""
-        await self.channel.default_exchange.publish(outgoing, routing_key)
-
-    async def count(self, queue: str) -> int:
-        """How many messages are ready in `queue`."""
-        channel = await self.connection.channel()
-        try:
-            declared = await channel.declare_queue(queue, passive=True)
-            return int(declared.declaration_result.message_count or 0)
-        finally:
-            await channel.close()
-
-    async def exists(self, queue: str) -> bool:
-        """Whether `queue` exists (a passive declare on a channel of its own)."""
-        channel = await self.connection.channel()
-        try:
-            await channel.declare_queue(queue, passive=True)
-        except aio_pika.exceptions.ChannelNotFoundEntity:
-            return False
-        if not channel.is_closed:
-            await channel.close()
-        return True
-
-    def leftovers(self) -> set[str]:
-        """Every queue to delete after the test."""
-        return self.made.union(*(app.transport.queues for app in self.apps))  # type: ignore[attr-defined]
 
 
 @pytest.fixture
@@ -186,9 +157,7 @@ async def raw(amqp_url: str) -> AsyncIterator[Raw]:
             await app.stop()
         await connection.close()
         async with await aio_pika.connect(amqp_url) as cleanup:
-            channel = await cleanup.channel()
-            for name in sorted(helper.leftovers()):
-                await channel.queue_delete(name)
+            await Broker(cleanup, await cleanup.channel()).delete(sorted(helper.leftovers()))
 
 
 def unique_name(what: str) -> str:
