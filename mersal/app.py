@@ -59,6 +59,7 @@ from mersal.transaction import (
 from mersal.transport import (
     Consumer,
     Delivery,
+    Limits,
     Outgoing,
     Transport,
     limits_of,
@@ -135,8 +136,6 @@ class App:
         self._replies: _Replies | None = None
         self.storage: Storage | None = None
         self.settler = Settler(self.transport, self.retry.error_queue)
-        self.limits = limits_of(self.transport)
-        """What the transport carries (read again once it is connected)."""
 
     def __repr__(self) -> str:
         return f"<App {self.name!r} on {mask(self.transport.address)}>"
@@ -150,8 +149,11 @@ class App:
     def transport(self, transport: Transport) -> None:
         self._check_not_running("change the transport")
         self._transport = transport
-        self.settler = Settler(transport, self.retry.error_queue)
-        self.limits = limits_of(transport)
+
+    @property
+    def limits(self) -> Limits:
+        """What the transport carries (a broker's are known once it is connected)."""
+        return limits_of(self._transport)
 
     # Registration.
 
@@ -450,7 +452,6 @@ class App:
         transport = self.transport
         self.settler = Settler(transport, self.retry.error_queue)
         await transport.start()
-        self.limits = limits_of(transport)
         try:
             await transport.declare(self.name)
             await transport.declare(self.retry.error_queue)
