@@ -48,7 +48,8 @@ a server where that user may create databases) and MERSAL_BENCH_RABBITMQ_HOST (1
 
 `python -m bench.outbox chain` runs only the setup, a warm-up and the full-load chain, and prints
 its figures: the thing to profile. `python -m bench.outbox seeded` (the pre-seeded orders app)
-and `python -m bench.outbox raw-chain` (the raw chain) do the same for one side of the last part.
+and `python -m bench.outbox raw-chain` (the raw chain) do the same for one side of the last part;
+`python -m bench.outbox pair` runs both sides once and prints their ratio.
 """
 
 from __future__ import annotations
@@ -969,18 +970,35 @@ async def chain_only() -> dict[str, float | int]:
     }
 
 
-async def seeded_only(side: str) -> dict[str, float | int]:
-    """One side of the pre-seeded comparison (`seeded` or `raw-chain`) on its own: to profile."""
+async def seeded_only() -> dict[str, float | int]:
+    """The pre-seeded orders app alone: what to profile."""
     async with private_database() as database, private_vhost("mersal-bench-seeded") as transport:
         await create_business_tables(database)
-        if side == "seeded":
-            phase = await seeded_chain(database, transport)
-            return {
-                "outbox_seeded_chains_per_s": phase.rate,
-                "outbox_seeded_cpu_ms_per_chain": phase.cpu_seconds * 1e3,
-            }
+        phase = await seeded_chain(database, transport)
+    return {
+        "outbox_seeded_chains_per_s": phase.rate,
+        "outbox_seeded_cpu_ms_per_chain": phase.cpu_seconds * 1e3,
+    }
+
+
+async def raw_only() -> dict[str, float | int]:
+    """The raw chain alone: what to profile beside it."""
+    async with private_database() as database, private_vhost("mersal-bench-seeded") as transport:
+        await create_business_tables(database)
         phase = await raw_chain(database, transport)
-        return {"raw_chain_per_s": phase.rate, "raw_cpu_ms_per_chain": phase.cpu_seconds * 1e3}
+    return {"raw_chain_per_s": phase.rate, "raw_cpu_ms_per_chain": phase.cpu_seconds * 1e3}
+
+
+async def pair_only() -> dict[str, float | int]:
+    """The pre-seeded orders app, then the raw chain, and the ratio of their rates."""
+    seeded, raw = await seeded_against_raw(raw_first=False)
+    return {
+        "outbox_seeded_chains_per_s": seeded.rate,
+        "outbox_seeded_cpu_ms_per_chain": seeded.cpu_seconds * 1e3,
+        "raw_chain_per_s": raw.rate,
+        "raw_cpu_ms_per_chain": raw.cpu_seconds * 1e3,
+        "outbox_seeded_ratio_to_raw_chain": seeded.rate / raw.rate,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -988,13 +1006,13 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["relay-instance"] and len(argv) == 2:
         asyncio.run(relay_instance(argv[1]))
         return 0
-    if argv in (["chain"], ["seeded"], ["raw-chain"]):
-        part = chain_only() if argv == ["chain"] else seeded_only(argv[0])
-        for key, value in asyncio.run(part).items():
+    parts = {"chain": chain_only, "seeded": seeded_only, "raw-chain": raw_only, "pair": pair_only}
+    if len(argv) == 1 and argv[0] in parts:
+        for key, value in asyncio.run(parts[argv[0]]()).items():
             print(f"{key}={value:.4g}", flush=True)
         return 0
     print(
-        "usage: python -m bench.outbox relay-instance NAME | chain | seeded | raw-chain",
+        "usage: python -m bench.outbox relay-instance NAME | chain | seeded | raw-chain | pair",
         file=sys.stderr,
     )
     return 2

@@ -1,0 +1,98 @@
+"""The inbox and outbox inserts on asyncpg belong to the transaction they are written in."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+
+from mersal.messages import Envelope
+from mersal.transport import Outgoing
+from mersal_sqlalchemy.database import make_engine
+from mersal_sqlalchemy.inbox import Inbox
+from mersal_sqlalchemy.outbox import write_outbox
+from mersal_sqlalchemy.tables import Tables, make_tables
+from tests.support import eventually
+
+pytestmark = pytest.mark.integration
+
+TABLES = make_tables()
+
+
+@pytest.fixture
+async def engine(postgres_url: str) -> AsyncIterator[AsyncEngine]:
+    engine = make_engine(postgres_url)
+    yield engine
+    await engine.dispose()
+
+
+def outgoing(n: int) -> Outgoing:
+    headers = {"message-id": f"m-{n:03d}", "type": "Ship", "odd": "quote ' and \\ and é"}
+    return Outgoing(f"queue-{n % 3}", Envelope(headers, bytes([n % 256, 0, 255])), n % 2 == 0)
+
+
+async def count(engine: AsyncEngine, tables: Tables, which: str) -> int:
+    table = tables.outbox if which == "outbox" else tables.inbox
+    async with engine.connect() as connection:
+        return int((await connection.execute(select(func.count()).select_from(table))).scalar_one())
+
+
+async def test_rows_written_first_in_a_session_roll_back_with_it(engine: AsyncEngine) -> None:
+    """SQLAlchemy begins lazily: the first statement, ours, must still be inside a transaction."""
+    inbox = Inbox(engine, TABLES.inbox, "orders", retention=60)
+    async with AsyncSession(engine) as session:
+        assert await inbox.record(session, "first")
+        await write_outbox(session, TABLES.outbox, "orders", [outgoing(1)], TABLES.channel)
+        await session.rollback()
+    async with engine.connect() as connection:
+        await write_outbox(connection, TABLES.outbox, "orders", [outgoing(2)], None)
+        await connection.rollback()
+    assert await count(engine, TABLES, "outbox") == 0
+    assert await count(engine, TABLES, "inbox") == 0
+
+
+async def test_the_inbox_says_whether_an_id_is_new(engine: AsyncEngine) -> None:
+    inbox = Inbox(engine, TABLES.inbox, "orders", retention=60)
+    async with AsyncSession(engine) as session, session.begin():
+        assert await inbox.record(session, "once")
+    async with AsyncSession(engine) as session, session.begin():
+        assert not await inbox.record(session, "once")
+        assert await inbox.record(session, "x" * 300)  # stored as a digest
+        assert not await inbox.record(session, "x" * 300)
+
+
+async def test_rows_keep_their_order_fields_and_bytes(engine: AsyncEngine) -> None:
+    sent = [outgoing(n) for n in range(120)]
+    async with AsyncSession(engine) as session, session.begin():
+        await write_outbox(session, TABLES.outbox, "orders", sent, TABLES.channel)
+    table = TABLES.outbox
+    async with engine.connect() as connection:
+        query = select(table.c.app, table.c.address, table.c.publish, table.c.headers, table.c.body)
+        rows = (await connection.execute(query.order_by(table.c.id))).all()
+    assert [row.address for row in rows] == [message.address for message in sent]
+    assert [row.publish for row in rows] == [message.publish for message in sent]
+    assert [row.body for row in rows] == [message.envelope.body for message in sent]
+    assert {row.app for row in rows} == {"orders"}
+    assert '"odd":"quote \' and \\\\ and é"' in rows[0].headers
+
+
+async def test_one_commit_notifies_the_channel_once(engine: AsyncEngine) -> None:
+    dsn = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    listener = await asyncpg.connect(dsn)
+    heard: list[str] = []
+    await listener.add_listener(TABLES.channel, lambda *args: heard.append(args[-1]))
+    try:
+        async with AsyncSession(engine) as session, session.begin():
+            await write_outbox(session, TABLES.outbox, "orders", [outgoing(1)], TABLES.channel)
+            await write_outbox(session, TABLES.outbox, "orders", [outgoing(2)], TABLES.channel)
+        async with AsyncSession(engine) as session:
+            await write_outbox(session, TABLES.outbox, "orders", [outgoing(3)], TABLES.channel)
+            await session.rollback()
+        await eventually(lambda: bool(heard), "the notification")
+        await listener.execute("SELECT 1")
+    finally:
+        await listener.close()
+    assert heard == ["orders"]
