@@ -23,6 +23,7 @@ from aiormq.abc import DeliveredMessage
 
 from mersal.errors import ConsumerClosed, MersalError, Unroutable
 from mersal.messages import describe
+from mersal_rabbitmq.acks import Acks
 from mersal_rabbitmq.connection import (
     CHANNEL_ERRORS,
     Connection,
@@ -38,6 +39,8 @@ log = logging.getLogger("mersal.rabbitmq")
 
 ACK_MODES = ("manual", "on_receive", "none")
 """When deliveries are acked: after handling, on arrival, or never (consumed without acks)."""
+ACK_DRAIN_TIMEOUT = 2.0
+"""Seconds a closing consumer waits for its noted acks to be written."""
 RESUBSCRIBE_DELAYS = (0.2, 0.5, 1.0, 2.0, 5.0)
 """The pauses between a lost consumer's attempts to consume again."""
 
@@ -87,6 +90,7 @@ class RabbitMQConsumer:
         self._delays = delays
         self._channel: AbstractChannel | None = None
         self._underlay: aiormq.abc.AbstractChannel | None = None
+        self._acks: Acks | None = None
         self._tag: str | None = None
         self._consuming = False
         self._buffer: deque[tuple[AbstractChannel, DeliveredMessage]] = deque()
@@ -117,7 +121,8 @@ class RabbitMQConsumer:
             while self._buffer:
                 channel, message = self._buffer.popleft()
                 if not channel.is_closed:  # else its channel died: the broker delivers it again
-                    delivery = RabbitMQDelivery(self, message)
+                    acks = self._acks if channel is self._channel else None
+                    delivery = RabbitMQDelivery(self, message, acks)
                     self._outstanding.add(delivery)
                     return delivery
             if self._failure is not None:
@@ -136,11 +141,12 @@ class RabbitMQConsumer:
             await self._close_channel()
 
     async def abandon(self) -> None:
-        """Stop at once without talking to the broker (the connection is about to close)."""
+        """Stop at once, sending only the acks already noted (the connection is about to close)."""
         self._closed = True
         self._ready.set()
         if self._registration is not None:
             await self._registration.cancel()
+        await self._send_acks()
 
     @property
     def acked_already(self) -> bool:
@@ -178,6 +184,7 @@ class RabbitMQConsumer:
         underlay.on_consumer_cancel_callbacks.add(self._on_cancel)
         channel.close_callbacks.add(self._on_channel_close)
         self._channel = channel
+        self._acks = Acks(underlay) if self._ack_mode == "manual" else None
         return channel
 
     async def _restore(self) -> None:
@@ -190,10 +197,13 @@ class RabbitMQConsumer:
         log.info("consuming %r again", self.queue)
 
     async def _on_message(self, channel: AbstractChannel, message: DeliveredMessage) -> None:
+        acks = self._acks if channel is self._channel else None
+        if acks is not None:
+            acks.received(_tag(message))
         if self._closed or channel is not self._channel:
             if self._ack_mode == "manual":
                 with contextlib.suppress(Exception):
-                    await _nack(message, requeue=True)
+                    await _nack(message, acks, requeue=True)
             return
         if self._ack_mode == "on_receive":
             await _ack(message)
@@ -251,11 +261,20 @@ class RabbitMQConsumer:
         while self._buffer:
             channel, message = self._buffer.popleft()
             if not channel.is_closed:
+                acks = self._acks if channel is self._channel else None
                 with contextlib.suppress(Exception):
-                    await _nack(message, requeue=True)
+                    await _nack(message, acks, requeue=True)
+
+    async def _send_acks(self) -> None:
+        channel, acks = self._channel, self._acks
+        if acks is not None and channel is not None and not channel.is_closed:
+            with contextlib.suppress(TimeoutError):  # a blocked connection: they come again
+                async with asyncio.timeout(ACK_DRAIN_TIMEOUT):
+                    await acks.drain()
 
     async def _close_channel(self) -> None:
         self._host.forget(self)
+        await self._send_acks()
         channel, self._channel = self._channel, None
         if channel is not None:
             await close_quietly(channel)
@@ -264,11 +283,14 @@ class RabbitMQConsumer:
 class RabbitMQDelivery:
     """A message received from RabbitMQ, owed exactly one ack or nack."""
 
-    __slots__ = ("_consumer", "_message", "_settled", "envelope", "queue", "redelivered")
+    __slots__ = ("_acks", "_consumer", "_message", "_settled", "envelope", "queue", "redelivered")
 
-    def __init__(self, consumer: RabbitMQConsumer, message: DeliveredMessage) -> None:
+    def __init__(
+        self, consumer: RabbitMQConsumer, message: DeliveredMessage, acks: Acks | None = None
+    ) -> None:
         self._consumer = consumer
         self._message = message
+        self._acks = acks
         self._settled = False
         self.envelope = envelope_of(message)
         self.queue = consumer.queue
@@ -280,12 +302,15 @@ class RabbitMQDelivery:
         return self._message
 
     async def ack(self) -> None:
-        """Remove the message from its queue; raises if its channel died (it comes back)."""
-        await self._settle(partial(_ack, self._message))
+        """Remove the message from its queue; raises if its channel died (it comes back).
+
+        The ack goes with others noted within a few milliseconds (see `mersal_rabbitmq.acks`).
+        """
+        await self._settle(partial(_ack, self._message, self._acks))
 
     async def nack(self, requeue: bool = True) -> None:
         """Return the message to its queue; `requeue=False` lets the broker drop it."""
-        await self._settle(partial(_nack, self._message, requeue=requeue))
+        await self._settle(partial(_nack, self._message, self._acks, requeue=requeue))
 
     async def _settle(self, action: Callable[[], Awaitable[None]]) -> None:
         if self._settled:
@@ -357,11 +382,21 @@ class Consumers:
         self._live.discard(consumer)
 
 
-async def _ack(message: DeliveredMessage) -> None:
+def _tag(message: DeliveredMessage) -> int:
     assert message.delivery_tag is not None
-    await message.channel.basic_ack(message.delivery_tag)
+    return message.delivery_tag
 
 
-async def _nack(message: DeliveredMessage, *, requeue: bool) -> None:
-    assert message.delivery_tag is not None
-    await message.channel.basic_nack(message.delivery_tag, requeue=requeue)
+async def _ack(message: DeliveredMessage, acks: Acks | None = None) -> None:
+    if acks is None:
+        await message.channel.basic_ack(_tag(message))
+        return
+    if message.channel.is_closed:
+        raise aiormq.exceptions.ChannelInvalidStateError(f"{message.channel!r} closed")
+    acks.ack(_tag(message))
+
+
+async def _nack(message: DeliveredMessage, acks: Acks | None = None, *, requeue: bool) -> None:
+    await message.channel.basic_nack(_tag(message), requeue=requeue)
+    if acks is not None:
+        acks.nacked(_tag(message))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 
 import aiormq
 from aio_pika.abc import AbstractChannel
@@ -193,10 +193,7 @@ class Publishing:
             )
             return [unknown] * len(run)
         try:
-            results = await asyncio.gather(
-                *(self._publish(publisher, outgoing, deadline) for outgoing in run),
-                return_exceptions=True,
-            )
+            results = await _each(self._publish(publisher, outgoing, deadline) for outgoing in run)
         except asyncio.CancelledError:
             publisher.retired = True  # confirms may still arrive for what was written
             raise
@@ -314,3 +311,15 @@ def _result(result: BaseException | None) -> Exception | None:
     if result is None or isinstance(result, Exception):
         return result
     raise result  # a BaseException that is not an Exception: let it through
+
+
+async def _each(publishes: Iterable[Awaitable[None]]) -> list[BaseException | None]:
+    """Await the publishes concurrently; each one's exception, or None. One needs no task."""
+    pending = list(publishes)
+    if len(pending) != 1:
+        return await asyncio.gather(*pending, return_exceptions=True)
+    try:
+        await pending[0]
+    except Exception as error:
+        return [error]
+    return [None]

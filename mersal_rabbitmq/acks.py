@@ -1,0 +1,115 @@
+"""Acks sent together: one `multiple` ack for every settled delivery at the head of a channel.
+
+Acking each delivery on its own costs a frame and a socket write each. Here an ack is noted
+and sent `delay` seconds later with the others noted meanwhile: the longest run of noted acks
+at the head of the channel's unsettled deliveries (in delivery-tag order) goes as one ack
+with `multiple=True`. An ack behind a delivery still being handled cannot be
+covered by that; it waits `linger` seconds for the gap to close and is then sent on its own.
+
+A delivery that is nacked stays unsettled here until its nack is written, so a multiple ack
+never covers it. An ack not yet sent when the channel closes is lost with the channel: the
+broker delivers that message again (the inbox absorbs such a copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+
+import aiormq
+
+log = logging.getLogger("mersal.rabbitmq")
+
+DELAY = 0.002
+"""Seconds an ack waits for others to go with it."""
+LINGER = 0.02
+"""Seconds an ack behind an unsettled delivery waits to join a multiple ack."""
+
+
+class Acks:
+    """The acks owed on one channel, noted by the app and sent in as few frames as possible."""
+
+    def __init__(
+        self, channel: aiormq.abc.AbstractChannel, delay: float = DELAY, linger: float = LINGER
+    ) -> None:
+        self._channel = channel
+        self._delay = delay
+        self._linger = linger
+        self._unsettled: deque[int] = deque()
+        self._noted: set[int] = set()
+        self._flush: asyncio.Handle | None = None
+        self._sending: set[asyncio.Task[None]] = set()
+
+    def received(self, tag: int) -> None:
+        """A delivery arrived on the channel: it is unsettled until acked or nacked."""
+        self._unsettled.append(tag)
+
+    def ack(self, tag: int) -> None:
+        """Ack the delivery, together with the others noted in the next `delay` seconds."""
+        self._noted.add(tag)
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(self._delay, self._send_head)
+
+    def nacked(self, tag: int) -> None:
+        """The delivery's nack was written: the acks behind it may go."""
+        try:
+            self._unsettled.remove(tag)
+        except ValueError:
+            return
+        if self._noted and self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(self._delay, self._send_head)
+
+    async def drain(self) -> None:
+        """Send every noted ack now and wait until they are written (before closing)."""
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        self._send_head()
+        self._send_rest()
+        if self._sending:
+            await asyncio.gather(*self._sending, return_exceptions=True)
+
+    def _send_head(self) -> None:
+        self._flush = None
+        unsettled, noted = self._unsettled, self._noted
+        last = None
+        while unsettled and unsettled[0] in noted:
+            last = unsettled.popleft()
+            noted.discard(last)
+        if last is not None:
+            self._send(last, multiple=True)
+        if noted:
+            self._flush = asyncio.get_running_loop().call_later(self._linger, self._send_late)
+
+    def _send_late(self) -> None:
+        self._send_head()
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        self._send_rest()
+
+    def _send_rest(self) -> None:
+        """Each noted ack that no multiple ack can cover yet, on its own."""
+        for tag in sorted(self._noted):
+            if tag in self._unsettled:
+                self._unsettled.remove(tag)
+            self._send(tag, multiple=False)
+        self._noted.clear()
+
+    def _send(self, tag: int, *, multiple: bool) -> None:
+        task = asyncio.ensure_future(self._write(tag, multiple))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _write(self, tag: int, multiple: bool) -> None:
+        try:
+            await self._channel.basic_ack(tag, multiple=multiple)
+        except Exception as error:
+            log.warning(
+                "could not ack delivery %d%s (%s: %s); RabbitMQ delivers it again",
+                tag,
+                " and the ones before it" if multiple else "",
+                type(error).__name__,
+                error,
+            )

@@ -1,0 +1,101 @@
+"""Acks sent together never settle a delivery that was not acked, and none is left unsent."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from rabbitmq_support import Broker
+from test_rabbitmq_transport import Make, envelope, started
+
+from mersal.transport import Outgoing
+from mersal_rabbitmq.acks import Acks
+from tests.support import eventually
+
+
+async def test_out_of_order_acks_and_nacks_settle_exactly_the_ones_asked(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    """Acked ones leave; nacked ones (between acked ones) come back, as soon as asked."""
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    ids = [f"m-{n:02d}" for n in range(40)]
+    await transport.send([Outgoing(queue, envelope(message_id)) for message_id in ids])
+    consumer = await transport.consume(queue, prefetch=40)
+    deliveries = [await asyncio.wait_for(consumer.get(), 5) for _ in ids]
+    returned = {delivery.envelope.message_id for delivery in deliveries[3::4]}
+
+    shuffled = random.Random(7).sample(deliveries, len(deliveries))
+    for delivery in shuffled:
+        if delivery.envelope.message_id in returned:
+            await delivery.nack(requeue=True)
+        else:
+            await delivery.ack()
+        await asyncio.sleep(0)
+
+    again = [await asyncio.wait_for(consumer.get(), 5) for _ in returned]
+    assert {delivery.envelope.message_id for delivery in again} == returned
+    assert all(delivery.redelivered for delivery in again)
+    for delivery in again:
+        await delivery.ack()
+    await consumer.close()
+    assert await broker.count(queue) == 0
+
+
+async def test_an_ack_behind_a_delivery_still_in_hand_goes_alone_after_the_linger(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    await transport.send([Outgoing(queue, envelope(f"m-{n}")) for n in range(2)])
+    consumer = await transport.consume(queue, prefetch=2)
+    first, second = [await asyncio.wait_for(consumer.get(), 5) for _ in range(2)]
+
+    await second.ack()  # the first is still being handled: no multiple ack may cover it
+    await asyncio.sleep(0.1)  # past the linger: the second's ack has gone alone by now
+
+    await first.nack(requeue=True)  # a multiple ack had settled it: the channel would close
+    back = await asyncio.wait_for(consumer.get(), 5)
+    assert back.envelope.message_id == "m-0"
+    await back.ack()
+    await consumer.close()
+    assert await broker.count(queue) == 0
+
+
+async def test_acks_noted_just_before_close_are_sent_before_the_channel_closes(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    await transport.send([Outgoing(queue, envelope(f"m-{n}")) for n in range(25)])
+    consumer = await transport.consume(queue, prefetch=25)
+    deliveries = [await asyncio.wait_for(consumer.get(), 5) for _ in range(25)]
+    await consumer.close()
+    for delivery in reversed(deliveries):
+        await delivery.ack()  # the last settle closes the channel: after the acks are written
+    await eventually(lambda: consumer._channel is None, "the consumer's channel closed")
+    assert await broker.count(queue) == 0
+
+
+def test_acks_unit_prefix_is_one_multiple_ack() -> None:
+    """Without a broker: which frames a run of acks becomes."""
+    sent: list[tuple[int, bool]] = []
+
+    class Channel:
+        async def basic_ack(self, tag: int, multiple: bool = False) -> None:
+            sent.append((tag, multiple))
+
+    async def scenario() -> None:
+        acks = Acks(Channel(), delay=0.001, linger=0.01)  # type: ignore[arg-type]
+        for tag in range(1, 7):
+            acks.received(tag)
+        for tag in (2, 1, 3, 5):  # 4 is still in hand
+            acks.ack(tag)
+        await eventually(lambda: sent == [(3, True)], "the head acked at once")
+        await eventually(lambda: sent == [(3, True), (5, False)], "5 alone after the linger")
+        acks.ack(6)
+        acks.nacked(4)
+        await acks.drain()
+
+    asyncio.run(scenario())
+    assert sent == [(3, True), (5, False), (6, True)]
