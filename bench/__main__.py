@@ -1,19 +1,21 @@
 """Run the benchmarks: `python -m bench [--only NAME] [--runs N]`.
 
 Prints one `key=value` line per figure: its median over the runs, then (with more than one
-run) `key_min=` and `key_max=`.
+run) `key_min=` and `key_max=`. Runs on uvloop when it is installed (`uvloop=1`);
+`MERSAL_LOOP=asyncio` measures on asyncio's own loop (`uvloop=0`).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import importlib
 import statistics
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, cast
+
+from mersal import loop
 
 Figures = dict[str, float | int]
 Run = Callable[[], Coroutine[Any, Any, Figures]]
@@ -69,9 +71,9 @@ def selected(only: list[str]) -> list[str]:
 
 
 def measure(run: Run) -> Figures:
-    """One run of a benchmark in a fresh event loop, after a garbage collection."""
+    """One run of a benchmark in a fresh event loop (see `mersal.loop`), after a collection."""
     gc.collect()
-    return asyncio.run(run())
+    return {**loop.run(run()), "uvloop": int(loop.chosen() == "uvloop")}
 
 
 def collect(results: list[Figures]) -> dict[str, list[float | int]]:

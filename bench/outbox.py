@@ -84,7 +84,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import NullPool
 
 from bench.support import PHASE_TIMEOUT, Phase, Tally, percentile_ms, private_vhost
-from mersal import App, MessageContext, message
+from mersal import App, MessageContext, loop, message
 from mersal.app import check_prefetch
 from mersal.messages import Envelope, Header
 from mersal.transport import Outgoing
@@ -1004,11 +1004,11 @@ async def pair_only() -> dict[str, float | int]:
 def main(argv: list[str]) -> int:
     """`relay-instance NAME` (a child of the two-instance phase), or a part alone to profile."""
     if argv[:1] == ["relay-instance"] and len(argv) == 2:
-        asyncio.run(relay_instance(argv[1]))
+        loop.run(relay_instance(argv[1]))
         return 0
     parts = {"chain": chain_only, "seeded": seeded_only, "raw-chain": raw_only, "pair": pair_only}
     if len(argv) == 1 and argv[0] in parts:
-        for key, value in asyncio.run(parts[argv[0]]()).items():
+        for key, value in loop.run(parts[argv[0]]()).items():
             print(f"{key}={value:.4g}", flush=True)
         return 0
     print(

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from mersal import plugins
+from mersal import loop, plugins
 from mersal.app import App
 from mersal.dead_letters import SUMMARY_COLUMNS, DeadLetters, describe, summary
 from mersal.errors import ConfigurationError, MersalError
@@ -37,6 +37,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = commands.add_parser("run", help="run an app's worker until SIGINT or SIGTERM")
     run.add_argument("target", help="module:attribute naming an App (or a function returning one)")
     run.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    run.add_argument(
+        "--loop",
+        choices=loop.LOOPS,
+        default=None,
+        help="event loop: uvloop when installed (mersal[fast]), or asyncio's (default: "
+        "MERSAL_LOOP, else auto)",
+    )
     add_dlq_commands(commands)
     plugins.add_commands(commands)
     args = parser.parse_args(argv)
@@ -52,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         app = load_app(args.target)
-        asyncio.run(serve(app))
+        loop.run(serve(app), args.loop)
     except MersalError as error:
         print(f"mersal: {error}", file=sys.stderr)
         return 2
