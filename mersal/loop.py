@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -27,9 +26,7 @@ def chosen(choice: str | None = None) -> str:
         raise ConfigurationError(f"loop {choice!r} is not one of {', '.join(LOOPS)}")
     if choice == "asyncio":
         return "asyncio"
-    try:
-        importlib.import_module("uvloop")
-    except ImportError:
+    if _uvloop_factory() is None:
         if choice == "uvloop":
             raise ConfigurationError(
                 "the uvloop loop was asked for but uvloop is not installed: "
@@ -41,11 +38,15 @@ def chosen(choice: str | None = None) -> str:
 
 def factory(choice: str | None = None) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """A new-loop function for `asyncio.Runner`: uvloop's, or None for asyncio's own."""
-    if chosen(choice) == "asyncio":
+    return None if chosen(choice) == "asyncio" else _uvloop_factory()
+
+
+def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
         return None
-    uvloop = importlib.import_module("uvloop")
-    new_event_loop: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return new_event_loop
+    return uvloop.new_event_loop
 
 
 def run(main: Coroutine[Any, Any, T], choice: str | None = None) -> T:
