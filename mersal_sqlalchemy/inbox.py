@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 from typing import Any
 
-from sqlalchemy import Table, bindparam, delete, select
+from sqlalchemy import Delete, Select, Table, any_, bindparam, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
@@ -74,15 +74,18 @@ class Inbox:
 
     async def seen(self, message_id: str) -> bool:
         """Whether the id was recorded already (a read on a connection of its own)."""
+        async with self.engine.connect() as connection:
+            return (await connection.execute(self.seen_query(message_id))).first() is not None
+
+    def seen_query(self, message_id: str) -> Select[tuple[str]]:
+        """The lookup of one id (by the primary key)."""
         table = self.table
-        query = select(table.c.message_id).where(
+        return select(table.c.message_id).where(
             table.c.app == self.app, table.c.message_id == inbox_key(message_id)
         )
-        async with self.engine.connect() as connection:
-            return (await connection.execute(query)).first() is not None
 
-    async def clean(self) -> int:
-        """Delete ids older than the retention window, in bounded batches; returns how many."""
+    def cleanup_statement(self) -> Delete:
+        """Delete one batch of this app's ids older than the retention window."""
         table = self.table
         expired = (
             select(table.c.message_id)
@@ -92,9 +95,15 @@ class Inbox:
             )
             .limit(self.cleanup_batch)
         )
-        statement = delete(table).where(
-            table.c.app == self.app, table.c.message_id.in_(expired.scalar_subquery())
-        )
+        if is_postgresql(self.engine):  # by the primary key, not a hash join over the table
+            chosen = table.c.message_id == any_(func.array(expired.scalar_subquery()))
+        else:
+            chosen = table.c.message_id.in_(expired.scalar_subquery())
+        return delete(table).where(table.c.app == self.app, chosen)
+
+    async def clean(self) -> int:
+        """Delete ids older than the retention window, in bounded batches; returns how many."""
+        statement = self.cleanup_statement()
         total = 0
         while True:
             async with self.engine.begin() as connection:

@@ -7,7 +7,7 @@ from functools import lru_cache
 from typing import Any
 
 import msgspec
-from sqlalchemy import Insert, Row, Table, delete, func, or_, select, update
+from sqlalchemy import Insert, Row, Table, Update, any_, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -127,6 +127,13 @@ class SqlOutboxStore:
 
     async def claim(self, limit: int) -> list[OutboxRow]:
         """Lease up to `limit` unsent rows of this app, oldest first (committed at once)."""
+        statement = self.claim_statement(limit)
+        async with self.engine.begin() as connection:
+            records = (await connection.execute(statement)).all()
+        return [row_of(record) for record in sorted(records, key=lambda record: record.id)]
+
+    def claim_statement(self, limit: int) -> Update:
+        """The claim: lease the oldest unleased, unparked rows of this app (by the claim index)."""
         table = self.table
         candidates = (
             select(table.c.id)
@@ -139,10 +146,15 @@ class SqlOutboxStore:
             .limit(limit)
         )
         if self._postgresql:
-            candidates = candidates.with_for_update(skip_locked=True)
+            # `id = ANY(ARRAY(...))`: the chosen rows are updated through the primary key;
+            # `id IN (...)` makes PostgreSQL hash-join them against a scan of the whole table.
+            claimable = candidates.with_for_update(skip_locked=True).scalar_subquery()
+            chosen = table.c.id == any_(func.array(claimable))
+        else:
+            chosen = table.c.id.in_(candidates.scalar_subquery())
         statement = (
             update(table)
-            .where(table.c.id.in_(candidates.scalar_subquery()))
+            .where(chosen)
             .values(
                 lease_until=sql_time(self.engine, self.lease),
                 attempts=table.c.attempts + 1,
@@ -156,9 +168,7 @@ class SqlOutboxStore:
                 table.c.attempts,
             )
         )
-        async with self.engine.begin() as connection:
-            records = (await connection.execute(statement)).all()
-        return [row_of(record) for record in sorted(records, key=lambda record: record.id)]
+        return statement
 
     async def delete(self, ids: Sequence[int]) -> None:
         """Forget rows the broker confirmed."""
