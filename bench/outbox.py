@@ -50,6 +50,11 @@ a server where that user may create databases) and MERSAL_BENCH_RABBITMQ_HOST (1
 its figures: the thing to profile. `python -m bench.outbox seeded` (the pre-seeded orders app)
 and `python -m bench.outbox raw-chain` (the raw chain) do the same for one side of the last part;
 `python -m bench.outbox pair` runs both sides once and prints their ratio.
+
+- Grown tables. The pre-seeded chain on a fresh database, then again on the same database
+  after `GROWN_INBOX` ids of the orders app went into the inbox and `GROWN_BACKLOG` rows of
+  another app into the outbox (VACUUM ANALYZE after, as autovacuum would): the grown rate as a
+  ratio of the empty one (`python -m bench.outbox grown` alone).
 """
 
 from __future__ import annotations
@@ -106,6 +111,8 @@ TWIN_GRACE = 1.0
 """Seconds to keep counting after every id arrived, for copies that come late."""
 
 SEEDED = 2_000
+GROWN_INBOX = 1_000_000
+GROWN_BACKLOG = 100_000
 """PlaceOrder commands waiting in the queue when the pre-seeded orders app (or raw chain) starts."""
 
 RELAY_BATCH: int = inspect.signature(attach).parameters["relay_batch"].default
@@ -165,6 +172,7 @@ async def run() -> dict[str, float | int]:
         relay, raw = await relay_against_raw(database, transport, raw_first=raw_first)
         twins = await two_instances(database, transport)
     seeded, raw_chain = await seeded_against_raw(raw_first=raw_first)
+    empty, grown = await grown_against_empty()
     return {
         "outbox_chain_msgs_per_s": full.rate,
         "outbox_chain_cpu_ms": full.cpu_seconds * 1e3,
@@ -186,6 +194,8 @@ async def run() -> dict[str, float | int]:
         "raw_chain_per_s": raw_chain.rate,
         "raw_cpu_ms_per_chain": raw_chain.cpu_seconds * 1e3,
         "outbox_seeded_ratio_to_raw_chain": seeded.rate / raw_chain.rate,
+        "outbox_grown_chains_per_s": grown.rate,
+        "outbox_grown_ratio_to_empty": grown.rate / empty.rate,
     }
 
 
@@ -651,6 +661,19 @@ async def expect_rows(database: str, expected: dict[str, int]) -> None:
         await engine.dispose()
 
 
+async def expect_sent(database: str, app: str) -> None:
+    """A `RuntimeError` if any outbox row of `app` is left."""
+    engine = make_engine(database, poolclass=NullPool)
+    try:
+        async with engine.connect() as connection:
+            query = text("SELECT count(*) FROM mersal_outbox WHERE app = :app")
+            left = (await connection.execute(query, {"app": app})).scalar_one()
+    finally:
+        await engine.dispose()
+    if left:
+        raise RuntimeError(f"{left} outbox rows of {app} were not sent")
+
+
 async def send_all(send: Callable[[], Awaitable[object]], count: int) -> None:
     """Call `send` `count` times, `IN_FLIGHT` calls always outstanding."""
     numbers = itertools.count()
@@ -700,7 +723,8 @@ async def seeded_chain(database: str, transport: str) -> Phase:
                 await arrivals.tally.wait()
     finally:
         await delete_queues(transport, queues, [])
-    await expect_rows(database, {"orders": SEEDED, "mersal_outbox": 0})
+    await expect_rows(database, {"orders": SEEDED})
+    await expect_sent(database, "orders")
     return arrivals.phase(started, cpu)
 
 
@@ -929,6 +953,56 @@ def raw_event(command: RawCommand, cause: AbstractIncomingMessage) -> tuple[str,
     return JSON.encode(headers).decode(), JSON.encode(RawEvent(command.order_id, command.amount))
 
 
+async def grown_against_empty() -> tuple[Phase, Phase]:
+    """The pre-seeded chain on empty tables, then on tables grown large, on one database."""
+    async with private_database() as database, private_vhost("mersal-bench-grown") as transport:
+        await create_business_tables(database)
+        empty = await seeded_chain(database, transport)
+        await grow_tables(database)
+        await drop_orders(database)
+        grown = await seeded_chain(database, transport)
+    return empty, grown
+
+
+async def grow_tables(database: str) -> None:
+    """`GROWN_INBOX` ids of the orders app in the inbox, `GROWN_BACKLOG` rows of another app
+    waiting in the outbox (which the orders relay leaves alone); then ANALYZE, as autovacuum
+    would."""
+    engine = make_engine(database, poolclass=NullPool)
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(
+                text(
+                    "INSERT INTO mersal_inbox (app, message_id, handled_at) "
+                    "SELECT 'orders', md5(n::text), now() - (n % 1000) * interval '10 minutes' "
+                    f"FROM generate_series(1, {GROWN_INBOX}) AS n"
+                )
+            )
+            await connection.execute(
+                text(
+                    "INSERT INTO mersal_outbox (app, address, publish, headers, body) "
+                    "SELECT 'stock', 'StockReserved', true, '{}', '\\x00'::bytea "
+                    f"FROM generate_series(1, {GROWN_BACKLOG}) AS n"
+                )
+            )
+        autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+        async with autocommit.connect() as connection:
+            await connection.execute(text("VACUUM ANALYZE mersal_inbox"))
+            await connection.execute(text("VACUUM ANALYZE mersal_outbox"))
+    finally:
+        await engine.dispose()
+
+
+async def drop_orders(database: str) -> None:
+    """Empty the orders table, so that the second chain writes the same rows again."""
+    engine = make_engine(database, poolclass=NullPool)
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(text("DELETE FROM orders"))
+    finally:
+        await engine.dispose()
+
+
 # The database and the vhost.
 
 
@@ -1001,18 +1075,36 @@ async def pair_only() -> dict[str, float | int]:
     }
 
 
+async def grown_only() -> dict[str, float | int]:
+    """The pre-seeded chain on empty tables and on grown ones, and the ratio of their rates."""
+    empty, grown = await grown_against_empty()
+    return {
+        "outbox_seeded_chains_per_s": empty.rate,
+        "outbox_grown_chains_per_s": grown.rate,
+        "outbox_grown_cpu_ms_per_chain": grown.cpu_seconds * 1e3,
+        "outbox_grown_ratio_to_empty": grown.rate / empty.rate,
+    }
+
+
 def main(argv: list[str]) -> int:
     """`relay-instance NAME` (a child of the two-instance phase), or a part alone to profile."""
     if argv[:1] == ["relay-instance"] and len(argv) == 2:
         loop.run(relay_instance(argv[1]))
         return 0
-    parts = {"chain": chain_only, "seeded": seeded_only, "raw-chain": raw_only, "pair": pair_only}
+    parts = {
+        "chain": chain_only,
+        "seeded": seeded_only,
+        "raw-chain": raw_only,
+        "pair": pair_only,
+        "grown": grown_only,
+    }
     if len(argv) == 1 and argv[0] in parts:
         for key, value in loop.run(parts[argv[0]]()).items():
             print(f"{key}={value:.4g}", flush=True)
         return 0
     print(
-        "usage: python -m bench.outbox relay-instance NAME | chain | seeded | raw-chain | pair",
+        "usage: python -m bench.outbox relay-instance NAME | "
+        + " | ".join(parts),
         file=sys.stderr,
     )
     return 2
