@@ -1103,8 +1103,7 @@ def main(argv: list[str]) -> int:
             print(f"{key}={value:.4g}", flush=True)
         return 0
     print(
-        "usage: python -m bench.outbox relay-instance NAME | "
-        + " | ".join(parts),
+        "usage: python -m bench.outbox relay-instance NAME | " + " | ".join(parts),
         file=sys.stderr,
     )
     return 2
