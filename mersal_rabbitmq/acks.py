@@ -38,6 +38,7 @@ class Acks:
         self._linger = linger
         self._unsettled: deque[int] = deque()
         self._noted: set[int] = set()
+        self._gone: set[int] = set()  # settled on their own, still in `_unsettled` until the head
         self._flush: asyncio.Handle | None = None
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -53,10 +54,7 @@ class Acks:
 
     def nacked(self, tag: int) -> None:
         """The delivery's nack was written: the acks behind it may go."""
-        try:
-            self._unsettled.remove(tag)
-        except ValueError:
-            return
+        self._gone.add(tag)
         if self._noted and self._flush is None:
             self._flush = asyncio.get_running_loop().call_later(self._delay, self._send_head)
 
@@ -72,11 +70,15 @@ class Acks:
 
     def _send_head(self) -> None:
         self._flush = None
-        unsettled, noted = self._unsettled, self._noted
+        unsettled, noted, gone = self._unsettled, self._noted, self._gone
         last = None
-        while unsettled and unsettled[0] in noted:
-            last = unsettled.popleft()
-            noted.discard(last)
+        while unsettled and (unsettled[0] in noted or unsettled[0] in gone):
+            tag = unsettled.popleft()
+            if tag in gone:  # settled already: a multiple ack past it leaves it alone
+                gone.discard(tag)
+            else:
+                noted.discard(tag)
+                last = tag
         if last is not None:
             self._send(last, multiple=True)
         if noted:
@@ -92,8 +94,7 @@ class Acks:
     def _send_rest(self) -> None:
         """Each noted ack that no multiple ack can cover yet, on its own."""
         for tag in sorted(self._noted):
-            if tag in self._unsettled:
-                self._unsettled.remove(tag)
+            self._gone.add(tag)
             self._send(tag, multiple=False)
         self._noted.clear()
 

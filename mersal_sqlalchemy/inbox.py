@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import Any
 
 from sqlalchemy import Delete, Select, Table, any_, bindparam, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from mersal_sqlalchemy.database import is_postgresql, sql_time
-from mersal_sqlalchemy.driver import on_driver
 from mersal_sqlalchemy.tables import MESSAGE_ID_LENGTH
 
 
@@ -50,10 +48,6 @@ class Inbox:
             .on_conflict_do_nothing()
             .returning(table.c.message_id)
         )
-        self._record_sql = (
-            f"INSERT INTO {table.name} (app, message_id) VALUES ($1, $2) "
-            "ON CONFLICT DO NOTHING RETURNING 1"
-        )
 
     async def record(self, session: AsyncSession, message_id: str) -> bool:
         """Record the id in the session's transaction; False if it was handled already.
@@ -61,15 +55,8 @@ class Inbox:
         A copy being handled at the same moment holds the row: the insert waits for that
         transaction and then finds the id (it committed) or records it (it rolled back).
         """
-        app, key = self.app, inbox_key(message_id)
-
-        async def insert(connection: Any) -> bool:
-            return await connection.fetchval(self._record_sql, app, key) is not None
-
-        recorded = await on_driver(session, insert)
-        if recorded is not None:
-            return recorded
-        result = await session.execute(self._record, {"app": app, "message_id": key})
+        parameters = {"app": self.app, "message_id": inbox_key(message_id)}
+        result = await session.execute(self._record, parameters)
         return result.first() is not None
 
     async def seen(self, message_id: str) -> bool:

@@ -15,7 +15,6 @@ from mersal.messages import Envelope
 from mersal.outbox import OutboxRow
 from mersal.transport import Outgoing
 from mersal_sqlalchemy.database import is_postgresql, sql_time
-from mersal_sqlalchemy.driver import on_driver
 
 Executor = AsyncSession | AsyncConnection
 """Where outbox rows are written: a session or a connection, inside its transaction."""
@@ -50,35 +49,8 @@ async def write_outbox(
     """Insert the rows in one statement; on PostgreSQL it also NOTIFYs `channel` at commit."""
     if not outgoing:
         return
-    sql = driver_insert(table.name, channel)
-
-    async def insert(connection: Any) -> bool:
-        columns = (
-            [message.address for message in outgoing],
-            [message.publish for message in outgoing],
-            [_headers_json.encode(message.envelope.headers).decode() for message in outgoing],
-            [message.envelope.body for message in outgoing],
-        )
-        await connection.execute(sql, app, *columns, *(() if channel is None else (app,)))
-        return True
-
-    if await on_driver(executor, insert) is None:
-        await executor.execute(insert_statement(table, channel, app), outbox_rows(app, outgoing))
-
-
-@lru_cache(maxsize=64)
-def driver_insert(table: str, channel: str | None) -> str:
-    """The outbox insert for asyncpg: rows as arrays, kept in order, one NOTIFY if `channel`."""
-    written = (
-        f"INSERT INTO {table} (app, address, publish, headers, body) "
-        "SELECT $1, r.address, r.publish, r.headers, r.body "
-        "FROM unnest($2::text[], $3::boolean[], $4::text[], $5::bytea[]) "
-        "WITH ORDINALITY AS r(address, publish, headers, body, n) ORDER BY r.n"
-    )
-    if channel is None:
-        return written
-    # PostgreSQL sends identical notifications of one transaction once, at commit.
-    return f"WITH written AS ({written} RETURNING 1) SELECT pg_notify('{channel}', $6)"
+    rows = outbox_rows(app, outgoing)
+    await executor.execute(insert_statement(table, channel, app), rows)
 
 
 @lru_cache(maxsize=64)

@@ -1,4 +1,4 @@
-"""The inbox and outbox inserts on asyncpg belong to the transaction they are written in."""
+"""The inbox and outbox inserts belong to the transaction they are written in, on any table."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ async def count(engine: AsyncEngine, tables: Tables, which: str) -> int:
 
 
 async def test_rows_written_first_in_a_session_roll_back_with_it(engine: AsyncEngine) -> None:
-    """SQLAlchemy begins lazily: the first statement, ours, must still be inside a transaction."""
+    """The first statement of a session or connection, ours, is inside its transaction."""
     inbox = Inbox(engine, TABLES.inbox, "orders", retention=60)
     async with AsyncSession(engine) as session:
         assert await inbox.record(session, "first")
@@ -96,3 +96,25 @@ async def test_one_commit_notifies_the_channel_once(engine: AsyncEngine) -> None
     finally:
         await listener.close()
     assert heard == ["orders"]
+
+
+async def test_rows_written_first_on_a_fresh_connection_commit_with_it(engine: AsyncEngine) -> None:
+    async with engine.connect() as connection:
+        await write_outbox(connection, TABLES.outbox, "orders", [outgoing(1)], None)
+        await connection.commit()
+    assert await count(engine, TABLES, "outbox") == 1
+
+
+@pytest.mark.parametrize("names", [("OrdersOutbox", "OrdersInbox"), ("order", "user")])
+async def test_mixed_case_and_reserved_table_names_work(
+    engine: AsyncEngine, names: tuple[str, str]
+) -> None:
+    tables = make_tables(*names)
+    async with engine.begin() as connection:
+        await connection.run_sync(tables.metadata.create_all)
+    inbox = Inbox(engine, tables.inbox, "orders", retention=60)
+    async with AsyncSession(engine) as session, session.begin():
+        assert await inbox.record(session, "m-1")
+        await write_outbox(session, tables.outbox, "orders", [outgoing(1)], tables.channel)
+    assert await count(engine, tables, "outbox") == 1
+    assert await count(engine, tables, "inbox") == 1
