@@ -49,12 +49,15 @@ class Acks:
     def ack(self, tag: int) -> None:
         """Ack the delivery, together with the others noted in the next `delay` seconds."""
         self._noted.add(tag)
-        if self._flush is None:
-            self._flush = asyncio.get_running_loop().call_later(self._delay, self._send_head)
+        self._soon()
 
     def nacked(self, tag: int) -> None:
         """The delivery's nack was written: the acks behind it may go."""
         self._gone.add(tag)
+        self._soon()
+
+    def _soon(self) -> None:
+        """Send the head `delay` seconds from now, unless a send is due already."""
         if self._noted and self._flush is None:
             self._flush = asyncio.get_running_loop().call_later(self._delay, self._send_head)
 

@@ -7,7 +7,18 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, column, event, func, insert, inspect, select, table
+from sqlalchemy import (
+    Connection,
+    Select,
+    any_,
+    column,
+    event,
+    func,
+    insert,
+    inspect,
+    select,
+    table,
+)
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -75,6 +86,19 @@ def make_engine(database: str | URL, **options: Any) -> AsyncEngine:
     if is_sqlite(engine):
         tune_sqlite(engine)
     return engine
+
+
+def one_of(
+    column: ColumnElement[Any], chosen: Select[Any], engine: AsyncEngine
+) -> ColumnElement[bool]:
+    """`column` among the values `chosen` selects, as the engine's planner takes it best.
+
+    On PostgreSQL `column = ANY(ARRAY(...))`: the rows are then reached through `column`'s
+    index; `column IN (...)` makes it hash-join them against a scan of the whole table.
+    """
+    if is_postgresql(engine):
+        return column == any_(func.array(chosen.scalar_subquery()))
+    return column.in_(chosen.scalar_subquery())
 
 
 def is_postgresql(engine: AsyncEngine) -> bool:

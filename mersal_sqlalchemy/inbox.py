@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
-from sqlalchemy import Delete, Select, Table, any_, bindparam, delete, func, select
+from sqlalchemy import Delete, Select, Table, bindparam, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-from mersal_sqlalchemy.database import is_postgresql, sql_time
+from mersal_sqlalchemy.database import is_postgresql, one_of, sql_time
 from mersal_sqlalchemy.tables import MESSAGE_ID_LENGTH
 
 
@@ -82,10 +82,7 @@ class Inbox:
             )
             .limit(self.cleanup_batch)
         )
-        if is_postgresql(self.engine):  # by the primary key, not a hash join over the table
-            chosen = table.c.message_id == any_(func.array(expired.scalar_subquery()))
-        else:
-            chosen = table.c.message_id.in_(expired.scalar_subquery())
+        chosen = one_of(table.c.message_id, expired, self.engine)  # by the primary key
         return delete(table).where(table.c.app == self.app, chosen)
 
     async def clean(self) -> int:

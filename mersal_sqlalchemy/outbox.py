@@ -7,14 +7,14 @@ from functools import lru_cache
 from typing import Any
 
 import msgspec
-from sqlalchemy import Insert, Row, Table, Update, any_, delete, func, or_, select, update
+from sqlalchemy import Insert, Row, Table, Update, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
 
 from mersal.messages import Envelope
 from mersal.outbox import OutboxRow
 from mersal.transport import Outgoing
-from mersal_sqlalchemy.database import is_postgresql, sql_time
+from mersal_sqlalchemy.database import is_postgresql, one_of, sql_time
 
 Executor = AsyncSession | AsyncConnection
 """Where outbox rows are written: a session or a connection, inside its transaction."""
@@ -118,15 +118,10 @@ class SqlOutboxStore:
             .limit(limit)
         )
         if self._postgresql:
-            # `id = ANY(ARRAY(...))`: the chosen rows are updated through the primary key;
-            # `id IN (...)` makes PostgreSQL hash-join them against a scan of the whole table.
-            claimable = candidates.with_for_update(skip_locked=True).scalar_subquery()
-            chosen = table.c.id == any_(func.array(claimable))
-        else:
-            chosen = table.c.id.in_(candidates.scalar_subquery())
+            candidates = candidates.with_for_update(skip_locked=True)
         statement = (
             update(table)
-            .where(chosen)
+            .where(one_of(table.c.id, candidates, self.engine))  # by the primary key
             .values(
                 lease_until=sql_time(self.engine, self.lease),
                 attempts=table.c.attempts + 1,
