@@ -10,19 +10,26 @@ from test_rabbitmq_transport import Make, envelope, started
 
 from mersal.transport import Outgoing
 from mersal_rabbitmq.acks import Acks
+from mersal_rabbitmq.consuming import RabbitMQConsumer, RabbitMQDelivery
 from tests.support import eventually
+
+
+async def holding(
+    make_transport: Make, prefix: str, count: int
+) -> tuple[str, RabbitMQConsumer, list[RabbitMQDelivery]]:
+    """A queue with `count` messages m-00, m-01, ..., all delivered and held unsettled."""
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue)
+    await transport.send([Outgoing(queue, envelope(f"m-{n:02d}")) for n in range(count)])
+    consumer = await transport.consume(queue, prefetch=count)
+    return queue, consumer, [await asyncio.wait_for(consumer.get(), 5) for _ in range(count)]
 
 
 async def test_out_of_order_acks_and_nacks_settle_exactly_the_ones_asked(
     make_transport: Make, broker: Broker, prefix: str
 ) -> None:
     """Acked ones leave; nacked ones (between acked ones) come back, as soon as asked."""
-    queue = f"{prefix}.in"
-    transport = await started(make_transport, queue)
-    ids = [f"m-{n:02d}" for n in range(40)]
-    await transport.send([Outgoing(queue, envelope(message_id)) for message_id in ids])
-    consumer = await transport.consume(queue, prefetch=40)
-    deliveries = [await asyncio.wait_for(consumer.get(), 5) for _ in ids]
+    queue, consumer, deliveries = await holding(make_transport, prefix, 40)
     returned = {delivery.envelope.message_id for delivery in deliveries[3::4]}
 
     shuffled = random.Random(7).sample(deliveries, len(deliveries))
@@ -45,18 +52,14 @@ async def test_out_of_order_acks_and_nacks_settle_exactly_the_ones_asked(
 async def test_an_ack_behind_a_delivery_still_in_hand_goes_alone_after_the_linger(
     make_transport: Make, broker: Broker, prefix: str
 ) -> None:
-    queue = f"{prefix}.in"
-    transport = await started(make_transport, queue)
-    await transport.send([Outgoing(queue, envelope(f"m-{n}")) for n in range(2)])
-    consumer = await transport.consume(queue, prefetch=2)
-    first, second = [await asyncio.wait_for(consumer.get(), 5) for _ in range(2)]
+    queue, consumer, (first, second) = await holding(make_transport, prefix, 2)
 
     await second.ack()  # the first is still being handled: no multiple ack may cover it
     await asyncio.sleep(0.1)  # past the linger: the second's ack has gone alone by now
 
     await first.nack(requeue=True)  # a multiple ack had settled it: the channel would close
     back = await asyncio.wait_for(consumer.get(), 5)
-    assert back.envelope.message_id == "m-0"
+    assert back.envelope.message_id == "m-00"
     await back.ack()
     await consumer.close()
     assert await broker.count(queue) == 0
@@ -65,11 +68,7 @@ async def test_an_ack_behind_a_delivery_still_in_hand_goes_alone_after_the_linge
 async def test_acks_noted_just_before_close_are_sent_before_the_channel_closes(
     make_transport: Make, broker: Broker, prefix: str
 ) -> None:
-    queue = f"{prefix}.in"
-    transport = await started(make_transport, queue)
-    await transport.send([Outgoing(queue, envelope(f"m-{n}")) for n in range(25)])
-    consumer = await transport.consume(queue, prefetch=25)
-    deliveries = [await asyncio.wait_for(consumer.get(), 5) for _ in range(25)]
+    queue, consumer, deliveries = await holding(make_transport, prefix, 25)
     await consumer.close()
     for delivery in reversed(deliveries):
         await delivery.ack()  # the last settle closes the channel: after the acks are written
