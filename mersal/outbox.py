@@ -131,6 +131,8 @@ class Relay:
         self.parked_rows = 0
         """The parked rows as last counted (at start, after parking, on each idle poll)."""
         self._failures: dict[int, int] = {}
+        self._parked_seen = 0
+        self._counted_at = -math.inf
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
@@ -169,11 +171,23 @@ class Relay:
         """Relay until the outbox has no claimable rows; returns how many were published."""
         total = 0
         while True:
+            await self._count_parked_when_due()
             sent = await run_to_end(self._batch())
             if sent is None:
                 self._failures.clear()  # the rows they counted are gone (or leased elsewhere)
                 return total
             total += sent
+
+    async def _count_parked_when_due(self) -> None:
+        """Recount the parked rows after parking and once per poll interval, busy or not.
+
+        An operator purges or retries parked rows from another process: an app that always
+        has rows to send must notice too.
+        """
+        now = asyncio.get_running_loop().time()
+        if self.parked != self._parked_seen or now - self._counted_at >= self.poll_interval:
+            self._parked_seen, self._counted_at = self.parked, now
+            self.parked_rows = await self.store.count_parked()
 
     async def _batch(self) -> int | None:
         """Claim a batch and see each row to its end; None when there was none.
@@ -196,15 +210,10 @@ class Relay:
 
     async def _run(self) -> None:
         backoff = 0.0
-        counted_at = -math.inf
-        parked = self.parked
-        loop = asyncio.get_running_loop()
+        self._counted_at = -math.inf
         while True:
             self._wake.clear()
             try:
-                if self.parked != parked or loop.time() - counted_at >= self.poll_interval:
-                    parked, counted_at = self.parked, loop.time()
-                    self.parked_rows = await self.store.count_parked()
                 await self.flush()
                 backoff = 0.0
             except Exception as error:

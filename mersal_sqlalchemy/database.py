@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -111,13 +112,34 @@ def is_sqlite(engine: AsyncEngine) -> bool:
     return engine.dialect.name == "sqlite"
 
 
+class RollbackOnClose(sqlite3.Connection):
+    """A SQLite connection that ends its transaction when closed, whoever still holds a cursor.
+
+    Since Python 3.11 closing a connection whose cursor still holds a statement (as the
+    traceback of a cancelled query does) leaves it open as a zombie until that cursor is
+    freed, and a zombie keeps its write lock: every other writer would wait on it.
+    """
+
+    def close(self) -> None:
+        """Roll back what is open, then close."""
+        with contextlib.suppress(sqlite3.Error):  # then closing ends it, as it can
+            self.rollback()
+        super().close()
+
+
 def tune_sqlite(engine: AsyncEngine) -> None:
     """WAL, a busy timeout, and BEGIN IMMEDIATE, so that concurrent writers wait their turn.
 
     A transaction that reads before it writes would otherwise fail with "database is locked"
     when another one holds the write lock; taking the write lock at BEGIN makes it wait.
+    Connections roll back when closed (RollbackOnClose), so that one invalidated by a
+    cancellation does not keep the write lock.
     """
     sync_engine = engine.sync_engine
+
+    @event.listens_for(sync_engine, "do_connect")
+    def do_connect(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+        cparams.setdefault("factory", RollbackOnClose)
 
     @event.listens_for(sync_engine, "connect")
     def connect(dbapi_connection: Any, record: Any) -> None:

@@ -14,11 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
+from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from bench.sqlite import (
@@ -34,6 +37,7 @@ from bench.sqlite import (
 )
 from mersal import App, Header, RetryPolicy
 from mersal.transport.memory import MemoryQueue, MemoryTransport
+from mersal_sqlalchemy.database import make_engine
 from tests.support import eventually
 
 MESSAGES = 400
@@ -218,3 +222,49 @@ async def test_two_copies_handled_at_once_on_sqlite_leave_one_row(
     assert await count_rows(path) == 1
     assert len(duplicates_logged(caplog)) == 1
     assert failures_logged(caplog) == []
+
+
+SLOW_COUNT = (
+    "SELECT started() + (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c "
+    "WHERE x < 2000000) SELECT count(*) FROM c)"
+)
+"""A read that signals when it runs, then takes about a second, inside BEGIN IMMEDIATE."""
+
+
+async def test_a_query_cancelled_while_it_runs_does_not_keep_the_write_lock(
+    tmp_path: Path,
+) -> None:
+    """A cancelled query's connection is closed while its traceback still holds its cursor.
+
+    Since Python 3.11 SQLite then keeps that connection open as a zombie, with the write lock
+    its BEGIN IMMEDIATE took, for as long as the traceback lives (here: the task is kept):
+    every other writer waited the 30 s busy timeout, then failed. It must roll back on close.
+    """
+    engine = make_engine(f"sqlite+aiosqlite:///{tmp_path / 'locks.db'}")
+    started = threading.Event()
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def connect(dbapi_connection: Any, record: Any) -> None:
+        dbapi_connection.create_function("started", 0, lambda: started.set() or 0)
+
+    async def slow_count() -> int:
+        async with engine.connect() as connection:
+            return int((await connection.execute(text(SLOW_COUNT))).scalar_one())
+
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(text("CREATE TABLE marks (n INTEGER)"))
+        reader = asyncio.create_task(slow_count())
+        await eventually(started.is_set, "the slow read runs")
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        async with asyncio.timeout(10):  # the read ends within a second; the busy timeout is 30 s
+            async with engine.begin() as connection:
+                await connection.execute(text("INSERT INTO marks VALUES (1)"))
+        async with engine.connect() as connection:
+            marks = (await connection.execute(text("SELECT n FROM marks"))).scalars().all()
+        assert marks == [1]
+        assert reader.cancelled()  # kept alive until here, with its traceback
+    finally:
+        await engine.dispose()
