@@ -107,6 +107,17 @@ def is_postgresql(engine: AsyncEngine) -> bool:
     return engine.dialect.name == "postgresql"
 
 
+def autocommits(engine: AsyncEngine) -> bool:
+    """Whether the engine was made or set to run each statement in a transaction of its own."""
+    levels = (
+        engine.get_execution_options().get("isolation_level"),
+        getattr(
+            engine.dialect, "_on_connect_isolation_level", None
+        ),  # create_engine(isolation_level=)
+    )
+    return "AUTOCOMMIT" in levels
+
+
 def is_sqlite(engine: AsyncEngine) -> bool:
     """Whether the engine talks to SQLite."""
     return engine.dialect.name == "sqlite"

@@ -22,6 +22,7 @@ from mersal.settle import ACK, run_to_end
 from mersal.transaction import Commit, Hook, Transaction
 from mersal.transport import Outgoing
 from mersal_sqlalchemy.database import (
+    autocommits,
     database_url,
     is_postgresql,
     is_sqlite,
@@ -166,6 +167,13 @@ def attach(
         raise ConfigurationError(
             "attach(app, engine=...) needs a PostgreSQL or SQLite engine, "
             f"not {engine.dialect.name}"
+        )
+    if autocommits(engine):
+        raise ConfigurationError(
+            "the engine runs in AUTOCOMMIT, where each statement commits on its own: a "
+            "handler's rows, its outbox rows and its inbox row would no longer commit together "
+            "(a failed handler would leave its rows, and its retry be skipped as a duplicate); "
+            "give attach() an engine without isolation_level='AUTOCOMMIT'"
         )
     storage = SqlStorage(
         app,

@@ -15,7 +15,17 @@ from mersal.cli import main
 from mersal_sqlalchemy import HEAD_REVISION, attach, make_engine, make_tables
 from mersal_sqlalchemy.cli import alembic_config, upgrade
 from tests.sql.conftest import sqlite_file
-from tests.sql.support import Probe, Ship, Sink, count, orders_app, storage_of
+from tests.sql.support import (
+    ORDERS,
+    PlaceOrder,
+    Probe,
+    Ship,
+    Sink,
+    count,
+    create_business_tables,
+    orders_app,
+    storage_of,
+)
 from tests.support import eventually
 
 
@@ -255,3 +265,36 @@ async def test_a_version_table_without_a_revision_is_refused(
     await engine.dispose()
     with pytest.raises(ConfigurationError, match="no migration of the tables is recorded"):
         await orders_app(database, memory_url, Probe()).start()
+
+
+@pytest.mark.parametrize("how", ["create_async_engine(isolation_level=)", "execution_options()"])
+async def test_an_autocommit_engine_is_refused_with_what_to_change(
+    database: str, memory_url: str, how: str
+) -> None:
+    """Each statement committing on its own breaks the unit of work: refused at attach."""
+    if how == "execution_options()":
+        engine = make_engine(database).execution_options(isolation_level="AUTOCOMMIT")
+    else:
+        engine = make_engine(database, isolation_level="AUTOCOMMIT")
+    try:
+        with pytest.raises(ConfigurationError, match="AUTOCOMMIT") as raised:
+            orders_app(None, memory_url, Probe(), engine=engine)
+        assert "without isolation_level='AUTOCOMMIT'" in str(raised.value)
+    finally:
+        await engine.dispose()
+
+
+async def test_an_engine_with_an_isolation_level_that_keeps_transactions_is_taken(
+    database: str, memory_url: str
+) -> None:
+    await create_business_tables(database)
+    probe = Probe()
+    engine = make_engine(database, isolation_level="SERIALIZABLE")
+    try:
+        async with orders_app(None, memory_url, probe, engine=engine) as app:
+            await app.send(PlaceOrder("o-1", fail=True))
+            await eventually(lambda: probe.calls == 1, "the handler ran once")
+            await eventually(lambda: app.in_flight == 0, "the delivery settled")
+            assert await count(engine, ORDERS) == 0  # its flushed row was rolled back
+    finally:
+        await engine.dispose()
