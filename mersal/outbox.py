@@ -129,7 +129,7 @@ class Relay:
         self.parked = 0
         self.dropped = 0
         self.parked_rows = 0
-        """The parked rows as last counted (at start, after parking, on each idle poll)."""
+        """The parked rows as last counted (at start, after parking, once per poll interval)."""
         self._failures: dict[int, int] = {}
         self._parked_seen = 0
         self._counted_at = -math.inf

@@ -91,11 +91,18 @@ class SqlOutboxStore:
     """
 
     def __init__(self, engine: AsyncEngine, table: Table, app: str, *, lease: float = 30.0) -> None:
-        self.engine = engine
+        self._postgresql = is_postgresql(engine)
+        # The claim's SKIP LOCKED and the deletes of confirmed rows rely on READ COMMITTED: at
+        # a stricter level of the user's engine, relays of one app fail to serialize and a
+        # confirmed row whose delete failed is sent again when its lease runs out.
+        self.engine = (
+            engine.execution_options(isolation_level="READ COMMITTED")
+            if self._postgresql
+            else engine
+        )
         self.table = table
         self.app = app
         self.lease = lease
-        self._postgresql = is_postgresql(engine)
 
     async def claim(self, limit: int) -> list[OutboxRow]:
         """Lease up to `limit` unsent rows of this app, oldest first (committed at once)."""
