@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import sqlite3
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -138,6 +139,16 @@ class RollbackOnClose(sqlite3.Connection):
         super().close()
 
 
+@functools.cache
+def rolling_back(factory: Any) -> Any:
+    """RollbackOnClose, or the user's own connection class (connect_args) with it mixed in."""
+    if factory is None:
+        return RollbackOnClose
+    if not isinstance(factory, type) or issubclass(factory, RollbackOnClose):
+        return factory  # sqlite3 refuses what is not a Connection class, as it would anyway
+    return type(factory.__name__, (RollbackOnClose, factory), {})
+
+
 def tune_sqlite(engine: AsyncEngine) -> None:
     """WAL, a busy timeout, and BEGIN IMMEDIATE, so that concurrent writers wait their turn.
 
@@ -150,7 +161,7 @@ def tune_sqlite(engine: AsyncEngine) -> None:
 
     @event.listens_for(sync_engine, "do_connect")
     def do_connect(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> None:
-        cparams.setdefault("factory", RollbackOnClose)
+        cparams["factory"] = rolling_back(cparams.get("factory"))
 
     @event.listens_for(sync_engine, "connect")
     def connect(dbapi_connection: Any, record: Any) -> None:

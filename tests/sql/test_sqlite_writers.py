@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import sqlite3
 import threading
 import time
 import uuid
@@ -231,8 +232,19 @@ SLOW_COUNT = (
 """A read that signals when it runs, then takes about a second, inside BEGIN IMMEDIATE."""
 
 
+class UsersConnection(sqlite3.Connection):
+    """A connection class of the user's own, given in connect_args; counts its connections."""
+
+    made = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        UsersConnection.made += 1
+
+
+@pytest.mark.parametrize("factory", [None, UsersConnection], ids=["ours", "the user's"])
 async def test_a_query_cancelled_while_it_runs_does_not_keep_the_write_lock(
-    tmp_path: Path,
+    tmp_path: Path, factory: type[sqlite3.Connection] | None
 ) -> None:
     """A cancelled query's connection is closed while its traceback still holds its cursor.
 
@@ -240,7 +252,9 @@ async def test_a_query_cancelled_while_it_runs_does_not_keep_the_write_lock(
     its BEGIN IMMEDIATE took, for as long as the traceback lives (here: the task is kept):
     every other writer waited the 30 s busy timeout, then failed. It must roll back on close.
     """
-    engine = make_engine(f"sqlite+aiosqlite:///{tmp_path / 'locks.db'}")
+    made = UsersConnection.made
+    options = {"connect_args": {"factory": factory}} if factory else {}
+    engine = make_engine(f"sqlite+aiosqlite:///{tmp_path / 'locks.db'}", **options)
     started = threading.Event()
 
     @event.listens_for(engine.sync_engine, "connect")
@@ -266,5 +280,6 @@ async def test_a_query_cancelled_while_it_runs_does_not_keep_the_write_lock(
             marks = (await connection.execute(text("SELECT n FROM marks"))).scalars().all()
         assert marks == [1]
         assert reader.cancelled()  # kept alive until here, with its traceback
+        assert (UsersConnection.made > made) == (factory is not None)
     finally:
         await engine.dispose()
