@@ -110,11 +110,10 @@ def is_postgresql(engine: AsyncEngine) -> bool:
 
 def autocommits(engine: AsyncEngine) -> bool:
     """Whether the engine was made or set to run each statement in a transaction of its own."""
+    on_connect = "_on_connect_isolation_level"  # where create_async_engine(isolation_level=) goes
     levels = (
         engine.get_execution_options().get("isolation_level"),
-        getattr(
-            engine.dialect, "_on_connect_isolation_level", None
-        ),  # create_engine(isolation_level=)
+        getattr(engine.dialect, on_connect, None),
     )
     return "AUTOCOMMIT" in levels
 
