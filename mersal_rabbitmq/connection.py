@@ -37,6 +37,7 @@ CHANNEL_ERRORS = (
 )
 """What a channel raises when it, or its connection, closed under the caller."""
 
+
 Restore = Callable[[], Awaitable[None]]
 """Brings one object back on the current connection; raises if it cannot."""
 Lost = Callable[[Exception, int], None]
@@ -114,7 +115,14 @@ class Connection:
         channel = aio_pika.Channel(
             connection, publisher_confirms=confirms, on_return_raises=confirms
         )
-        await channel.initialize()
+        try:
+            await channel.initialize()
+        except CHANNEL_ERRORS:
+            raise
+        except Exception as error:
+            if self.connected:
+                raise
+            raise closed_under(error, "the connection closed before a channel opened") from error
         return channel
 
     def register(
@@ -222,3 +230,8 @@ async def close_quietly(channel: AbstractChannel) -> None:
         await channel.close()
     except Exception as error:
         log.debug("closing a channel failed: %s", error)
+
+
+def closed_under(error: Exception, what: str) -> ConnectionError:
+    """A lost connection, for what aiormq raises when one closes mid-call (a bare Exception)."""
+    return ConnectionError(f"{what} ({type(error).__name__}: {str(error) or 'no reason given'})")

@@ -21,7 +21,7 @@ from aio_pika.abc import AbstractChannel
 from mersal.errors import MersalError, OutcomeUnknown, Unroutable, Unsendable
 from mersal.messages import Envelope, describe
 from mersal.transport import Limits, Outgoing, mask, problem_of
-from mersal_rabbitmq.connection import CHANNEL_ERRORS, Connection, close_quietly
+from mersal_rabbitmq.connection import CHANNEL_ERRORS, Connection, close_quietly, closed_under
 from mersal_rabbitmq.delays import MAX_WAIT_MS, wait_milliseconds
 from mersal_rabbitmq.topology import EVENTS, Topology
 from mersal_rabbitmq.wire import amqp_properties
@@ -70,6 +70,12 @@ class Publisher:
                 f"RabbitMQ refused {describe(envelope.headers)} ({error}): "
                 "it may be short of memory or disk, or the queue is full; send it again later"
             ) from None
+        except CHANNEL_ERRORS:
+            raise
+        except Exception as error:
+            if not self.channel.is_closed:
+                raise
+            raise closed_under(error, "the channel closed during the publish") from error
         return not isinstance(result, aiormq.abc.DeliveredMessage)
 
 
@@ -206,7 +212,7 @@ class Publishing:
         try:
             async with asyncio.timeout_at(deadline):
                 publisher = await self._open_publisher()
-        except (TimeoutError, RuntimeError, *CHANNEL_ERRORS) as error:  # aiormq: "closed"
+        except (TimeoutError, *CHANNEL_ERRORS) as error:
             return OutcomeUnknown(f"no channel to publish on ({type(error).__name__}): send again")
         try:
             await self._publish(publisher, outgoing, deadline)

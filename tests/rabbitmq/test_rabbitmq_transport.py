@@ -415,6 +415,37 @@ async def test_an_unconfirmed_publish_is_outcome_unknown_and_can_be_sent_again(
     assert (await broker.get(queue)).message_id == "m-17"
 
 
+async def test_a_send_while_the_connection_closes_under_it_is_sent_or_outcome_unknown(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    """aiormq raises RuntimeError or a bare Exception there; a caller must see neither."""
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue, publish_timeout=0.5, channels=1)
+    outcomes: dict[str, str] = {}
+    for n in range(12):
+        connection = transport._link.require()
+        await connection.ready()
+        underlay = connection.transport.connection  # type: ignore[union-attr]
+        publisher = transport._publishing._pool._slots[0]
+        if n % 2 and publisher is not None:  # every other time, the channel must be opened
+            await publisher.channel.close()
+        closing = asyncio.create_task(underlay.close(ConnectionError("closed by the test")))
+        for _ in range(n // 2):  # the close runs a few steps ahead of the send
+            await asyncio.sleep(0)
+        try:
+            await transport.send([Outgoing(queue, envelope(f"m-{n}"))])
+            outcomes[f"m-{n}"] = "sent"
+        except OutcomeUnknown:
+            outcomes[f"m-{n}"] = "unknown"
+        await closing
+
+    await eventually(lambda: transport.connected, "reconnected", timeout=10)
+    await transport.send([Outgoing(queue, envelope("m-after"))])
+    received = {(await broker.get(queue)).message_id for _ in range(await broker.count(queue))}
+    assert {message_id for message_id, outcome in outcomes.items() if outcome == "sent"} <= received
+    assert "m-after" in received
+
+
 async def test_temporary_queues_and_their_consumers_come_back_after_a_reconnect(
     make_transport: Make, prefix: str, vhost: str
 ) -> None:
