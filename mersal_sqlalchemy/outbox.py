@@ -46,11 +46,59 @@ async def write_outbox(
     outgoing: Sequence[Outgoing],
     channel: str | None,
 ) -> None:
-    """Insert the rows in one statement; on PostgreSQL it also NOTIFYs `channel` at commit."""
+    """Insert the rows in one statement; on PostgreSQL it also NOTIFYs `channel` at commit.
+
+    On asyncpg, once the transaction has begun on the connection, the rows go straight to
+    asyncpg (a prepared statement, a third of the CPU of SQLAlchemy's execute); SQLAlchemy's
+    execution events do not see that insert.
+    """
     if not outgoing:
         return
-    rows = outbox_rows(app, outgoing)
-    await executor.execute(insert_statement(table, channel, app), rows)
+    direct = await asyncpg_insert(executor, table, channel)
+    if direct is None:
+        await executor.execute(insert_statement(table, channel, app), outbox_rows(app, outgoing))
+        return
+    driver, statement = direct
+    rows = [
+        (
+            app,
+            message.address,
+            message.publish,
+            _headers_json.encode(message.envelope.headers).decode(),
+            message.envelope.body,
+            channel,
+            app,
+        )
+        for message in outgoing
+    ]
+    if len(rows) == 1:
+        await driver.execute(statement, *rows[0])
+    else:
+        await driver.executemany(statement, rows)
+
+
+async def asyncpg_insert(
+    executor: Executor, table: Table, channel: str | None
+) -> tuple[Any, str] | None:
+    """asyncpg's connection and the insert in its terms, if the transaction began there."""
+    if channel is None:
+        return None
+    connection = await executor.connection() if isinstance(executor, AsyncSession) else executor
+    if connection.dialect.driver != "asyncpg":
+        return None
+    driver = (await connection.get_raw_connection()).driver_connection
+    if driver is None or not driver.is_in_transaction():
+        return None
+    return driver, driver_insert(connection.dialect.identifier_preparer.quote(table.name))
+
+
+@lru_cache(maxsize=64)
+def driver_insert(table: str) -> str:
+    """The outbox insert in asyncpg's terms: $1..$5 the row, pg_notify($6, $7)."""
+    return (
+        f"INSERT INTO {table} (app, address, publish, headers, body) "
+        "VALUES ($1, $2, $3, $4, $5) RETURNING pg_notify($6, $7)"
+    )
 
 
 @lru_cache(maxsize=64)

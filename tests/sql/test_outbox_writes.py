@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from mersal.messages import Envelope
@@ -64,10 +64,22 @@ async def test_the_inbox_says_whether_an_id_is_new(engine: AsyncEngine) -> None:
         assert not await inbox.record(session, "x" * 300)
 
 
-async def test_rows_keep_their_order_fields_and_bytes(engine: AsyncEngine) -> None:
+@pytest.mark.parametrize("begun", [False, True], ids=["through-sqlalchemy", "through-asyncpg"])
+async def test_rows_keep_their_order_fields_and_bytes(engine: AsyncEngine, begun: bool) -> None:
+    """Once the transaction has begun, the rows go straight to asyncpg: the same rows."""
     sent = [outgoing(n) for n in range(120)]
+    through_sqlalchemy: list[str] = []
+
+    @event.listens_for(engine.sync_engine, "before_cursor_execute")
+    def note(connection: object, cursor: object, statement: str, *args: object) -> None:
+        if statement.startswith("INSERT"):
+            through_sqlalchemy.append(statement)
+
     async with AsyncSession(engine) as session, session.begin():
-        await write_outbox(session, TABLES.outbox, "orders", sent, TABLES.channel)
+        if begun:
+            await session.execute(text("SELECT 1"))
+        await write_outbox(session, TABLES.outbox, "orders", sent[:1], TABLES.channel)
+        await write_outbox(session, TABLES.outbox, "orders", sent[1:], TABLES.channel)
     table = TABLES.outbox
     async with engine.connect() as connection:
         query = select(table.c.app, table.c.address, table.c.publish, table.c.headers, table.c.body)
@@ -76,6 +88,7 @@ async def test_rows_keep_their_order_fields_and_bytes(engine: AsyncEngine) -> No
     assert [row.publish for row in rows] == [message.publish for message in sent]
     assert [row.body for row in rows] == [message.envelope.body for message in sent]
     assert {row.app for row in rows} == {"orders"}
+    assert len(through_sqlalchemy) == (0 if begun else 1)  # the first write begins it
     assert '"odd":"quote \' and \\\\ and é"' in rows[0].headers
 
 

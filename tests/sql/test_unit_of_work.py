@@ -17,8 +17,10 @@ from mersal_sqlalchemy import SESSION
 from tests.sql.support import (
     ORDERS,
     Order,
+    OrderPlaced,
     PlaceOrder,
     Probe,
+    Ship,
     Sink,
     billing_app,
     count,
@@ -70,6 +72,44 @@ async def test_a_handler_that_succeeds_commits_its_row_and_its_messages_leave(
         assert await count(storage.engine, ORDERS) == 3
         assert await count(storage.engine, storage.tables.outbox) == 0
         assert await count(storage.engine, storage.tables.inbox) == 3
+
+
+async def test_a_handler_whose_rows_fail_at_commit_sends_nothing(
+    database: str, memory_url: str
+) -> None:
+    """The rows are flushed at commit, after the outbox rows: that failure takes both back."""
+    await create_business_tables(database)
+    probe = Probe()
+    sink = await Sink(memory_url).start("error")
+    retry = RetryPolicy(immediate=0, delayed=[], error_queue="error")
+    orders = App("orders", transport=memory_url, database=database, retry=retry)
+    billing = billing_app(memory_url, probe)
+
+    class PlaceWithFixedId:
+        def __init__(self, app: App, session: AsyncSession) -> None:
+            self.app, self.session = app, session
+
+        async def __call__(self, message: PlaceOrder) -> None:
+            self.session.add(Order(id=7, order_id=message.order_id))  # the second collides
+            await self.app.publish(OrderPlaced(message.order_id))
+            await self.app.send(Ship(7))
+
+    orders.register(PlaceOrder, PlaceWithFixedId)
+    orders.route(PlaceOrder, "orders")
+    orders.route(Ship, "sink")
+    async with billing, orders:
+        storage = storage_of(orders)
+        await orders.send(PlaceOrder("o-1"))
+        await eventually(lambda: probe.billed == ["o-1"], "the first order billed")
+        await orders.send(PlaceOrder("o-2"))
+        await eventually(lambda: len(sink.ids("error")) == 1, "the second is dead-lettered")
+        assert storage.relay is not None
+        assert await storage.relay.flush() == 0
+        assert await count(storage.engine, ORDERS) == 1
+        assert await count(storage.engine, storage.tables.outbox) == 0
+        assert await count(storage.engine, storage.tables.inbox) == 1
+    assert probe.billed == ["o-1"]
+    assert len(sink.ids("sink")) == 1
 
 
 async def test_the_same_message_delivered_twice_is_handled_once(
