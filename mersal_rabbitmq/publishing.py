@@ -90,12 +90,19 @@ class PublisherPool:
         self._released: asyncio.Future[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
 
-    async def claim(self, ids: set[str]) -> Publisher:
-        """A channel with none of `ids` in flight, now marked as carrying them."""
-        for publisher in self._slots:  # the common case: an open channel is free for `ids`
+    def claim_now(self, ids: set[str]) -> Publisher | None:
+        """An open channel with none of `ids` in flight, marked as carrying them; else None."""
+        for publisher in self._slots:
             if publisher is not None and publisher.usable and publisher.in_flight.isdisjoint(ids):
                 publisher.in_flight |= ids
                 return publisher
+        return None
+
+    async def claim(self, ids: set[str]) -> Publisher:
+        """A channel with none of `ids` in flight, now marked as carrying them."""
+        publisher = self.claim_now(ids)  # the common case: an open channel is free for `ids`
+        if publisher is not None:
+            return publisher
         while True:
             async with self._lock:
                 publisher = await self._find(ids)
@@ -190,8 +197,10 @@ class Publishing:
         ids = {o.envelope.message_id for o in run if o.envelope.message_id}
         deadline = asyncio.get_running_loop().time() + self._publish_timeout
         try:
-            async with asyncio.timeout_at(deadline):
-                publisher = await self._claim(ids)
+            publisher = self._pool.claim_now(ids)
+            if publisher is None:
+                async with asyncio.timeout_at(deadline):
+                    publisher = await self._claim(ids)
         except TimeoutError:
             unknown = OutcomeUnknown(
                 f"no channel to publish on within {self._publish_timeout:g}s: "
@@ -243,20 +252,19 @@ class Publishing:
                 await asyncio.sleep(0.1)
 
     async def _publish(self, publisher: Publisher, outgoing: Outgoing, deadline: float) -> None:
-        what = f"{describe(outgoing.envelope.headers)} to {outgoing.address!r}"
         try:
             async with asyncio.timeout_at(deadline):
                 await self._deliver(publisher, outgoing)
         except TimeoutError:
             publisher.retired = True  # its confirm (or return) may still come on this channel
             raise OutcomeUnknown(
-                f"{what} was not confirmed within {self._publish_timeout:g}s; send it again "
-                "(the receiver's inbox drops duplicates)"
+                f"{_what(outgoing)} was not confirmed within {self._publish_timeout:g}s; "
+                "send it again (the receiver's inbox drops duplicates)"
             ) from None
         except CHANNEL_ERRORS as error:
             raise OutcomeUnknown(
-                f"{what} lost its channel before a confirm ({type(error).__name__}: {error}); "
-                "send it again"
+                f"{_what(outgoing)} lost its channel before a confirm "
+                f"({type(error).__name__}: {error}); send it again"
             ) from error
 
     async def _deliver(self, publisher: Publisher, outgoing: Outgoing) -> None:
@@ -311,6 +319,10 @@ def refused_by_broker(result: BaseException | None) -> bool:
 def lost_channel(result: BaseException | None) -> bool:
     """Whether a publish failed because its channel closed under it (perhaps at another refusal)."""
     return isinstance(result, OutcomeUnknown) and isinstance(result.__cause__, CHANNEL_ERRORS)
+
+
+def _what(outgoing: Outgoing) -> str:
+    return f"{describe(outgoing.envelope.headers)} to {outgoing.address!r}"
 
 
 def _result(result: BaseException | None) -> Exception | None:
