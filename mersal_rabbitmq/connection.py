@@ -57,8 +57,8 @@ class Connection:
         """The aio-pika connection; raises while not open."""
         if self.current is None:
             raise MersalError(
-                f"the RabbitMQ transport for {mask(self.address)} is not started: "
-                "`await transport.start()` first"
+                f"the RabbitMQ transport for {mask(self.address)} is not running (never "
+                "started, or stopped): nothing was sent; `await transport.start()` first"
             )
         return self.current
 
@@ -117,12 +117,11 @@ class Connection:
         )
         try:
             await channel.initialize()
-        except CHANNEL_ERRORS:
-            raise
-        except Exception as error:
-            if self.connected:
+        except BaseException as error:
+            lost = closed_under(error, not self.connected, "the connection closed under it")
+            if lost is None:
                 raise
-            raise closed_under(error, "the connection closed before a channel opened") from error
+            raise lost from error
         return channel
 
     def register(
@@ -232,6 +231,19 @@ async def close_quietly(channel: AbstractChannel) -> None:
         log.debug("closing a channel failed: %s", error)
 
 
-def closed_under(error: Exception, what: str) -> ConnectionError:
-    """A lost connection, for what aiormq raises when one closes mid-call (a bare Exception)."""
+def closed_under(error: BaseException, closed: bool, what: str) -> ConnectionError | None:
+    """`error` as a lost connection, if aiormq raised it for a close mid-call; else None.
+
+    A closing connection fails what is pending on it with a RuntimeError or a bare Exception
+    (`closed` tells those from other errors), or, when aio-pika closes it (at app.stop()),
+    with a CancelledError in a task that nobody cancelled.
+    """
+    if isinstance(error, CHANNEL_ERRORS):
+        return None
+    if isinstance(error, asyncio.CancelledError):
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            return None
+    elif not (closed and isinstance(error, Exception)):
+        return None
     return ConnectionError(f"{what} ({type(error).__name__}: {str(error) or 'no reason given'})")

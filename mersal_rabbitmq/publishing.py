@@ -70,12 +70,11 @@ class Publisher:
                 f"RabbitMQ refused {describe(envelope.headers)} ({error}): "
                 "it may be short of memory or disk, or the queue is full; send it again later"
             ) from None
-        except CHANNEL_ERRORS:
-            raise
-        except Exception as error:
-            if not self.channel.is_closed:
+        except BaseException as error:
+            lost = closed_under(error, self.channel.is_closed, "the channel closed under it")
+            if lost is None:
                 raise
-            raise closed_under(error, "the channel closed during the publish") from error
+            raise lost from error
         return not isinstance(result, aiormq.abc.DeliveredMessage)
 
 

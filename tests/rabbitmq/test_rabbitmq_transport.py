@@ -446,6 +446,25 @@ async def test_a_send_while_the_connection_closes_under_it_is_sent_or_outcome_un
     assert "m-after" in received
 
 
+async def test_a_send_in_flight_when_the_transport_stops_is_never_a_cancellation(
+    make_transport: Make, prefix: str
+) -> None:
+    """aio-pika's close fails what is pending with CancelledError; the sender was not cancelled."""
+    queue = f"{prefix}.in"
+    for n in range(16):
+        transport = await started(make_transport, queue, publish_timeout=2.0, channels=1)
+        if n % 2:  # a publishing channel is open already
+            await transport.send([Outgoing(queue, envelope(f"warm-{n}"))])
+        sending = asyncio.create_task(transport.send([Outgoing(queue, envelope(f"m-{n}"))]))
+        for _ in range(n // 2):
+            await asyncio.sleep(0)
+        await transport.stop()
+        await asyncio.wait([sending], timeout=10)
+        assert sending.done() and not sending.cancelled(), f"send {n} was cancelled"
+        error = sending.exception()
+        assert error is None or isinstance(error, MersalError), repr(error)
+
+
 async def test_temporary_queues_and_their_consumers_come_back_after_a_reconnect(
     make_transport: Make, prefix: str, vhost: str
 ) -> None:
