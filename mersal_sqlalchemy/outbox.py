@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -15,6 +16,8 @@ from mersal.messages import Envelope
 from mersal.outbox import OutboxRow
 from mersal.transport import Outgoing
 from mersal_sqlalchemy.database import is_postgresql, one_of, sql_time
+
+log = logging.getLogger("mersal.sqlalchemy")
 
 Executor = AsyncSession | AsyncConnection
 """Where outbox rows are written: a session or a connection, inside its transaction."""
@@ -50,15 +53,25 @@ async def write_outbox(
 
     On asyncpg, once the transaction has begun on the connection, the rows go straight to
     asyncpg (a prepared statement, a third of the CPU of SQLAlchemy's execute); SQLAlchemy's
-    execution events do not see that insert.
+    execution events do not see that insert. If it fails, SQLAlchemy runs it again, to fail
+    as SQLAlchemy's users expect (a DBAPIError naming the statement, a broken connection
+    invalidated): the failed statement left nothing that can commit.
     """
     if not outgoing:
         return
     direct = await asyncpg_insert(executor, table, channel)
-    if direct is None:
-        await executor.execute(insert_statement(table, channel, app), outbox_rows(app, outgoing))
-        return
-    driver, statement = direct
+    if direct is not None:
+        try:
+            await _insert_directly(*direct, app, outgoing, channel)
+            return
+        except Exception as error:
+            log.debug("the outbox insert through asyncpg failed (%s); through SQLAlchemy", error)
+    await executor.execute(insert_statement(table, channel, app), outbox_rows(app, outgoing))
+
+
+async def _insert_directly(
+    driver: Any, statement: str, app: str, outgoing: Sequence[Outgoing], channel: str | None
+) -> None:
     rows = [
         (
             app,
@@ -80,11 +93,18 @@ async def write_outbox(
 async def asyncpg_insert(
     executor: Executor, table: Table, channel: str | None
 ) -> tuple[Any, str] | None:
-    """asyncpg's connection and the insert in its terms, if the transaction began there."""
-    if channel is None:
+    """asyncpg's connection and the insert in its terms, if the transaction began there.
+
+    None where SQLAlchemy must write it: other drivers, SQLite, a schema, and engines whose
+    `schema_translate_map` moves the table.
+    """
+    if channel is None or table.schema is not None:
         return None
     connection = await executor.connection() if isinstance(executor, AsyncSession) else executor
-    if connection.dialect.driver != "asyncpg":
+    options = (
+        connection.sync_connection.get_execution_options() if connection.sync_connection else {}
+    )
+    if connection.dialect.driver != "asyncpg" or options.get("schema_translate_map"):
         return None
     driver = (await connection.get_raw_connection()).driver_connection
     if driver is None or not driver.is_in_transaction():

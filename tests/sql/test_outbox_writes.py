@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 from sqlalchemy import event, func, select, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from mersal.messages import Envelope
@@ -131,3 +132,39 @@ async def test_mixed_case_and_reserved_table_names_work(
         await write_outbox(session, tables.outbox, "orders", [outgoing(1)], tables.channel)
     assert await count(engine, tables, "outbox") == 1
     assert await count(engine, tables, "inbox") == 1
+
+
+async def test_a_failed_insert_fails_as_sqlalchemy_reports_it(engine: AsyncEngine) -> None:
+    """The direct insert, in a transaction already aborted, fails as a DBAPIError naming it."""
+    async with AsyncSession(engine) as session:
+        await session.execute(text("SELECT 1"))
+        with pytest.raises(DBAPIError):
+            await session.execute(text("SELECT 1 / 0"))
+        with pytest.raises(DBAPIError, match="INSERT INTO mersal_outbox") as caught:
+            await write_outbox(session, TABLES.outbox, "orders", [outgoing(1)], TABLES.channel)
+        assert "current transaction is aborted" in str(caught.value)
+        await session.rollback()
+    assert await count(engine, TABLES, "outbox") == 0
+
+
+async def test_an_engine_that_translates_the_schema_writes_where_it_points(
+    postgres_url: str,
+) -> None:
+    """schema_translate_map moves the tables (one schema per tenant): the rows go there too."""
+    engine = make_engine(postgres_url, execution_options={"schema_translate_map": {None: "t1"}})
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(text("CREATE SCHEMA t1"))
+            await connection.run_sync(TABLES.metadata.create_all)
+        inbox = Inbox(engine, TABLES.inbox, "orders", retention=60)
+        async with AsyncSession(engine) as session, session.begin():
+            assert await inbox.record(session, "m-1")  # the transaction has begun
+            await write_outbox(session, TABLES.outbox, "orders", [outgoing(1)], TABLES.channel)
+        async with engine.connect() as connection:
+            counts = await connection.exec_driver_sql(
+                "SELECT (SELECT count(*) FROM t1.mersal_outbox), "
+                "(SELECT count(*) FROM public.mersal_outbox)"
+            )
+            assert tuple(counts.one()) == (1, 0)
+    finally:
+        await engine.dispose()
