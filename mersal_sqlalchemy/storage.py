@@ -45,6 +45,8 @@ SESSION = "mersal_sqlalchemy.session"
 GUARDED = "mersal.guarded"
 ENDING = "mersal.ending"
 ROLLED_BACK = "mersal.rolled_back"
+SENDS = "mersal.sends"
+SAVEPOINTS = "mersal.savepoints"
 
 REFUSED = (
     "do not {} the message's session in a handler: Mersal commits it after the handlers, "
@@ -117,13 +119,27 @@ def _refuse_handler_commits(session: Session) -> None:
         raise MersalError(REFUSED.format("commit"))
 
 
+@event.listens_for(MessageSession, "after_transaction_create")
+def _mark_savepoints(session: Session, transaction: SessionTransaction) -> None:
+    """A savepoint notes how many messages were sent before it began."""
+    sends: Transaction | None = session.info.get(SENDS)
+    if sends is not None and transaction.nested:
+        session.info.setdefault(SAVEPOINTS, {})[transaction] = len(sends.outgoing)
+
+
 @event.listens_for(MessageSession, "after_soft_rollback")
 def _note_rollbacks(session: Session, previous: SessionTransaction) -> None:
     """A rollback nobody asked Mersal for (the sync session's) takes the inbox row with it.
 
-    A savepoint's rollback undoes only what was done since the savepoint.
+    A savepoint's rollback undoes only what was done since the savepoint: its rows, and the
+    messages sent since it began.
     """
-    if session.info.get(GUARDED) and not session.info.get(ENDING) and not previous.nested:
+    if previous.nested:
+        sends: Transaction | None = session.info.get(SENDS)
+        sent_before = session.info.get(SAVEPOINTS, {}).pop(previous, None)
+        if sends is not None and sends.open and sent_before is not None:
+            del sends.outgoing[sent_before:]
+    elif session.info.get(GUARDED) and not session.info.get(ENDING):
         session.info[ROLLED_BACK] = True
 
 
@@ -322,7 +338,7 @@ class SqlStorage:
 
     async def unit_of_work(self, context: MessageContext, next: Next[MessageContext]) -> None:
         """Handle the message in a session of its own, committed by the message's transaction."""
-        session = self.sessions(info={GUARDED: True})
+        session = self.sessions(info={GUARDED: True, SENDS: context.transaction})
         context.items[SESSION] = session
         transaction = context.transaction
         transaction.session = session

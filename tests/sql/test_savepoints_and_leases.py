@@ -1,13 +1,15 @@
 """Regressions of an adversarial review, on SQLite and PostgreSQL with the memory transport.
 
 Savepoints in a handler (`session.begin_nested()`) commit, commit explicitly and roll back
-without failing the message (p21); outbox rows the broker keeps refusing do not hold back the
-rows written after them (p02); after an operator purges or retries the parked rows, a busy app
-becomes healthy again within about the relay's poll interval (p23).
+without failing the message, and a savepoint's rollback forgets the messages sent in it (p21);
+outbox rows the broker keeps refusing do not hold back the rows written after them (p02);
+after an operator purges or retries the parked rows, a busy app becomes healthy again within
+about the relay's poll interval (p23).
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,7 +69,7 @@ class Undo(Exception):
 
 
 class SavepointHandler:
-    """Writes an outer row, then one in a savepoint that it commits or rolls back; sends one."""
+    """Writes an outer row, then a row and a send in a savepoint it commits or rolls back."""
 
     calls: Counter[str]
 
@@ -83,14 +85,17 @@ class SavepointHandler:
         if style == "committed":
             async with session.begin_nested():
                 await session.execute(insert(ORDERS).values(order_id=f"{style}: savepoint"))
+                await self.app.send(Ship(100 + message.n))
         elif style == "committed explicitly":
             savepoint = await session.begin_nested()
             await session.execute(insert(ORDERS).values(order_id=f"{style}: savepoint"))
+            await self.app.send(Ship(100 + message.n))
             await savepoint.commit()
         else:
             try:
                 async with session.begin_nested():
                     await session.execute(insert(ORDERS).values(order_id=f"{style}: undone"))
+                    await self.app.send(Ship(100 + message.n))  # undone with the savepoint
                     raise Undo("undo the savepoint's row only")
             except Undo:
                 pass
@@ -121,7 +126,7 @@ async def test_savepoints_in_a_handler_commit_or_roll_back_and_the_message_commi
             return (
                 sink.queue_settled("savepoints")
                 and await outbox_empty(storage)
-                and len(sink.ids()) + len(sink.ids("error")) >= len(STYLES)
+                and len(sink.ids()) + len(sink.ids("error")) >= len(STYLES) + 2
             )
 
         await eventually(finished, "every message handled or dead-lettered", timeout=10)
@@ -140,7 +145,9 @@ async def test_savepoints_in_a_handler_commit_or_roll_back_and_the_message_commi
             "rolled back: outer",
         ]
     )
-    assert len(sink.ids()) == len(STYLES) and sink.duplicates() == {}
+    shipped = sorted(json.loads(o.envelope.body)["n"] for o in sink.seen if o.address == "sink")
+    assert shipped == [0, 1, 2, 100, 101]  # not 102: sent in the savepoint rolled back
+    assert sink.duplicates() == {}
     assert handled == len(STYLES)
 
 
