@@ -7,7 +7,8 @@ with `multiple=True`. An ack behind a delivery still being handled cannot be
 covered by that; it waits `linger` seconds for the gap to close and is then sent on its own.
 
 A delivery that is nacked stays unsettled here until its nack is written, so a multiple ack
-never covers it. An ack not yet sent when the channel closes is lost with the channel: the
+never covers it. One writer per channel sends the acks in the order they were decided, so an
+ack of one tag never lands behind the multiple ack that covered it. An ack not yet sent when the channel closes is lost with the channel: the
 broker delivers that message again (the inbox absorbs such a copy).
 """
 
@@ -40,7 +41,8 @@ class Acks:
         self._noted: set[int] = set()
         self._gone: set[int] = set()  # settled on their own, still in `_unsettled` until the head
         self._flush: asyncio.Handle | None = None
-        self._sending: set[asyncio.Task[None]] = set()
+        self._queued: deque[tuple[int, bool]] = deque()
+        self._writer: asyncio.Future[None] | None = None
 
     def received(self, tag: int) -> None:
         """A delivery arrived on the channel: it is unsettled until acked or nacked."""
@@ -68,8 +70,8 @@ class Acks:
             self._flush = None
         self._send_head()
         self._send_rest()
-        if self._sending:
-            await asyncio.gather(*self._sending, return_exceptions=True)
+        if self._writer is not None:
+            await asyncio.gather(self._writer, return_exceptions=True)
 
     def _send_head(self) -> None:
         self._flush = None
@@ -102,9 +104,18 @@ class Acks:
         self._noted.clear()
 
     def _send(self, tag: int, *, multiple: bool) -> None:
-        task = asyncio.ensure_future(self._write(tag, multiple))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
+        """Queue an ack for the channel's one writer: acks reach the broker in this order."""
+        self._queued.append((tag, multiple))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._write_queued())
+
+    async def _write_queued(self) -> None:
+        # One writer: concurrent writers could pass each other in aiormq's write queue (when
+        # it is full), and an ack of one tag behind the multiple ack that covered it already
+        # makes the broker close the channel ("unknown delivery tag").
+        while self._queued:
+            tag, multiple = self._queued.popleft()
+            await self._write(tag, multiple)
 
     async def _write(self, tag: int, multiple: bool) -> None:
         try:

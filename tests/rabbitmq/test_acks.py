@@ -98,3 +98,39 @@ def test_acks_unit_prefix_is_one_multiple_ack() -> None:
 
     asyncio.run(scenario())
     assert sent == [(3, True), (5, False), (6, True)]
+
+
+def test_acks_reach_the_channel_in_the_order_they_were_decided() -> None:
+    """Without a broker: a write that waits (aiormq's write queue full) is not overtaken.
+
+    Otherwise an ack of one tag may land after the multiple ack that covered it, and RabbitMQ
+    closes the channel ("unknown delivery tag").
+    """
+    written: list[tuple[int, bool]] = []
+    slow = random.Random(3)
+
+    class Channel:
+        async def basic_ack(self, tag: int, multiple: bool = False) -> None:
+            await asyncio.sleep(slow.choice((0, 0, 0, 0.005)))  # a full write queue, now and then
+            written.append((tag, multiple))
+
+    async def scenario() -> None:
+        acks = Acks(Channel(), delay=0.001, linger=0.002)  # type: ignore[arg-type]
+        for tag in range(1, 201):
+            acks.received(tag)
+        in_hand: list[int] = []
+        for start in range(1, 201, 8):  # settled nearly in order: singles, multiples past them
+            window = list(range(start, start + 8))
+            slow.shuffle(window)
+            in_hand += window
+        for tag in in_hand:
+            acks.ack(tag)
+            await asyncio.sleep(slow.choice((0, 0, 0, 0.001, 0.003)))
+        await acks.drain()
+
+    asyncio.run(scenario())
+    acked: set[int] = set()
+    for tag, multiple in written:
+        assert tag not in acked, f"{tag} acked again by {(tag, multiple)} after it was covered"
+        acked |= set(range(1, tag + 1)) if multiple else {tag}
+    assert acked == set(range(1, 201))
