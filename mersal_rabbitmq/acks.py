@@ -8,8 +8,9 @@ covered by that; it waits `linger` seconds for the gap to close and is then sent
 
 A delivery that is nacked stays unsettled here until its nack is written, so a multiple ack
 never covers it. One writer per channel sends the acks in the order they were decided, so an
-ack of one tag never lands behind the multiple ack that covered it. An ack not yet sent when the channel closes is lost with the channel: the
-broker delivers that message again (the inbox absorbs such a copy).
+ack of one tag never lands behind the multiple ack that covered it. An ack not yet sent when
+the channel closes is lost with the channel: the broker delivers that message again (the
+inbox absorbs such a copy).
 """
 
 from __future__ import annotations
