@@ -221,7 +221,9 @@ class Publishing:
             async with asyncio.timeout_at(deadline):
                 publisher = await self._open_publisher()
         except (TimeoutError, *CHANNEL_ERRORS) as error:
-            return OutcomeUnknown(f"no channel to publish on ({type(error).__name__}): send again")
+            return OutcomeUnknown(
+                f"no channel to publish on ({type(error).__name__}: {error}); send again"
+            )
         try:
             await self._publish(publisher, outgoing, deadline)
         except OutcomeUnknown as error:
