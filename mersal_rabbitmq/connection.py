@@ -37,7 +37,6 @@ CHANNEL_ERRORS = (
 )
 """What a channel raises when it, or its connection, closed under the caller."""
 
-
 Restore = Callable[[], Awaitable[None]]
 """Brings one object back on the current connection; raises if it cannot."""
 Lost = Callable[[Exception, int], None]
