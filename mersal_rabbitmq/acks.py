@@ -21,6 +21,8 @@ from collections import deque
 
 import aiormq
 
+from mersal_rabbitmq.connection import why
+
 log = logging.getLogger("mersal.rabbitmq")
 
 DELAY = 0.002
@@ -123,9 +125,8 @@ class Acks:
             await self._channel.basic_ack(tag, multiple=multiple)
         except Exception as error:
             log.warning(
-                "could not ack delivery %d%s (%s: %s); RabbitMQ delivers it again",
+                "could not ack delivery %d%s (%s); RabbitMQ delivers it again",
                 tag,
                 " and the ones before it" if multiple else "",
-                type(error).__name__,
-                error,
+                why(error),
             )

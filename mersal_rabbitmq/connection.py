@@ -245,4 +245,12 @@ def closed_under(error: BaseException, closed: bool, what: str) -> ConnectionErr
             return None
     elif not (closed and isinstance(error, Exception)):
         return None
-    return ConnectionError(f"{what} ({type(error).__name__}: {str(error) or 'no reason given'})")
+    return ConnectionError(f"{what} ({why(error)})")
+
+
+def why(error: BaseException | None) -> str:
+    """An error for a message or a log line: its type and text, or that none was given."""
+    if error is None:
+        return "no reason given"
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else f"{type(error).__name__}, no reason given"

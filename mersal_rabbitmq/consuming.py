@@ -31,6 +31,7 @@ from mersal_rabbitmq.connection import (
     Registration,
     Restore,
     close_quietly,
+    why,
 )
 from mersal_rabbitmq.topology import Topology
 from mersal_rabbitmq.wire import envelope_of
@@ -228,7 +229,7 @@ class RabbitMQConsumer:
         log.warning(
             "the channel consuming %r closed (%s); consuming again when connected",
             self.queue,
-            error,
+            why(error),
         )
         self._lost()
 
