@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -124,7 +125,8 @@ def _mark_savepoints(session: Session, transaction: SessionTransaction) -> None:
     """A savepoint notes how many messages were sent before it began."""
     sends: Transaction | None = session.info.get(SENDS)
     if sends is not None and transaction.nested:
-        session.info.setdefault(SAVEPOINTS, {})[transaction] = len(sends.outgoing)
+        marks = session.info.setdefault(SAVEPOINTS, weakref.WeakKeyDictionary())
+        marks[transaction] = len(sends.outgoing)
 
 
 @event.listens_for(MessageSession, "after_soft_rollback")
@@ -132,11 +134,15 @@ def _note_rollbacks(session: Session, previous: SessionTransaction) -> None:
     """A rollback nobody asked Mersal for (the sync session's) takes the inbox row with it.
 
     A savepoint's rollback undoes only what was done since the savepoint: its rows, and the
-    messages sent since it began.
+    messages sent since it began. A failed flush rolls back its own inner transaction, which
+    undoes the savepoint around it, or everything when there is none.
     """
-    if previous.nested:
+    undone = previous
+    while not undone.nested and undone.parent is not None:
+        undone = undone.parent
+    if undone.nested:
         sends: Transaction | None = session.info.get(SENDS)
-        sent_before = session.info.get(SAVEPOINTS, {}).pop(previous, None)
+        sent_before = session.info.get(SAVEPOINTS, {}).pop(undone, None)
         if sends is not None and sends.open and sent_before is not None:
             del sends.outgoing[sent_before:]
     elif session.info.get(GUARDED) and not session.info.get(ENDING):

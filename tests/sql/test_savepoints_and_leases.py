@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 from sqlalchemy import insert, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from mersal import App, MersalError, RetryPolicy
@@ -25,6 +26,7 @@ from mersal_sqlalchemy import attach
 from tests.cli.conftest import mersal
 from tests.sql.support import (
     ORDERS,
+    Order,
     Ship,
     Sink,
     count,
@@ -36,7 +38,7 @@ from tests.support import DelegatingTransport, eventually
 
 pytestmark = pytest.mark.timeout(60)
 
-STYLES = ("committed", "committed explicitly", "rolled back")
+STYLES = ("committed", "committed explicitly", "rolled back", "failed flush")
 
 
 @dataclass
@@ -91,6 +93,16 @@ class SavepointHandler:
             await session.execute(insert(ORDERS).values(order_id=f"{style}: savepoint"))
             await self.app.send(Ship(100 + message.n))
             await savepoint.commit()
+        elif style == "failed flush":  # the savepoint rolls back; the message goes on
+            try:
+                async with session.begin_nested():
+                    await self.app.send(Ship(100 + message.n))  # undone with the savepoint
+                    session.add_all(
+                        [Order(id=10_000, order_id="a"), Order(id=10_000, order_id="b")]
+                    )
+                    await session.flush()
+            except IntegrityError:
+                pass
         else:
             try:
                 async with session.begin_nested():
@@ -143,10 +155,11 @@ async def test_savepoints_in_a_handler_commit_or_roll_back_and_the_message_commi
             "committed explicitly: outer",
             "committed explicitly: savepoint",
             "rolled back: outer",
+            "failed flush: outer",
         ]
     )
     shipped = sorted(json.loads(o.envelope.body)["n"] for o in sink.seen if o.address == "sink")
-    assert shipped == [0, 1, 2, 100, 101]  # not 102: sent in the savepoint rolled back
+    assert shipped == [0, 1, 2, 3, 100, 101]  # not 102, 103: sent in savepoints rolled back
     assert sink.duplicates() == {}
     assert handled == len(STYLES)
 
