@@ -67,7 +67,7 @@ class Acks:
             self._flush = asyncio.get_running_loop().call_later(self._delay, self._send_head)
 
     async def drain(self) -> None:
-        """Send every noted ack now and wait until they are written (before closing)."""
+        """Send every noted ack now; once this returns they are queued ahead of a close."""
         if self._flush is not None:
             self._flush.cancel()
             self._flush = None
@@ -115,14 +115,15 @@ class Acks:
     async def _write_queued(self) -> None:
         # One writer: concurrent writers could pass each other in aiormq's write queue (when
         # it is full), and an ack of one tag behind the multiple ack that covered it already
-        # makes the broker close the channel ("unknown delivery tag").
+        # makes the broker close the channel ("unknown delivery tag"). It queues each ack
+        # without waiting for it to reach the socket, so that it keeps up under load.
         while self._queued:
             tag, multiple = self._queued.popleft()
             await self._write(tag, multiple)
 
     async def _write(self, tag: int, multiple: bool) -> None:
         try:
-            await self._channel.basic_ack(tag, multiple=multiple)
+            await self._channel.basic_ack(tag, multiple=multiple, wait=False)
         except Exception as error:
             log.warning(
                 "could not ack delivery %d%s (%s); RabbitMQ delivers it again",

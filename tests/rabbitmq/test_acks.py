@@ -81,7 +81,7 @@ def test_acks_unit_prefix_is_one_multiple_ack() -> None:
     sent: list[tuple[int, bool]] = []
 
     class Channel:
-        async def basic_ack(self, tag: int, multiple: bool = False) -> None:
+        async def basic_ack(self, tag: int, multiple: bool = False, wait: bool = True) -> None:
             sent.append((tag, multiple))
 
     async def scenario() -> None:
@@ -110,7 +110,7 @@ def test_acks_reach_the_channel_in_the_order_they_were_decided() -> None:
     slow = random.Random(3)
 
     class Channel:
-        async def basic_ack(self, tag: int, multiple: bool = False) -> None:
+        async def basic_ack(self, tag: int, multiple: bool = False, wait: bool = True) -> None:
             await asyncio.sleep(slow.choice((0, 0, 0, 0.005)))  # a full write queue, now and then
             written.append((tag, multiple))
 
