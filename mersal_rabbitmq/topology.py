@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +25,9 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel
 
-from mersal.errors import ConfigurationError, Unroutable
-from mersal_rabbitmq.connection import Connection
+from mersal.errors import ConfigurationError, MersalError, Unroutable
+from mersal.transport import mask
+from mersal_rabbitmq.connection import Connection, closed_under, why
 from mersal_rabbitmq.delays import wait_queue_name
 
 log = logging.getLogger("mersal.rabbitmq")
@@ -35,6 +36,11 @@ EVENTS = "mersal.events"
 """The durable topic exchange every publish goes through."""
 QUEUE_TYPES = ("classic", "quorum")
 """The values `x-queue-type` may take here."""
+LOST = (ConnectionError, aiormq.exceptions.ChannelInvalidStateError)
+"""What a declaration raises when the connection or channel closed under it."""
+RECONNECT_WAIT = 10.0
+"""Seconds a declaration waits for a lost connection to come back."""
+RETRY_PAUSE = 0.2
 
 
 @dataclass(frozen=True)
@@ -100,16 +106,55 @@ class Topology:
                 ) from None
 
     async def declare(self, name: str, shape: QueueShape) -> None:
-        """Declare a queue and remember it."""
-        async with self._lock:
-            await self._declare(name, shape)
+        """Declare a queue and remember it (again, if the connection was lost meanwhile)."""
+
+        async def declaring() -> None:
+            async with self._lock:
+                await self._declare(name, shape)
+
+        await self._through_reconnects(f"declare queue {name!r}", declaring)
         self.queues[name] = shape
 
     async def bind(self, queue: str, topic: str) -> None:
-        """Bind a queue to the topic exchange and remember it."""
-        async with self._lock:
-            await self._bind(queue, topic)
+        """Bind a queue to the topic exchange and remember it (again, as `declare`)."""
+
+        async def binding() -> None:
+            async with self._lock:
+                await self._bind(queue, topic)
+
+        await self._through_reconnects(f"bind queue {queue!r} to {topic!r}", binding)
         self.bindings.setdefault(queue, set()).add(topic)
+
+    async def _through_reconnects(
+        self, what: str, declaration: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Run a declaration; if the connection closes under it, again once reconnected.
+
+        Declarations are idempotent. Up to RECONNECT_WAIT seconds; then a MersalError.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RECONNECT_WAIT
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await declaration()
+                return
+            except TimeoutError as error:
+                raise MersalError(
+                    f"could not {what}: the connection to RabbitMQ did not come back within "
+                    f"{RECONNECT_WAIT:g}s; is RabbitMQ at {mask(self._connection.address)} up?"
+                ) from error
+            except LOST as error:
+                failure: BaseException = error
+            except MersalError:
+                raise
+            except BaseException as error:  # what aiormq raises for a close, or not ours
+                channel = self._channel
+                if closed_under(error, channel is None or channel.is_closed, what) is None:
+                    raise
+                failure = error
+            log.info("could not %s (%s); again once reconnected", what, why(failure))
+            await asyncio.sleep(RETRY_PAUSE)
 
     async def wait_queue(self, exchange: str, routing_key: str, milliseconds: int) -> str:
         """The wait queue for a destination and delay, declared on first use."""

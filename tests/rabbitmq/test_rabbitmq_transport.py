@@ -465,6 +465,29 @@ async def test_a_send_in_flight_when_the_transport_stops_is_never_a_cancellation
         assert error is None or isinstance(error, MersalError), repr(error)
 
 
+async def test_a_declaration_while_the_connection_is_lost_waits_for_the_reconnect(
+    make_transport: Make, broker: Broker, prefix: str, vhost: str, url: str
+) -> None:
+    """Not aiormq's ConnectionClosed: what app.start and app.request declare comes through."""
+    transport = await started(make_transport)
+    declared: list[str] = []
+    for n in range(3):
+        # Blocking the loop on purpose: the broker's close waits unread, so the declaration
+        # goes out on a connection that is already closed and learns it mid-call.
+        rabbitmqctl("close_all_connections", "-p", vhost, "test")
+        queue = f"{prefix}.after-close-{n}"
+        await transport.declare(queue)
+        await transport.bind(queue, f"tests.Topic{n}")
+        declared.append(queue)
+    await eventually(lambda: transport.connected, "reconnected", timeout=10)
+    for n in range(len(declared)):
+        await transport.send([Outgoing(f"tests.Topic{n}", envelope(f"m-{n}"), publish=True)])
+    async with await aio_pika.connect(url) as connection:  # the broker fixture's was closed
+        fresh = Broker(connection, await connection.channel())
+        received = [(await fresh.get(queue)).message_id for queue in declared]
+    assert received == ["m-0", "m-1", "m-2"]
+
+
 async def test_temporary_queues_and_their_consumers_come_back_after_a_reconnect(
     make_transport: Make, prefix: str, vhost: str
 ) -> None:
