@@ -51,13 +51,15 @@ class Connection:
         self.current: AbstractRobustConnection | None = None
         """The aio-pika connection while open, else None."""
         self._registrations: dict[Registration, None] = {}  # a dict keeps registration order
+        self._closed = asyncio.Event()  # wakes whoever waits for a reconnect, at close()
 
     def require(self) -> AbstractRobustConnection:
         """The aio-pika connection; raises while not open."""
         if self.current is None:
             raise MersalError(
                 f"the RabbitMQ transport for {mask(self.address)} is not running (never "
-                "started, or stopped): nothing was sent; `await transport.start()` first"
+                "started, or stopped): nothing was sent or declared; `await transport.start()` "
+                "first"
             )
         return self.current
 
@@ -93,24 +95,38 @@ class Connection:
             ) from None
         connection.reconnect_callbacks.add(self._on_reconnect)
         self.current = connection
+        self._closed = asyncio.Event()
         return connection
 
     async def close(self) -> None:
         """Restore nothing more, and disconnect."""
         connection, self.current = self.current, None
+        self._closed.set()
         for registration in list(self._registrations):
             await registration.cancel()
         if connection is not None:
             await connection.close()
 
     async def ready(self) -> None:
-        """Wait until the connection is up (it reconnects by itself)."""
-        await self.require().ready()
+        """Wait until the connection is up (it reconnects by itself); raises once closed."""
+        connection = self.require()
+        if self.connected:
+            return
+        reconnected = asyncio.ensure_future(connection.ready())
+        closed = asyncio.ensure_future(self._closed.wait())
+        try:
+            await asyncio.wait((reconnected, closed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            reconnected.cancel()
+            closed.cancel()
+        if not reconnected.done() or reconnected.cancelled():
+            self.require()  # closed meanwhile: says so
+        reconnected.result()
 
     async def channel(self, *, confirms: bool = False) -> AbstractChannel:
         """A new plain channel (restored by whoever registered it), once connected."""
+        await self.ready()
         connection = self.require()
-        await connection.ready()
         channel = aio_pika.Channel(
             connection, publisher_confirms=confirms, on_return_raises=confirms
         )

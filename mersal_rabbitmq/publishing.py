@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from functools import partial
 
 import aiormq
 from aio_pika.abc import AbstractChannel
@@ -21,7 +22,13 @@ from aio_pika.abc import AbstractChannel
 from mersal.errors import MersalError, OutcomeUnknown, Unroutable, Unsendable
 from mersal.messages import Envelope, describe
 from mersal.transport import Limits, Outgoing, mask, problem_of
-from mersal_rabbitmq.connection import CHANNEL_ERRORS, Connection, close_quietly, closed_under
+from mersal_rabbitmq.connection import (
+    CHANNEL_ERRORS,
+    Connection,
+    close_quietly,
+    closed_under,
+    why,
+)
 from mersal_rabbitmq.delays import MAX_WAIT_MS, wait_milliseconds
 from mersal_rabbitmq.topology import EVENTS, Topology
 from mersal_rabbitmq.wire import amqp_properties
@@ -219,7 +226,7 @@ class Publishing:
         """Publish one message on a channel of its own: the broker's refusal is then its own."""
         try:
             async with asyncio.timeout_at(deadline):
-                publisher = await self._open_publisher()
+                publisher = await _until_connected(self._open_publisher)
         except (TimeoutError, *CHANNEL_ERRORS) as error:
             return OutcomeUnknown(
                 f"no channel to publish on ({type(error).__name__}: {error}); send again"
@@ -245,12 +252,7 @@ class Publishing:
 
     async def _claim(self, ids: set[str]) -> Publisher:
         """A publishing channel for `ids`, trying again while the connection comes back."""
-        while True:
-            try:
-                return await self._pool.claim(ids)
-            except CHANNEL_ERRORS as error:
-                log.debug("no publishing channel yet (%s: %s)", type(error).__name__, error)
-                await asyncio.sleep(0.1)
+        return await _until_connected(partial(self._pool.claim, ids))
 
     async def _publish(self, publisher: Publisher, outgoing: Outgoing, deadline: float) -> None:
         try:
@@ -320,6 +322,16 @@ def refused_by_broker(result: BaseException | None) -> bool:
 def lost_channel(result: BaseException | None) -> bool:
     """Whether a publish failed because its channel closed under it (perhaps at another refusal)."""
     return isinstance(result, OutcomeUnknown) and isinstance(result.__cause__, CHANNEL_ERRORS)
+
+
+async def _until_connected(opening: Callable[[], Awaitable[Publisher]]) -> Publisher:
+    """A publishing channel, trying again while the connection comes back (callers time out)."""
+    while True:
+        try:
+            return await opening()
+        except CHANNEL_ERRORS as error:
+            log.debug("no publishing channel yet (%s)", why(error))
+            await asyncio.sleep(0.1)
 
 
 def _what(outgoing: Outgoing) -> str:

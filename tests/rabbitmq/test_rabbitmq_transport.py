@@ -488,6 +488,35 @@ async def test_a_declaration_while_the_connection_is_lost_waits_for_the_reconnec
     assert received == ["m-0", "m-1", "m-2"]
 
 
+async def test_a_send_right_after_the_broker_closed_the_connection_waits_for_it(
+    make_transport: Make, broker: Broker, prefix: str, vhost: str
+) -> None:
+    """The channel's connection is gone; the send waits for the reconnect within its timeout."""
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue, publish_timeout=10.0)
+    await transport.send([Outgoing(queue, envelope("m-before"))])  # a channel in the pool
+    rabbitmqctl("close_all_connections", "-p", vhost, "test")  # the close waits unread
+    await transport.send([Outgoing(queue, envelope("m-after"))])
+    await eventually(lambda: transport.connected, "reconnected", timeout=10)
+
+
+async def test_stop_ends_a_declaration_that_waits_for_a_reconnect(
+    make_transport: Make, prefix: str, vhost: str
+) -> None:
+    transport = await started(make_transport)
+    connection = transport._link.require()
+    connection.reconnect_interval = 60  # type: ignore[attr-defined]  # it would wait a minute
+    await asyncio.to_thread(rabbitmqctl, "close_all_connections", "-p", vhost, "test")
+    declaring = asyncio.create_task(transport.declare(f"{prefix}.never"))
+    await asyncio.sleep(0.3)
+    assert not declaring.done()
+    started_at = time.monotonic()
+    await transport.stop()
+    with pytest.raises(MersalError, match="not running"):
+        await asyncio.wait_for(declaring, 5)
+    assert time.monotonic() - started_at < 2
+
+
 async def test_temporary_queues_and_their_consumers_come_back_after_a_reconnect(
     make_transport: Make, prefix: str, vhost: str
 ) -> None:
