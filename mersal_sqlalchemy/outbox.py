@@ -73,16 +73,8 @@ async def _insert_directly(
     driver: Any, statement: str, app: str, outgoing: Sequence[Outgoing], channel: str | None
 ) -> None:
     rows = [
-        (
-            app,
-            message.address,
-            message.publish,
-            _headers_json.encode(message.envelope.headers).decode(),
-            message.envelope.body,
-            channel,
-            app,
-        )
-        for message in outgoing
+        (row["app"], row["address"], row["publish"], row["headers"], row["body"], channel, app)
+        for row in outbox_rows(app, outgoing)
     ]
     if len(rows) == 1:
         await driver.execute(statement, *rows[0])
