@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -166,5 +167,48 @@ async def test_an_engine_that_translates_the_schema_writes_where_it_points(
                 "(SELECT count(*) FROM public.mersal_outbox)"
             )
             assert tuple(counts.one()) == (1, 0)
+    finally:
+        await engine.dispose()
+
+
+async def test_a_direct_insert_cancelled_midway_leaves_nothing_and_the_connection_usable(
+    postgres_url: str,
+) -> None:
+    """Cancelled while asyncpg runs it (a handler timeout, a stop): rolled back, pool fine."""
+    engine = make_engine(postgres_url, pool_size=1, max_overflow=0)  # the one connection is reused
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(
+                text(
+                    "CREATE FUNCTION slow_insert() RETURNS trigger AS $$ BEGIN "
+                    "PERFORM pg_sleep(0.5); RETURN NEW; END $$ LANGUAGE plpgsql"
+                )
+            )
+            await connection.execute(
+                text(
+                    "CREATE TRIGGER slow_insert BEFORE INSERT ON mersal_outbox "
+                    "FOR EACH ROW EXECUTE FUNCTION slow_insert()"
+                )
+            )
+        for n in range(3):
+            session = AsyncSession(engine)
+
+            async def writing(session: AsyncSession = session, n: int = n) -> None:
+                await session.execute(text("SELECT 1"))  # begun: the insert goes to asyncpg
+                await write_outbox(session, TABLES.outbox, "orders", [outgoing(n)], TABLES.channel)
+                await session.commit()
+
+            task = asyncio.create_task(writing())
+            await asyncio.sleep(0.2)  # inside the slow insert
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await session.close()
+        async with AsyncSession(engine) as session, session.begin():
+            await write_outbox(session, TABLES.outbox, "orders", [outgoing(9)], TABLES.channel)
+        async with engine.connect() as connection:
+            query = select(TABLES.outbox.c.headers)
+            rows = (await connection.execute(query)).scalars().all()
+        assert len(rows) == 1 and '"m-009"' in rows[0]
     finally:
         await engine.dispose()
