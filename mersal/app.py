@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from lagom import Container
 
@@ -27,6 +27,8 @@ from mersal.errors import (
     Unsendable,
 )
 from mersal.handlers import Handler, Handlers, M
+from mersal.health import MAX_RELAY_LAG, Health, check
+from mersal.logs import log_handled
 from mersal.messages import Header, TypeRegistry, describe, new_id
 from mersal.outbox import Storage, attach_storage, unreachable_reply
 from mersal.pipeline import (
@@ -67,6 +69,9 @@ from mersal.transport import (
 )
 from mersal.worker import Worker
 
+if TYPE_CHECKING:
+    from mersal.telemetry import Telemetry
+
 R = TypeVar("R")
 
 log = logging.getLogger("mersal.app")
@@ -98,10 +103,10 @@ class App:
         grace_period: float = 30.0,
         handler_timeout: float | None = 300.0,
         prefetch: int | None = None,
+        consume: bool = True,
     ) -> None:
         check_queue_name(name, "App(name)")
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ConfigurationError(f"App(concurrency={concurrency!r}) must be an int >= 1")
+        check_concurrency(concurrency)
         self.prefetch = check_prefetch(prefetch, concurrency)
         self.handler_timeout = check_timeout(handler_timeout)
         self.clock = HandlerClock(self.handler_timeout)
@@ -117,6 +122,8 @@ class App:
                 "come back to be handled again; name another queue"
             )
         self.concurrency = concurrency
+        self.consume = consume
+        """False for a send-only app: no input or error queue, no worker; sends and relays."""
         self.codec: Codec = codec if codec is not None else JsonCodec()
         self.max_body_size = max_body_size
         self.grace_period = grace_period
@@ -127,7 +134,9 @@ class App:
         self.incoming = incoming_pipeline(
             RetryStep(self.retry), self.codec, self.types, self.handlers, self.clock, max_body_size
         )
-        self.outgoing = outgoing_pipeline(self.types, name, self.codec, lambda: self._transport)
+        self.outgoing = outgoing_pipeline(
+            self.types, name, self.codec, lambda: self._transport, replies=consume
+        )
         self._routes: dict[type, str] = {}
         self._subscriptions: list[type] = []
         self._worker: Worker | None = None
@@ -135,10 +144,20 @@ class App:
         self._stopping: asyncio.Future[None] | None = None
         self._replies: _Replies | None = None
         self.storage: Storage | None = None
+        self.telemetry: Telemetry | None = None  # set by mersal.telemetry.instrument
         self.settler = Settler(self.transport, self.retry.error_queue)
+        self.log_messages = False
+        """Log an INFO line per handled message (`mersal.handled`; `mersal run --log-messages`)."""
 
     def __repr__(self) -> str:
         return f"<App {self.name!r} on {mask(self.transport.address)}>"
+
+    def set_concurrency(self, concurrency: int) -> None:
+        """Handle up to `concurrency` messages at once (before start); the prefetch follows."""
+        self._check_not_running("change the concurrency")
+        check_concurrency(concurrency)
+        self.concurrency = concurrency
+        self.prefetch = check_prefetch(None, concurrency)
 
     @property
     def transport(self) -> Transport:
@@ -207,6 +226,11 @@ class App:
         partition_key: str | None = None,
     ) -> str:
         """Send a message to this app's own queue; returns the message id."""
+        if not self.consume:
+            raise ConfigurationError(
+                f"app {self.name!r} is send-only (consume=False) and has no queue of its own: "
+                "send to another app's queue (app.route + app.send)"
+            )
         return await self._emit(message, self.name, False, headers, partition_key)
 
     async def publish(
@@ -433,6 +457,15 @@ class App:
             and (self.storage is None or not self.storage.parked)
         )
 
+    def health(self, *, max_relay_lag: float = MAX_RELAY_LAG) -> Health:
+        """Whether the app is alive and ready, and why not (see `mersal.health`); no I/O."""
+        return check(self, max_relay_lag)
+
+    @property
+    def worker(self) -> Worker | None:
+        """The worker pulling the app's deliveries, while it runs."""
+        return self._worker
+
     @property
     def in_flight(self) -> int:
         """How many deliveries the worker is handling now."""
@@ -453,22 +486,32 @@ class App:
         self.settler = Settler(transport, self.retry.error_queue)
         await transport.start()
         try:
-            await transport.declare(self.name)
-            await transport.declare(self.retry.error_queue)
-            for message_type in self._subscriptions:
-                await transport.bind(self.name, self.types.name_of(message_type))
+            if self.consume:
+                await transport.declare(self.name)
+                await transport.declare(self.retry.error_queue)
+                for message_type in self._subscriptions:
+                    await transport.bind(self.name, self.types.name_of(message_type))
             if self.storage is not None:
                 await self.storage.start()
-            consumer = await transport.consume(self.name, prefetch=self.prefetch)
+            if self.consume:
+                consumer = await transport.consume(self.name, prefetch=self.prefetch)
+                self._worker = Worker(
+                    consumer, self._handle, self.settler, concurrency=self.concurrency
+                )
         except BaseException:
             if self.storage is not None:
                 await self.storage.stop()
             await transport.stop()
             raise
-        self._worker = Worker(consumer, self._handle, self.settler, concurrency=self.concurrency)
         self._running = True
-        self._worker.start()
-        log.info("app %r started on %s", self.name, mask(transport.address))
+        if self._worker is not None:
+            self._worker.start()
+        log.info(
+            "app %r started on %s%s",
+            self.name,
+            mask(transport.address),
+            "" if self.consume else " (send-only)",
+        )
 
     async def stop(self) -> None:
         """Stop fetching, finish in-flight messages (within the grace period), disconnect."""
@@ -514,6 +557,14 @@ class App:
         if unsent is not None:  # handled before; its retry or dead letter is what is left
             return unsent
         context = MessageContext(self, delivery)
+        if not self.log_messages:
+            return await self._run(context)
+        started = time.perf_counter()
+        outcome = await self._run(context)
+        log_handled(context, outcome, started)
+        return outcome
+
+    async def _run(self, context: MessageContext) -> Outcome:
         try:
             await self.incoming.run(context)
         except asyncio.CancelledError as error:
@@ -546,6 +597,8 @@ class App:
                 f"the transport {mask(self.transport.address)} can hold a message: use shorter "
                 "delays"
             )
+        if not self.consume:
+            self._check_send_only()
         for message_type in self._subscriptions:
             if not self.handlers.has_handler(message_type):
                 raise ConfigurationError(
@@ -559,6 +612,24 @@ class App:
                 "step that awaits context.transaction.commit()"
             )
         self.handlers.check()
+
+    def _check_send_only(self) -> None:
+        """A send-only app receives nothing: refuse what would wait for a delivery."""
+        received = [*self._subscriptions, *self.handlers.message_types]
+        if received:
+            name = received[0].__qualname__
+            raise ConfigurationError(
+                f"app {self.name!r} is send-only (consume=False) and receives nothing, yet it "
+                f"subscribes to or handles {name}: drop the subscribe/register calls, or let it "
+                "consume (App(consume=True), the default)"
+            )
+        routed_home = [t for t, queue in self._routes.items() if queue == self.name]
+        if routed_home:
+            raise ConfigurationError(
+                f"app {self.name!r} is send-only (consume=False), so it has no queue of its own, "
+                f"yet it routes {routed_home[0].__qualname__} to {self.name!r}: route it to the "
+                "app that handles it"
+            )
 
     def _check_running(self) -> None:
         if not self._running:
@@ -661,6 +732,12 @@ async def _buffered(app: App) -> AsyncIterator[Transaction]:
         transaction.rollback()
         raise
     await transaction.commit()
+
+
+def check_concurrency(concurrency: int) -> None:
+    """Fail with a `ConfigurationError` unless `concurrency` is an int >= 1."""
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ConfigurationError(f"App(concurrency={concurrency!r}) must be an int >= 1")
 
 
 def check_prefetch(prefetch: int | None, concurrency: int) -> int:

@@ -5,25 +5,35 @@ error queue through the transport; installed adapters add theirs (`mersal db ...
 `mersal outbox ...` come with the SQL adapter) through the `mersal.commands` entry points.
 """
 
-# For adapters' commands: `load_app`, `positive_int` and `align` are documented helpers.
+# For adapters' commands: `load_app`, `positive_int`, `align` and `ProgressLine` (from
+# mersal.commands) are documented helpers.
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
-import logging
+import contextlib
 import os
-import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from mersal import loop, plugins
+from mersal import plugins
 from mersal.app import App
-from mersal.dead_letters import SUMMARY_COLUMNS, DeadLetters, describe, summary
+from mersal.commands import ProgressLine, align, load_app, positive_int
+from mersal.dead_letters import (
+    SUMMARY_COLUMNS,
+    DeadLetter,
+    DeadLetters,
+    MissingQueue,
+    describe,
+    summary,
+)
 from mersal.errors import ConfigurationError, MersalError
 from mersal.plugins import transport_from
+from mersal.runner import add_run_command
+from mersal.status import add_status_command
 from mersal.transport import mask
 
 DLQ_LIST_LIMIT = 100
@@ -34,97 +44,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line and run the chosen command."""
     parser = argparse.ArgumentParser(prog="mersal", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run an app's worker until SIGINT or SIGTERM")
-    run.add_argument("target", help="module:attribute naming an App (or a function returning one)")
-    run.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    run.add_argument(
-        "--loop",
-        choices=loop.LOOPS,
-        default=None,
-        help="event loop: uvloop when installed (mersal[fast]), or asyncio's (default: "
-        "MERSAL_LOOP, else auto)",
-    )
+    add_run_command(commands)
     add_dlq_commands(commands)
+    add_status_command(commands)
     plugins.add_commands(commands)
     args = parser.parse_args(argv)
-    handler = getattr(args, "handler", None)
-    if handler is not None:
-        try:
-            return int(handler(args))
-        except MersalError as error:
-            print(f"mersal: {error}", file=sys.stderr)
-            return 2
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
-        app = load_app(args.target)
-        loop.run(serve(app), args.loop)
+        return int(args.handler(args))
     except MersalError as error:
         print(f"mersal: {error}", file=sys.stderr)
         return 2
-    return 0
 
 
-def load_app(target: str) -> App:
-    """The App named by `module:attribute` (an App, or a callable returning one)."""
-    module_name, _, attribute = target.partition(":")
-    if not module_name or not attribute:
-        raise ConfigurationError(f"{target!r} is not module:attribute, e.g. 'orders.service:app'")
-    if "" not in sys.path:
-        sys.path.insert(0, "")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ConfigurationError(f"cannot import {module_name!r}: {error}") from None
-    found = getattr(module, attribute, None)
-    if found is None:
-        raise ConfigurationError(f"module {module_name!r} has no attribute {attribute!r}")
-    if not isinstance(found, App) and callable(found):
-        found = found()
-    if not isinstance(found, App):
-        raise ConfigurationError(f"{target} is {type(found).__qualname__}, not a mersal App")
-    return found
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
-    return value
-
-
-def align(rows: Sequence[Sequence[str]]) -> list[str]:
-    """Rows of cells as lines, each column padded to its widest cell."""
-    if not rows:
-        return []
-    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-    return [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    ]
-
-
-# mersal dlq list|show|replay
+# mersal dlq list|show|replay|drop
 
 
 def add_dlq_commands(commands: argparse._SubParsersAction[Any]) -> None:
-    """Add `dlq list|show|replay` to the `mersal` command's subcommands."""
+    """Add `dlq list|show|replay|drop` to the `mersal` command's subcommands."""
     common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--app",
+        default=None,
+        metavar="MODULE:APP",
+        help="the app whose error queue and broker to use (--queue and --transport win)",
+    )
     common.add_argument(
         "--transport",
         default=None,
         metavar="URL",
-        help="the broker URL (default: $MERSAL_TRANSPORT)",
+        help="the broker URL (default: the --app's, else $MERSAL_TRANSPORT)",
     )
     common.add_argument(
-        "--queue", default="error", metavar="NAME", help="the error queue (default: error)"
+        "--queue",
+        default=None,
+        metavar="NAME",
+        help="the error queue (default: the --app's, else error)",
     )
-    dlq = commands.add_parser("dlq", help="look at and replay the messages in an error queue")
+    scanning = argparse.ArgumentParser(add_help=False)
+    scanning.add_argument(
+        "--limit",
+        type=positive_int,
+        metavar="N",
+        default=DLQ_SCAN_LIMIT,
+        help=f"look among the first N messages ({DLQ_SCAN_LIMIT})",
+    )
+    dlq = commands.add_parser("dlq", help="look at, replay and drop the messages in an error queue")
     actions = dlq.add_subparsers(dest="dlq_command", required=True)
     listing = actions.add_parser(
         "list", parents=[common], help="one line per message; every message stays in the queue"
@@ -138,20 +102,13 @@ def add_dlq_commands(commands: argparse._SubParsersAction[Any]) -> None:
     )
     listing.set_defaults(handler=dead_letters_command(dlq_list))
     show = actions.add_parser(
-        "show", parents=[common], help="every header and the body of a message; it stays"
+        "show", parents=[common, scanning], help="every header and the body of a message; it stays"
     )
     show.add_argument("message_id", help="the message's id (from `mersal dlq list`)")
-    show.add_argument(
-        "--limit",
-        type=positive_int,
-        metavar="N",
-        default=DLQ_SCAN_LIMIT,
-        help=f"look among the first N messages ({DLQ_SCAN_LIMIT})",
-    )
     show.set_defaults(handler=dead_letters_command(dlq_show))
     replay = actions.add_parser(
         "replay",
-        parents=[common],
+        parents=[common, scanning],
         help="send messages back to the queue they failed in, with a fresh set of retries",
     )
     replay.add_argument("message_ids", nargs="*", metavar="MESSAGE_ID", help="the messages")
@@ -159,14 +116,31 @@ def add_dlq_commands(commands: argparse._SubParsersAction[Any]) -> None:
     replay.add_argument(
         "--to", default=None, metavar="QUEUE", help="send them here instead of their source queue"
     )
-    replay.add_argument(
-        "--limit",
-        type=positive_int,
-        metavar="N",
-        default=DLQ_SCAN_LIMIT,
-        help=f"look among the first N messages ({DLQ_SCAN_LIMIT})",
-    )
     replay.set_defaults(handler=dead_letters_command(dlq_replay))
+    drop = actions.add_parser(
+        "drop",
+        parents=[common, scanning],
+        help="remove messages from the error queue for good (asks first)",
+    )
+    drop.add_argument("message_ids", nargs="*", metavar="MESSAGE_ID", help="the messages")
+    drop.add_argument(
+        "--type",
+        dest="type_name",
+        default=None,
+        metavar="NAME",
+        help="the messages of this type (its type header)",
+    )
+    drop.add_argument(
+        "--error",
+        default=None,
+        metavar="TEXT",
+        help="the messages with TEXT in their error type or error message",
+    )
+    drop.add_argument("--all", action="store_true", help="every message (up to --limit)")
+    drop.add_argument(
+        "--yes", action="store_true", help="drop without asking (needed when stdin is no terminal)"
+    )
+    drop.set_defaults(handler=dead_letters_command(dlq_drop))
 
 
 DeadLettersAction = Callable[[DeadLetters, argparse.Namespace], Awaitable[int]]
@@ -176,27 +150,32 @@ def dead_letters_command(action: DeadLettersAction) -> Callable[[argparse.Namesp
     """A command handler running `action` on the error queue over a transport of its own."""
 
     def run(args: argparse.Namespace) -> int:
-        url = args.transport or os.environ.get("MERSAL_TRANSPORT")
-        if not url:
-            raise ConfigurationError(
-                f"mersal dlq {args.dlq_command} needs --transport URL or MERSAL_TRANSPORT"
+        app = load_app(args.app) if args.app else None
+        url = dlq_url(args, app)
+        queue = args.queue or (app.retry.error_queue if app is not None else "error")
+        try:
+            return asyncio.run(with_dead_letters(url, queue, args, action))
+        except MissingQueue as error:
+            raise ConfigurationError(missing_queue(error, url, args, app)) from None
+        except KeyboardInterrupt:
+            print(
+                f"\nmersal: interrupted; every message not yet replayed or dropped is back in "
+                f"{queue!r}",
+                file=sys.stderr,
             )
-        if url.partition("://")[0].lower() == "memory":
-            raise ConfigurationError(
-                f"{mask(url)} is an in-process broker that only its own process sees: "
-                "give the broker's URL (amqp://user:password@host/vhost)"
-            )
-        return asyncio.run(with_dead_letters(url, args, action))
+            return 130
 
     return run
 
 
-async def with_dead_letters(url: str, args: argparse.Namespace, action: DeadLettersAction) -> int:
-    """Start a transport for `url`, run `action` on `args.queue`, stop the transport."""
+async def with_dead_letters(
+    url: str, queue: str, args: argparse.Namespace, action: DeadLettersAction
+) -> int:
+    """Start a transport for `url`, run `action` on `queue`, stop the transport."""
     transport = transport_from(url)
     await transport.start()
     try:
-        return await action(DeadLetters(transport, args.queue), args)
+        return await action(DeadLetters(transport, queue), args)
     finally:
         await transport.stop()
 
@@ -238,7 +217,8 @@ async def dlq_replay(dead_letters: DeadLetters, args: argparse.Namespace) -> int
     if bool(args.message_ids) == bool(args.all):
         raise ConfigurationError("mersal dlq replay needs message ids or --all (not both)")
     wanted = None if args.all else set(args.message_ids)
-    replays = await dead_letters.replay(wanted, to=args.to, limit=args.limit)
+    with ProgressLine("replayed") as progress:
+        replays = await dead_letters.replay(wanted, to=args.to, limit=args.limit, progress=progress)
     queue = dead_letters.queue
     for replay in replays:
         name = replay.letter.message_id or "(no id)"
@@ -246,25 +226,137 @@ async def dlq_replay(dead_letters: DeadLetters, args: argparse.Namespace) -> int
             print(f"replayed {name} ({replay.letter.type_name or '-'}) to {replay.queue!r}")
         if not replay.done:
             print(f"mersal: {name}: {replay.problem}", file=sys.stderr)
-    missing = sorted((wanted or set()) - {r.letter.message_id for r in replays})
-    for message_id in missing:
-        print(
-            f"mersal: no message {message_id!r} among the first {args.limit} in {queue!r}",
-            file=sys.stderr,
-        )
+    missing = not_found(wanted, {replay.letter.message_id for replay in replays}, args.limit, queue)
     sent = sum(replay.sent for replay in replays)
     print(f"replayed {sent} of {len(replays) + len(missing)} message(s) from {queue!r}")
     return 0 if all(replay.done for replay in replays) and not missing else 1
 
 
-async def serve(app: App) -> None:
-    """Run `app` until SIGINT or SIGTERM, then stop it gracefully."""
-    stopping = asyncio.Event()
+async def dlq_drop(dead_letters: DeadLetters, args: argparse.Namespace) -> int:
+    """`mersal dlq drop`: remove the chosen messages for good once confirmed; print which."""
+    if [bool(args.message_ids), bool(args.type_name or args.error), args.all].count(True) != 1:
+        raise ConfigurationError(
+            "mersal dlq drop needs message ids, --type/--error, or --all (one of them)"
+        )
+    if not args.yes and not sys.stdin.isatty():
+        raise ConfigurationError(
+            "mersal dlq drop asks before it drops, and stdin is not a terminal: pass --yes "
+            "to drop without asking"
+        )
+    queue = dead_letters.queue
+    declined = False
+
+    async def confirm(letters: Sequence[DeadLetter]) -> bool:
+        nonlocal declined
+        declined = not await ask_to_drop(letters, queue)
+        return not declined
+
+    wanted = set(args.message_ids) if args.message_ids else None
+    with ProgressLine("dropped") as progress:
+        drops = await dead_letters.drop(
+            wanted,
+            type_name=args.type_name or None,
+            error=args.error or None,
+            limit=args.limit,
+            confirm=None if args.yes else confirm,
+            progress=progress,
+        )
+    if declined:
+        print(f"nothing dropped from {queue!r}")
+        return 2
+    for drop in drops:
+        name = drop.letter.message_id or "(no id)"
+        if drop.done:
+            print(f"dropped {name} ({drop.letter.type_name or '-'})")
+        else:
+            print(f"mersal: {name}: {drop.problem}", file=sys.stderr)
+    missing = not_found(wanted, {drop.letter.message_id for drop in drops}, args.limit, queue)
+    dropped = sum(drop.done for drop in drops)
+    print(f"dropped {dropped} of {len(drops) + len(missing)} message(s) from {queue!r}")
+    return 0 if dropped == len(drops) and not missing else 1
+
+
+def not_found(wanted: set[str] | None, found: set[str | None], limit: int, queue: str) -> list[str]:
+    """The wanted ids not found, each named on stderr."""
+    missing = sorted((wanted or set()) - found)
+    for message_id in missing:
+        print(
+            f"mersal: no message {message_id!r} among the first {limit} in {queue!r}",
+            file=sys.stderr,
+        )
+    return missing
+
+
+DROP_PREVIEW = 10
+"""The most messages `mersal dlq drop` lists when it asks."""
+
+
+async def ask_to_drop(letters: Sequence[DeadLetter], queue: str) -> bool:
+    """Show the messages (the first few) on stderr and ask whether to drop them; True for yes."""
+    shown = letters[:DROP_PREVIEW]
+    for line in align([SUMMARY_COLUMNS, *(summary(letter) for letter in shown)]):
+        print(line, file=sys.stderr)
+    if len(letters) > len(shown):
+        print(f"... and {len(letters) - len(shown)} more", file=sys.stderr)
+    answer = await read_answer(f"drop {len(letters)} message(s) from {queue!r}? [y/N] ")
+    return answer.strip().lower() in ("y", "yes")
+
+
+async def read_answer(question: str) -> str:
+    """Ask `question` on stderr; the line typed on stdin ('' at its end), read off the loop."""
+    print(question, end="", file=sys.stderr, flush=True)
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stopping.set)
-    async with app:
-        await stopping.wait()
+    answer: asyncio.Future[str] = loop.create_future()
+    stdin = sys.stdin
+
+    def read() -> None:
+        try:
+            line = stdin.readline()
+        except (OSError, ValueError):
+            line = ""
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(give, line)
+
+    def give(line: str) -> None:
+        if not answer.done():
+            answer.set_result(line)
+
+    # The loop keeps running meanwhile (the broker's heartbeats); a daemon thread, so that a
+    # question left unanswered (Ctrl-C) does not keep the process alive.
+    threading.Thread(target=read, name="mersal-answer", daemon=True).start()
+    return await answer
+
+
+def dlq_url(args: argparse.Namespace, app: App | None) -> str:
+    """The broker's URL: --transport, else the app's, else MERSAL_TRANSPORT."""
+    from_app = app.transport.address if app is not None and not args.transport else None
+    url = args.transport or from_app or os.environ.get("MERSAL_TRANSPORT")
+    if not url:
+        raise ConfigurationError(
+            f"mersal dlq {args.dlq_command} needs --transport URL or MERSAL_TRANSPORT "
+            "(or --app module:app, for the app's broker)"
+        )
+    if url.partition("://")[0].lower() == "memory":
+        where = f"app {app.name!r} is on {mask(url)}," if app and from_app else f"{mask(url)} is"
+        raise ConfigurationError(
+            f"{where} an in-process broker that only its own process sees: "
+            "give the broker's URL (--transport amqp://user:password@host/vhost)"
+        )
+    return url
+
+
+def missing_queue(error: MissingQueue, url: str, args: argparse.Namespace, app: App | None) -> str:
+    """What to change when the error queue is not there, and where its name came from."""
+    if args.queue:
+        origin = "from --queue"
+    elif app is not None:
+        origin = f"the error queue of app {app.name!r}"
+    else:
+        origin = "the default"
+    return (
+        f"no queue named {error.queue!r} ({origin}) on {mask(url)}: name the error queue "
+        "with --queue NAME, or the app whose error queue to read with --app module:app"
+    )
 
 
 if __name__ == "__main__":

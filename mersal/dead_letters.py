@@ -1,8 +1,8 @@
-"""The error queue from an operator's side: look at dead letters, and send them back to be handled.
+"""The error queue from an operator's side: look at dead letters, send them back, or drop them.
 
 Everything goes through the Transport protocol: messages are taken from the error queue with a
-consumer and held unacknowledged while they are looked at; what is not replayed goes back with
-`nack(requeue=True)`, so looking consumes nothing.
+consumer and held unacknowledged while they are looked at; what is not replayed or dropped goes
+back with `nack(requeue=True)`, so looking consumes nothing.
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TypeVar
 
-from mersal.errors import ConfigurationError, MersalError
+from mersal.errors import ConfigurationError, MersalError, Unroutable
 from mersal.messages import Envelope, Header
 from mersal.settle import ERROR_HEADERS
 from mersal.transport import Delivery, Outgoing, Transport
@@ -34,6 +35,14 @@ RETRY_HEADERS = (Header.ATTEMPT, Header.DELIVER_AT)
 TIME_HEADERS = frozenset({Header.SENT_AT, Header.FAILED_AT, Header.DELIVER_AT})
 
 SUMMARY_COLUMNS = ("MESSAGE-ID", "TYPE", "ERROR", "ATTEMPTS", "SOURCE", "FAILED-AT", "MESSAGE")
+
+
+class MissingQueue(Unroutable):
+    """The error queue to read does not exist."""
+
+    def __init__(self, queue: str) -> None:
+        super().__init__(f"no queue named {queue!r} to read dead letters from")
+        self.queue = queue
 
 
 @dataclass(frozen=True)
@@ -152,6 +161,22 @@ def body_text(body: bytes) -> str:
     return json.dumps(decoded, indent=2, ensure_ascii=False)
 
 
+def chosen(
+    letter: DeadLetter,
+    message_ids: Collection[str] | None = None,
+    type_name: str | None = None,
+    error: str | None = None,
+) -> bool:
+    """Whether `letter` has one of the ids, the type, and the text in its error (None: any)."""
+    if message_ids is not None and letter.message_id not in message_ids:
+        return False
+    if type_name is not None and letter.type_name != type_name:
+        return False
+    if error is None:
+        return True
+    return error in (letter.error_type or "") or error in (letter.error_message or "")
+
+
 def replayable(envelope: Envelope) -> Envelope:
     """The envelope without the error and retry headers: sent again, it gets every retry anew.
 
@@ -211,8 +236,30 @@ class Replay:
         return self.sent and self.problem is None
 
 
+@dataclass(frozen=True)
+class Drop:
+    """What became of one dead letter chosen to be dropped."""
+
+    letter: DeadLetter
+    problem: str | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether it was removed from the error queue for good."""
+        return self.problem is None
+
+
+Progress = Callable[[int, int], None]
+"""Told `(done, total)` after each message a replay or a drop has gone through."""
+
+Confirm = Callable[[Sequence[DeadLetter]], Awaitable[bool]]
+"""Shown the messages chosen to be dropped before any is; unless it returns True, none is."""
+
+T = TypeVar("T")
+
+
 class DeadLetters:
-    """The messages of one error queue, looked at and replayed through a started transport.
+    """The messages of one error queue, looked at, replayed and dropped through a started transport.
 
     The transport must acknowledge deliveries explicitly (RabbitMQ's default `ack_mode`): with
     acks on receipt, looking at a message would remove it.
@@ -234,7 +281,10 @@ class DeadLetters:
         Taking stops at `limit` messages or once no delivery came for `idle` seconds.
         """
         check_limit(limit)
-        consumer = await self.transport.consume(self.queue, prefetch=limit)
+        try:
+            consumer = await self.transport.consume(self.queue, prefetch=limit)
+        except Unroutable:
+            raise MissingQueue(self.queue) from None
         held: list[Held] = []
         try:
             while len(held) < limit:
@@ -266,6 +316,7 @@ class DeadLetters:
         *,
         to: str | None = None,
         limit: int = 1_000,
+        progress: Progress | None = None,
     ) -> list[Replay]:
         """Send messages back to their source queue (or `to`), each acked once the send returned.
 
@@ -273,12 +324,8 @@ class DeadLetters:
         those that could not be sent, stay in the error queue.
         """
         async with self.take(limit) as held:
-            chosen = [
-                item
-                for item in held
-                if message_ids is None or item.letter.message_id in message_ids
-            ]
-            return [await self._replay(item, to) for item in chosen]
+            picked = [item for item in held if chosen(item.letter, message_ids)]
+            return await one_by_one(picked, lambda item: self._replay(item, to), progress)
 
     async def _replay(self, item: Held, to: str | None) -> Replay:
         letter = item.letter
@@ -301,6 +348,55 @@ class DeadLetters:
             )
             return Replay(letter, queue, sent=True, problem=problem)
         return Replay(letter, queue, sent=True)
+
+    async def drop(
+        self,
+        message_ids: Collection[str] | None = None,
+        *,
+        type_name: str | None = None,
+        error: str | None = None,
+        limit: int = 1_000,
+        confirm: Confirm | None = None,
+        progress: Progress | None = None,
+    ) -> list[Drop]:
+        """Remove the chosen messages from the error queue for good; the others stay, in place.
+
+        Chosen among the first `limit`: those with one of `message_ids`, of type `type_name`
+        and with `error` in their error type or message (each None: any, so with none given,
+        every message). `confirm` sees the chosen ones first; unless it says yes, none is
+        dropped and the result is empty.
+        """
+        async with self.take(limit) as held:
+            picked = [item for item in held if chosen(item.letter, message_ids, type_name, error)]
+            if not picked:
+                return []
+            if confirm is not None and not await confirm([item.letter for item in picked]):
+                return []
+            return await one_by_one(picked, self._drop, progress)
+
+    async def _drop(self, item: Held) -> Drop:
+        try:
+            await item.ack()
+        except MersalError as error:
+            problem = (
+                f"it could not be removed from {self.queue!r} ({error}); it will be there again"
+            )
+            return Drop(item.letter, problem)
+        return Drop(item.letter)
+
+
+async def one_by_one(
+    items: Sequence[Held],
+    act: Callable[[Held], Awaitable[T]],
+    progress: Progress | None = None,
+) -> list[T]:
+    """`act` on each item in turn, telling `progress` after each; the results in order."""
+    results: list[T] = []
+    for item in items:
+        results.append(await act(item))
+        if progress is not None:
+            progress(len(results), len(items))
+    return results
 
 
 def check_limit(limit: int) -> None:

@@ -11,6 +11,10 @@ class ConfigurationError(MersalError):
     """The app is set up in a way that cannot work; the message says what to change."""
 
 
+class Unreachable(MersalError):
+    """The broker or the database did not answer: down, still starting, or a wrong host or port."""
+
+
 class DecodeError(MersalError):
     """A delivery cannot become a message: bad body, unknown or missing type, too large."""
 

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -21,6 +21,7 @@ from mersal.transport import Outgoing, Transport, mask
 
 if TYPE_CHECKING:
     from mersal.app import App
+    from mersal.telemetry import Telemetry
 
 log = logging.getLogger("mersal.outbox")
 
@@ -89,6 +90,11 @@ class Storage(StorageSteps, Protocol):
         """How many of the app's outbox rows are parked, as last counted."""
         ...
 
+    @property
+    def relay(self) -> Relay | None:
+        """The outbox relay, while the storage runs."""
+        ...
+
 
 def attach_storage(app: App) -> Storage:
     """The storage for `app.database`, from the installed adapter for its URL's scheme."""
@@ -117,9 +123,15 @@ class Relay:
         max_backoff: float = 30.0,
         max_failures: int = 5,
         retry_delay: float = 1.0,
+        telemetry: Telemetry | None = None,
+        measure_backlog: Callable[[], Awaitable[tuple[int, float]]] | None = None,
     ) -> None:
         self.store = store
         self.transport = transport
+        self.telemetry = telemetry
+        """Told of each publish, and of the backlog when `measure_backlog` is given."""
+        self.measure_backlog = measure_backlog
+        """The pending rows and the oldest one's age in seconds, for `telemetry`."""
         self.batch = batch
         self.poll_interval = poll_interval
         self.max_backoff = max_backoff
@@ -130,6 +142,9 @@ class Relay:
         self.dropped = 0
         self.parked_rows = 0
         """The parked rows as last counted (at start, after parking, once per poll interval)."""
+        self.failing: Failure | None = None
+        """Why the relay's last round failed, until a round succeeds."""
+        self._behind_since: float | None = None
         self._failures: dict[int, int] = {}
         self._parked_seen = 0
         self._counted_at = -math.inf
@@ -140,6 +155,18 @@ class Relay:
     def wake(self) -> None:
         """Look for rows now (called after a commit, or on a notification)."""
         self._wake.set()
+
+    @property
+    def running(self) -> bool:
+        """Whether the relay loop is running (started, not stopped, not crashed)."""
+        return self._task is not None and not self._task.done()
+
+    @property
+    def lag(self) -> float:
+        """Seconds since the relay last had every claimable row in hand (0 when it has)."""
+        if self._behind_since is None:
+            return 0.0
+        return asyncio.get_running_loop().time() - self._behind_since
 
     def start(self) -> None:
         """Run the relay loop in the background."""
@@ -182,12 +209,14 @@ class Relay:
         """Recount the parked rows after parking and once per poll interval, busy or not.
 
         An operator purges or retries parked rows from another process: an app that always
-        has rows to send must notice too.
+        has rows to send must notice too. The backlog, when observed, is measured with them.
         """
         now = asyncio.get_running_loop().time()
         if self.parked != self._parked_seen or now - self._counted_at >= self.poll_interval:
             self._parked_seen, self._counted_at = self.parked, now
             self.parked_rows = await self.store.count_parked()
+            if self.telemetry is not None and self.measure_backlog is not None:
+                self.telemetry.outbox_measured(*await self.measure_backlog())
 
     async def _batch(self) -> int | None:
         """Claim a batch and see each row to its end; None when there was none.
@@ -197,16 +226,26 @@ class Relay:
         start, and no claimed row keeps its lease.
         """
         rows = await self.store.claim(self.batch)
+        self._note_backlog(len(rows))
         if not rows:
             return None
+        messages = [row.outgoing for row in rows if not row.problem]
         try:
-            results = await self.transport.send_each(
-                [row.outgoing for row in rows if not row.problem]
-            )
+            if self.telemetry is None:
+                results = await self.transport.send_each(messages)
+            else:
+                results = await self.telemetry.send_each(self.transport, messages)
         except BaseException:  # nothing is known of these: give them back, to be sent again
             await self.store.release([row.id for row in rows])
             raise
         return await self._settle(rows, results)
+
+    def _note_backlog(self, claimed: int) -> None:
+        """A full batch means rows may wait behind it: the relay is behind until one is not."""
+        if claimed < self.batch:
+            self._behind_since = None
+        elif self._behind_since is None:
+            self._behind_since = asyncio.get_running_loop().time()
 
     async def _run(self) -> None:
         backoff = 0.0
@@ -216,10 +255,12 @@ class Relay:
             try:
                 await self.flush()
                 backoff = 0.0
+                self.failing = None
             except Exception as error:
+                self.failing = Failure.of(error)
                 backoff = min(self.max_backoff, max(0.1, backoff * 2))
                 log.warning(
-                    "outbox relay failed (%s); trying again in %.1fs", Failure.of(error), backoff
+                    "outbox relay failed (%s); trying again in %.1fs", self.failing, backoff
                 )
             if self._stopping and not backoff:
                 return

@@ -246,12 +246,20 @@ def add_storage_steps(incoming: Pipeline[MessageContext], storage: StorageSteps)
 
 
 def outgoing_pipeline(
-    types: TypeRegistry, queue: str, codec: Codec, transport_now: Callable[[], Transport]
+    types: TypeRegistry,
+    queue: str,
+    codec: Codec,
+    transport_now: Callable[[], Transport],
+    *,
+    replies: bool = True,
 ) -> Pipeline[OutgoingContext]:
-    """The steps every send goes through, from message object to transport (or transaction)."""
+    """The steps every send goes through, from message object to transport (or transaction).
+
+    `replies`: whether replies can come back to `queue` (not for a send-only app).
+    """
     return Pipeline(
         [
-            ("headers", headers_step(types, queue, codec.content_type)),
+            ("headers", headers_step(types, queue, codec.content_type, replies=replies)),
             ("correlation", correlation_step),
             ("serialize", serialize_step(codec.encode)),
             ("send", send_step(transport_now)),
@@ -358,8 +366,13 @@ async def commit_step(context: MessageContext, next: Next[MessageContext]) -> No
 # The outgoing steps.
 
 
-def headers_step(types: TypeRegistry, queue: str, content_type: str) -> Step[OutgoingContext]:
-    """Give the message an id, its type name, a sent-at time and a reply address (`queue`)."""
+def headers_step(
+    types: TypeRegistry, queue: str, content_type: str, *, replies: bool = True
+) -> Step[OutgoingContext]:
+    """Give the message an id, its type name, a sent-at time and a reply address (`queue`).
+
+    Without `replies` (a send-only app has no queue), no reply address unless the sender gave one.
+    """
 
     async def add_headers(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
         headers = context.headers
@@ -372,7 +385,7 @@ def headers_step(types: TypeRegistry, queue: str, content_type: str) -> Step[Out
         headers[Header.SENT_AT] = now()
         headers[Header.CONTENT_TYPE] = content_type
         headers[Header.SOURCE] = queue
-        if Header.REPLY_TO not in headers:
+        if replies and Header.REPLY_TO not in headers:
             headers[Header.REPLY_TO] = queue
         await next(context)
 

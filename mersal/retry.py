@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mersal.errors import ConfigurationError, DecodeError
+from mersal.logs import message_fields
 from mersal.messages import Envelope, Header, describe
 from mersal.pipeline import MessageContext, Next, current_message
 from mersal.settle import Failure, Outcome, Verdict, absorb_cancellation, cancelled_by_owner
@@ -164,9 +165,15 @@ def log_failure(
             context.app.retry.error_queue,
             made,
             failure,
+            extra={**message_fields(context), "attempt": made},
         )
         return
     then = "retrying now" if outcome is None else f"retrying in {outcome.delay:g}s"
     log.warning(
-        "handling %s failed on attempt %d: %s; %s", describe(context.headers), made, failure, then
+        "handling %s failed on attempt %d: %s; %s",
+        describe(context.headers),
+        made,
+        failure,
+        then,
+        extra={**message_fields(context), "attempt": made},
     )

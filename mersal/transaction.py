@@ -108,6 +108,11 @@ class Transaction:
             return new_id()
         return derived_id(self._ids, f"{self._seed}\x00{self._sent}")
 
+    @property
+    def committer(self) -> Commit:
+        """What `commit` hands the buffered messages to."""
+        return self._commit
+
     def replace_commit(self, commit: Commit) -> None:
         """Hand the buffered messages to `commit` instead (an outbox writes them as rows)."""
         self._commit = commit

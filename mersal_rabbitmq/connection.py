@@ -22,8 +22,9 @@ from urllib.parse import parse_qs, urlsplit
 import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
+from aio_pika.connection import make_url
 
-from mersal.errors import ConfigurationError, MersalError
+from mersal.errors import ConfigurationError, MersalError, Unreachable
 from mersal.transport import mask
 
 log = logging.getLogger("mersal.rabbitmq")
@@ -80,19 +81,14 @@ class Connection:
         if heartbeat is not None:
             options["heartbeat"] = heartbeat
         try:
-            connection: AbstractRobustConnection = await aio_pika.connect_robust(
-                self.address, **options
-            )
+            connection = await _connect(self.address, options)
         except ValueError as error:
             raise ConfigurationError(
                 f"{mask(self.address)} is not a usable AMQP URL ({error}): "
                 "use amqp://user:password@host:port/vhost"
             ) from None
         except (OSError, aiormq.exceptions.AMQPError) as error:
-            raise MersalError(
-                f"cannot connect to RabbitMQ at {mask(self.address)}: "
-                f"{type(error).__name__}: {error}; check the URL, the vhost and the credentials"
-            ) from None
+            raise connect_failure(self.address, error) from None
         connection.reconnect_callbacks.add(self._on_reconnect)
         self.current = connection
         self._closed = asyncio.Event()
@@ -244,6 +240,30 @@ async def close_quietly(channel: AbstractChannel) -> None:
         await channel.close()
     except Exception as error:
         log.debug("closing a channel failed: %s", error)
+
+
+async def _connect(address: str, options: dict[str, Any]) -> AbstractRobustConnection:
+    """`aio_pika.connect_robust`, except that a failed first connect leaves no reconnect loop."""
+    connection = aio_pika.RobustConnection(make_url(address, **options), **options)
+    try:
+        await connection.connect()
+    except BaseException:
+        await connection.close()
+        raise
+    return connection
+
+
+def connect_failure(address: str, error: Exception) -> MersalError:
+    """The error for a failed connect: `Unreachable` when nothing answered, else what refused."""
+    if isinstance(error, OSError | TimeoutError) or isinstance(error.__cause__, OSError):
+        return Unreachable(
+            f"cannot connect to RabbitMQ at {mask(address)}: {type(error).__name__}: {error}; "
+            "is it running, and are the host and port right?"
+        )
+    return MersalError(
+        f"cannot connect to RabbitMQ at {mask(address)}: {type(error).__name__}: {error}; "
+        "check the URL, the vhost and the credentials"
+    )
 
 
 def closed_under(error: BaseException, closed: bool, what: str) -> ConnectionError | None:

@@ -302,6 +302,21 @@ class RabbitMQDelivery:
         """The AMQP message as received: channel, delivery tag, properties; settle with ack/nack."""
         return self._message
 
+    @property
+    def exchange(self) -> str:
+        """The exchange the message came through ('' for the default exchange)."""
+        return self._message.exchange or ""
+
+    @property
+    def routing_key(self) -> str:
+        """The routing key the message was published with."""
+        return self._message.routing_key or ""
+
+    @property
+    def delivery_tag(self) -> int | None:
+        """The message's delivery tag on its consumer's channel."""
+        return self._message.delivery_tag
+
     async def ack(self) -> None:
         """Remove the message from its queue; raises if its channel died (it comes back).
 

@@ -15,6 +15,7 @@ automatically: `x-expires` ignores publishes and could drop waiting messages.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 MAX_WAIT_MS = 4_200_000_000  # the largest two-digit bucket under RabbitMQ's 2**32 - 1 ms TTL cap
 """The longest wait, in milliseconds, a wait queue's TTL can hold."""
@@ -31,3 +32,21 @@ def wait_queue_name(exchange: str, routing_key: str, milliseconds: int) -> str:
     """`<queue>.wait.<ms>` for a send, `mersal.events.<topic>.wait.<ms>` for a publish."""
     prefix = f"{exchange}.{routing_key}" if exchange else routing_key
     return f"{prefix}.wait.{milliseconds}"
+
+
+def retry_wait_queues(queue: str, delays: Iterable[float]) -> list[str]:
+    """The wait queues that delayed retries of `delays` seconds go through on their way to `queue`.
+
+    The delay left at publish time is a little shorter than the retry's, so a delay on a
+    bucket's edge can land in the bucket below: `mersal status` also lists the queues the broker
+    has.
+    """
+    return [wait_queue_name("", queue, wait_milliseconds(delay)) for delay in delays if delay > 0]
+
+
+def waiting_for(name: str) -> tuple[str, int] | None:
+    """The queue a wait queue `<queue>.wait.<ms>` delivers to, and its milliseconds; else None."""
+    queue, separator, milliseconds = name.rpartition(".wait.")
+    if not separator or not queue or not (milliseconds.isascii() and milliseconds.isdigit()):
+        return None
+    return queue, int(milliseconds)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from aio_pika.abc import AbstractChannel
 
 from mersal.errors import ConfigurationError, MersalError, Unroutable
 from mersal.transport import mask
+from mersal.transport.status import QueueStatus
 from mersal_rabbitmq.connection import Connection, closed_under, why
 from mersal_rabbitmq.delays import wait_queue_name
 
@@ -232,6 +233,24 @@ class Topology:
             raise Unroutable(
                 f"cannot bind queue {queue!r} to {topic!r} ({_reply(error)}): declare it first"
             ) from None
+
+    async def count(self, names: Sequence[str]) -> dict[str, QueueStatus]:
+        """Each queue's ready messages and consumers, by passive declaration: nothing is made."""
+        async with self._lock:
+            return {name: await self._count(name) for name in names}
+
+    async def _count(self, name: str) -> QueueStatus:
+        channel = await self._ready_channel()
+        try:
+            queue = await channel.declare_queue(name, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return QueueStatus(name, exists=False)
+        except aiormq.exceptions.ChannelLockedResource:
+            return QueueStatus(name)  # an exclusive queue of another connection: not counted
+        except aiormq.exceptions.ChannelAccessRefused as error:
+            raise ConfigurationError(f"may not look at queue {name!r}: {_reply(error)}") from None
+        counts = queue.declaration_result
+        return QueueStatus(name, ready=counts.message_count, consumers=counts.consumer_count)
 
     async def _exists(self, queue: str) -> bool:
         channel = await self._ready_channel()

@@ -14,15 +14,19 @@ It configures and composes the parts, each in a module of its own:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
-from mersal.errors import ConfigurationError
+from mersal.errors import ConfigurationError, MersalError
 from mersal.transport import Limits, Outgoing, first_failure, mask
-from mersal_rabbitmq.connection import Connection
+from mersal.transport.status import WAIT, QueueReport, QueueStatus
+from mersal_rabbitmq.connection import CHANNEL_ERRORS, Connection, why
 from mersal_rabbitmq.consuming import ACK_MODES, RESUBSCRIBE_DELAYS, Consumers, RabbitMQConsumer
-from mersal_rabbitmq.delays import MAX_WAIT_MS
+from mersal_rabbitmq.delays import MAX_WAIT_MS, retry_wait_queues, waiting_for
+from mersal_rabbitmq.management import Management
 from mersal_rabbitmq.publishing import Publishing
 from mersal_rabbitmq.topology import QUEUE_TYPES, Topology, durable_shape, temporary_shape
 from mersal_rabbitmq.wire import limits_for
@@ -175,3 +179,66 @@ class RabbitMQTransport:
     async def restore_queue(self, queue: str) -> None:
         """Declare `queue` and its bindings again, if this transport declared it."""
         await self._topology.restore_queue(queue)
+
+    # For `mersal status`.
+
+    async def queue_status(
+        self,
+        names: Sequence[str],
+        *,
+        waits_of: Sequence[str] = (),
+        delays: Sequence[float] = (),
+        management: str | None = None,
+    ) -> QueueReport:
+        """Ready, unacked and consumer counts of `names`, then of the wait queues of `waits_of`.
+
+        It only looks: passive declarations for ready messages and consumers, the management
+        API (`management`, default http://<host>:15672) for unacked ones, None when it does not
+        answer. A transport never started looks over a connection of its own.
+        """
+        api = Management.of(self.address, management)
+        async with self._looking() as topology:
+            view = await api.look(names, waits_of)
+            waits = _wait_queues(waits_of, delays, view.waits, set(names))
+            try:
+                counted = await topology.count([*names, *waits])
+            except CHANNEL_ERRORS as error:
+                raise MersalError(
+                    f"lost the connection to RabbitMQ at {mask(self.address)}: {why(error)}"
+                ) from None
+        queues = [replace(counted[name], unacked=view.unacked.get(name)) for name in names]
+        queues += [
+            replace(counted[name], unacked=view.unacked.get(name), role=WAIT, wait_of=queue)
+            for name in waits
+            if counted[name].exists and (queue := name.rpartition(".wait.")[0])
+        ]
+        return QueueReport(queues, view.note or _uncounted(queues))
+
+    @asynccontextmanager
+    async def _looking(self) -> AsyncIterator[Topology]:
+        """The topology; while not started, one on a connection of its own, closed after."""
+        if self._link.current is not None:
+            yield self._topology
+            return
+        link = Connection(self.address)
+        await link.open(self.heartbeat)
+        try:
+            yield Topology(link, self.queue_type)
+        finally:
+            await link.close()
+
+
+def _wait_queues(
+    waits_of: Sequence[str], delays: Sequence[float], listed: Sequence[str], names: set[str]
+) -> list[str]:
+    """The wait queues to count: those delayed retries use, those the broker lists; by delay."""
+    found = {name for queue in waits_of for name in retry_wait_queues(queue, delays)}
+    found.update(name for name in listed if waiting_for(name) is not None)
+    return sorted(found - names, key=lambda name: waiting_for(name) or (name, 0))
+
+
+def _uncounted(queues: Sequence[QueueStatus]) -> str | None:
+    """A word when the management API has not counted some queue yet."""
+    if any(queue.exists and queue.unacked is None for queue in queues):
+        return "the management API has not counted every queue yet (it does every 5 s): run again"
+    return None

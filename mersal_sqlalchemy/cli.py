@@ -20,8 +20,8 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
 
-from mersal.cli import align, positive_int
-from mersal.dead_letters import first_line, iso
+from mersal.commands import ProgressLine, align, positive_int
+from mersal.dead_letters import Progress, first_line, iso
 from mersal.errors import ConfigurationError, MersalError
 from mersal.messages import Header
 from mersal.transport import mask
@@ -123,6 +123,8 @@ LIST_LIMIT = 100
 LIST_COLUMNS = ("ID", "APP", "KIND", "ADDRESS", "TYPE", "MESSAGE-ID", "ATTEMPTS", "CREATED")
 PARKED_COLUMNS = ("PARKED", "REASON")
 REASON_WIDTH = 200
+PURGE_BATCH = 100
+"""Rows deleted per statement by `purge_rows` (one transaction for them all)."""
 
 _stored_headers = msgspec.json.Decoder(dict[str, str])
 
@@ -304,8 +306,13 @@ class NotParked(MersalError):
     """`purge` was asked to delete rows that are not parked: nothing was deleted."""
 
 
-async def purge_rows(engine: AsyncEngine, table: Table, ids: Sequence[int]) -> list[int]:
-    """Delete these parked rows; a NotParked error (and nothing deleted) if any is not parked."""
+async def purge_rows(
+    engine: AsyncEngine, table: Table, ids: Sequence[int], progress: Progress | None = None
+) -> list[int]:
+    """Delete these parked rows; a NotParked error (and nothing deleted) if any is not parked.
+
+    `progress` is told `(done, total)` after each batch of deletes.
+    """
     query = select(table.c.id, table.c.parked_at).where(table.c.id.in_(ids))
     if is_postgresql(engine):
         query = query.with_for_update()
@@ -320,10 +327,15 @@ async def purge_rows(engine: AsyncEngine, table: Table, ids: Sequence[int]) -> l
             if missing:
                 problems.append(f"not in the outbox: {_ids(missing)}")
             raise NotParked(f"nothing purged; rows {'; '.join(problems)}")
-        await connection.execute(
-            delete(table).where(table.c.id.in_(ids), table.c.parked_at.is_not(None))
-        )
-    return sorted(set(ids))
+        purged = sorted(set(ids))
+        for start in range(0, len(purged), PURGE_BATCH):
+            batch = purged[start : start + PURGE_BATCH]
+            await connection.execute(
+                delete(table).where(table.c.id.in_(batch), table.c.parked_at.is_not(None))
+            )
+            if progress is not None:
+                progress(start + len(batch), len(purged))
+    return purged
 
 
 def _ids(ids: Sequence[int]) -> str:
@@ -437,6 +449,7 @@ async def outbox_retry(engine: AsyncEngine, table: Table, args: argparse.Namespa
 
 async def outbox_purge(engine: AsyncEngine, table: Table, args: argparse.Namespace) -> int:
     """`mersal outbox purge`: delete parked rows, refusing if any named row is not parked."""
-    purged = await purge_rows(engine, table, args.ids)
+    with ProgressLine("purged") as progress:
+        purged = await purge_rows(engine, table, args.ids, progress)
     print(f"purged {len(purged)} parked row(s): {_ids(purged)}")
     return 0

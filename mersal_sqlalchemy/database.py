@@ -22,11 +22,11 @@ from sqlalchemy import (
     table,
 )
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.elements import ColumnElement
 
-from mersal.errors import ConfigurationError
+from mersal.errors import ConfigurationError, MersalError, Unreachable
 from mersal.transport import mask
 from mersal_sqlalchemy.tables import (
     DEFAULT_INBOX,
@@ -35,6 +35,9 @@ from mersal_sqlalchemy.tables import (
     REVISIONS,
     Tables,
 )
+
+CANNOT_CONNECT_NOW = "57P03"
+"""PostgreSQL's SQLSTATE for a server that is starting up or shutting down."""
 
 DRIVERS = {
     "postgresql": "postgresql+asyncpg",
@@ -231,12 +234,30 @@ def _version_problem(versions: list[str]) -> str | None:
 
 
 async def prepare_schema(engine: AsyncEngine, tables: Tables, database: str, create: bool) -> None:
-    """Check that the tables exist at our revision, or create them; a ConfigurationError if not."""
-    async with engine.begin() as connection:
-        schema = await connection.run_sync(read_schema, tables)
-        if create and schema.missing_tables:
-            await connection.run_sync(create_schema, tables, schema)
-            return
+    """Check that the tables exist at our revision, or create them; a ConfigurationError if not.
+
+    A database that does not answer raises `Unreachable`; one that refuses, a `MersalError`.
+    """
+    try:
+        async with engine.begin() as connection:
+            schema = await connection.run_sync(read_schema, tables)
+            if create and schema.missing_tables:
+                await connection.run_sync(create_schema, tables, schema)
+                return
+    except (OSError, TimeoutError) as error:
+        raise Unreachable(
+            f"cannot connect to the database at {mask(database)}: {type(error).__name__}: "
+            f"{error}; is it running, and are the host and port right?"
+        ) from error
+    except DBAPIError as error:
+        if getattr(error.orig, "sqlstate", None) == CANNOT_CONNECT_NOW:
+            raise Unreachable(
+                f"the database at {mask(database)} is starting up or shutting down: {error.orig}"
+            ) from error
+        raise MersalError(
+            f"cannot use the database at {mask(database)}: {error.orig}; check the URL, the "
+            "database name, the credentials and the user's rights"
+        ) from error
     problem = schema.problem()
     if problem is not None:
         raise ConfigurationError(

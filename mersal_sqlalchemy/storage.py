@@ -20,6 +20,7 @@ from mersal.messages import describe
 from mersal.outbox import Relay
 from mersal.pipeline import MessageContext, Next
 from mersal.settle import ACK, run_to_end
+from mersal.status import StorageStatus
 from mersal.transaction import Commit, Hook, Transaction
 from mersal.transport import Outgoing
 from mersal_sqlalchemy.database import (
@@ -33,6 +34,7 @@ from mersal_sqlalchemy.database import (
 from mersal_sqlalchemy.inbox import Inbox
 from mersal_sqlalchemy.listener import Listener
 from mersal_sqlalchemy.outbox import Executor, SqlOutboxStore, write_outbox
+from mersal_sqlalchemy.status import outbox_counts, storage_status
 from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, Tables, make_tables
 
 if TYPE_CHECKING:
@@ -280,6 +282,8 @@ class SqlStorage:
             self.app.transport,
             batch=self.relay_batch,
             poll_interval=self.poll_interval,
+            telemetry=self.app.telemetry,
+            measure_backlog=self.backlog,
         )
         self.relay.start()
         if self.listen and self._channel is not None:
@@ -317,6 +321,18 @@ class SqlStorage:
     async def pending(self) -> int:
         """How many of this app's outbox rows wait to be sent (parked ones not counted)."""
         return await self.store.pending()
+
+    async def backlog(self) -> tuple[int, float]:
+        """This app's pending outbox rows and the seconds the oldest has waited (0 with none)."""
+        query = outbox_counts(self.engine, self.tables.outbox, self.app.name)
+        async with self.engine.connect() as connection:
+            counts = (await connection.execute(query)).one()
+        return int(counts.pending), max(0.0, float(counts.age or 0.0))
+
+    async def status(self, *, every_app: bool = False) -> StorageStatus:
+        """This app's outbox and inbox counts (every app's with `every_app`): `mersal status`."""
+        app = None if every_app else self.app.name
+        return await storage_status(self.engine, self.tables, self.database, app)
 
     async def clean_inbox(self) -> int:
         """Delete this app's inbox ids older than the retention window; returns how many."""
@@ -382,6 +398,8 @@ class SqlStorage:
             describe(context.headers),
             self.app.name,
         )
+        if self.app.telemetry is not None:
+            self.app.telemetry.skipped_duplicate(context)
         context.transaction.rollback()
         context.outcome = ACK
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from mersal.errors import ConsumerClosed, MersalError, Unroutable, Unsendable
 from mersal.messages import Envelope
 from mersal.transport import DEFAULT_LIMITS, Limits, Outgoing, delay_of, first_failure, problem_of
+from mersal.transport.status import QueueReport, QueueStatus
 
 
 @dataclass(slots=True)
@@ -324,3 +325,21 @@ class MemoryTransport:
 
     def _forget(self, consumer: MemoryConsumer) -> None:
         self._consumers.pop(consumer, None)
+
+    async def queue_status(
+        self,
+        names: Sequence[str],
+        *,
+        waits_of: Sequence[str] = (),
+        delays: Sequence[float] = (),
+        management: str | None = None,
+    ) -> QueueReport:
+        """Ready, unacked and consumer counts of `names` (delays are timers here, not queues)."""
+        counted = []
+        for name in names:
+            queue = self.broker.queues.get(name)
+            if queue is None:
+                counted.append(QueueStatus(name, exists=False))
+            else:
+                counted.append(QueueStatus(name, True, len(queue), queue.unacked, queue.consumers))
+        return QueueReport(counted)

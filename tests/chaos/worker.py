@@ -53,8 +53,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from mersal import App, Header, MessageContext, Outgoing, RetryPolicy, message
-from mersal.cli import serve
 from mersal.pipeline import Next
+from mersal.runner import serve
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy import attach, make_engine
 from tests.support import DelegatingTransport

@@ -1,9 +1,9 @@
-"""`mersal.dead_letters` on the memory transport: look at an error queue, replay from it."""
+"""`mersal.dead_letters` on the memory transport: look at an error queue, replay and drop."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -12,6 +12,7 @@ from mersal import App, Header, MessageContext, RetryPolicy, message
 from mersal.dead_letters import (
     DeadLetter,
     DeadLetters,
+    MissingQueue,
     body_text,
     describe,
     first_line,
@@ -258,3 +259,96 @@ async def test_a_limit_out_of_range_is_refused(transport: MemoryTransport) -> No
     for limit in (0, 65_536):
         with pytest.raises(ConfigurationError, match="limit"):
             await DeadLetters(transport).peek(limit)
+
+
+def failed(message_id: str, type_name: str, error_type: str, error_message: str) -> Outgoing:
+    """A dead letter as the error queue holds it, put there directly."""
+    headers = {
+        Header.MESSAGE_ID: message_id,
+        Header.TYPE: type_name,
+        Header.ERROR_TYPE: error_type,
+        Header.ERROR_MESSAGE: error_message,
+        Header.ERROR_QUEUE: "payments",
+    }
+    return Outgoing("error", Envelope(headers, b"{}"))
+
+
+@pytest.fixture
+async def mixed(transport: MemoryTransport) -> DeadLetters:
+    """An error queue of four dead letters of two types and three errors."""
+    await transport.declare("error")
+    await transport.send(
+        [
+            failed("m1", "pay.Charge.v1", "pay.CardDeclined", "card declined for o-1"),
+            failed("m2", "pay.Refund.v1", "mersal.errors.DecodeError", "unknown message type"),
+            failed("m3", "pay.Charge.v1", "TimeoutError", "timed out after 30 s"),
+            failed("m4", "pay.Charge.v1", "pay.CardDeclined", "card declined for o-4"),
+        ]
+    )
+    return DeadLetters(transport, idle=IDLE)
+
+
+async def test_drop_by_id_removes_those_and_leaves_the_others_in_order(
+    mixed: DeadLetters, transport: MemoryTransport
+) -> None:
+    drops = await mixed.drop({"m2", "m4", "nope"})
+
+    assert [(drop.letter.message_id, drop.done) for drop in drops] == [("m2", True), ("m4", True)]
+    assert ids_in(error_queue(transport)) == ["m1", "m3"]
+    assert error_queue(transport).unacked == 0
+
+
+async def test_drop_by_type_and_error_text_both_must_match(
+    mixed: DeadLetters, transport: MemoryTransport
+) -> None:
+    drops = await mixed.drop(type_name="pay.Charge.v1", error="Declined")
+    assert [drop.letter.message_id for drop in drops] == ["m1", "m4"]  # m3: no; m2: other type
+    assert ids_in(error_queue(transport)) == ["m2", "m3"]
+
+    [by_type] = await mixed.drop(error="DecodeError")  # in the error type
+    [by_message] = await mixed.drop(error="timed out")  # in the error message
+    assert (by_type.letter.message_id, by_message.letter.message_id) == ("m2", "m3")
+    assert ids_in(error_queue(transport)) == []
+
+
+async def test_drop_with_nothing_chosen_drops_every_message_up_to_the_limit(
+    mixed: DeadLetters, transport: MemoryTransport
+) -> None:
+    assert [drop.letter.message_id for drop in await mixed.drop(limit=3)] == ["m1", "m2", "m3"]
+    assert ids_in(error_queue(transport)) == ["m4"]
+
+
+async def test_drop_asks_first_and_a_no_drops_nothing(
+    mixed: DeadLetters, transport: MemoryTransport
+) -> None:
+    asked: list[list[str | None]] = []
+
+    async def refuse(letters: Sequence[DeadLetter]) -> bool:
+        asked.append([letter.message_id for letter in letters])
+        return False
+
+    assert await mixed.drop(type_name="pay.Charge.v1", confirm=refuse) == []
+    assert asked == [["m1", "m3", "m4"]]
+    assert ids_in(error_queue(transport)) == ["m1", "m2", "m3", "m4"]
+
+    assert await mixed.drop({"nope"}, confirm=refuse) == []
+    assert len(asked) == 1  # nothing chosen: nothing to ask about
+
+
+async def test_replay_and_drop_tell_their_progress(
+    mixed: DeadLetters, transport: MemoryTransport
+) -> None:
+    await transport.declare("parking")
+    told: list[tuple[int, int]] = []
+
+    await mixed.replay({"m1", "m2"}, to="parking", progress=lambda *step: told.append(step))
+    await mixed.drop(progress=lambda *step: told.append(step))
+
+    assert told == [(1, 2), (2, 2), (1, 2), (2, 2)]
+    assert ids_in(transport.broker.queues["parking"]) == ["m1", "m2"]
+
+
+async def test_a_missing_error_queue_is_named(transport: MemoryTransport) -> None:
+    with pytest.raises(MissingQueue, match="no queue named 'errors'") as raised:
+        await DeadLetters(transport, "errors", idle=IDLE).drop()
+    assert raised.value.queue == "errors"

@@ -1,15 +1,17 @@
-"""`mersal dlq list|show|replay` end to end on RabbitMQ, run in-process as `main([...])`."""
+"""`mersal dlq list|show|replay|drop` end to end on RabbitMQ, run in-process as `main([...])`."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from uuid import uuid4
 
 import pytest
 
 from mersal import App, Header, MessageContext, RetryPolicy, message
-from tests.cli.conftest import Queues, mersal
-from tests.support import eventually
+from tests.cli.conftest import RABBITMQ_HOST, Queues, mersal
+from tests.support import eventually, rabbitmqctl
 
 pytestmark = pytest.mark.integration
 
@@ -165,7 +167,7 @@ async def test_the_commands_explain_what_they_need(
     missing = f"cli-{uuid4().hex[:10]}.error"
     monkeypatch.setenv("MERSAL_TRANSPORT", amqp_url)
     assert await mersal("dlq", "list", "--queue", missing) == 2
-    assert f"no queue named {missing!r}" in capsys.readouterr().err
+    assert f"no queue named {missing!r} (from --queue) on " in capsys.readouterr().err
 
     assert await mersal("dlq", "replay", "--queue", missing) == 2
     assert "message ids or --all" in capsys.readouterr().err
@@ -175,3 +177,112 @@ async def test_the_commands_explain_what_they_need(
     error = capsys.readouterr().err
     assert "cannot connect to RabbitMQ" in error
     assert "s3cret-pw" not in error and "guest:***@" in error
+
+
+APP_TARGET = f"{__name__}:ORDERS"
+"""`--app` for the app a test puts in this module's ORDERS."""
+
+
+@pytest.fixture
+def no_transport_in_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No MERSAL_TRANSPORT: the broker comes from --app or --transport."""
+    monkeypatch.delenv("MERSAL_TRANSPORT", raising=False)
+
+
+async def test_with_app_every_command_uses_its_error_queue_and_broker(
+    amqp_url: str,
+    queues: Queues,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    no_transport_in_environment: None,
+) -> None:
+    orders = orders_app(amqp_url, queues)
+    app, error = orders.app, orders.error_queue
+    monkeypatch.setattr(sys.modules[__name__], "ORDERS", app, raising=False)
+    async with app:
+        ids = [await app.send(PlaceOrder(f"o-{n}")) for n in (1, 2)]
+        await eventually(lambda: count_is(queues, error, 2), "both messages in the error queue")
+
+        assert await mersal("dlq", "list", "--app", APP_TARGET) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert [line.split()[0] for line in lines[1:3]] == ids
+        assert lines[3] == f"2 message(s) in {error!r}, all left there"
+
+        assert await mersal("dlq", "show", ids[1], "--app", APP_TARGET) == 0
+        assert capsys.readouterr().out.startswith(f"message {ids[1]} in {error!r}:\n")
+
+        assert await mersal("dlq", "drop", ids[1], "--yes", "--app", APP_TARGET) == 0
+        assert capsys.readouterr().out.endswith(f"dropped 1 of 1 message(s) from {error!r}\n")
+        await eventually(lambda: count_is(queues, error, 1), "one message dropped")
+
+        orders.broken = False
+        assert await mersal("dlq", "replay", ids[0], "--app", APP_TARGET) == 0
+        assert f"replayed {ids[0]} (tests.cli.PlaceOrder.v1) to {app.name!r}" in (
+            capsys.readouterr().out
+        )
+        await eventually(lambda: len(orders.handled) == 1, "the replayed message handled")
+        await eventually(lambda: count_is(queues, error, 0), "the error queue empty")
+    assert [order_id for order_id, _, _ in orders.handled] == ["o-1"]  # o-2 was dropped
+
+
+async def test_an_explicit_transport_and_queue_win_over_the_app(
+    amqp_url: str,
+    queues: Queues,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    no_transport_in_environment: None,
+) -> None:
+    orders = orders_app(amqp_url, queues)
+    app, error = orders.app, orders.error_queue
+    async with app:
+        message_id = await app.send(PlaceOrder("o-1"))
+        await eventually(lambda: count_is(queues, error, 1), "the message in the error queue")
+    elsewhere = App(
+        "elsewhere",
+        transport=f"memory://cli-{uuid4().hex}",
+        retry=RetryPolicy(error_queue=f"{app.name}.not-here"),
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ORDERS", elsewhere, raising=False)
+
+    assert await mersal("dlq", "list", "--app", APP_TARGET) == 2
+    assert "app 'elsewhere' is on memory://cli-" in capsys.readouterr().err
+
+    assert await mersal("dlq", "list", "--app", APP_TARGET, "--transport", amqp_url) == 2
+    refused = capsys.readouterr().err
+    assert refused.startswith(
+        f"mersal: no queue named '{app.name}.not-here' (the error queue of app 'elsewhere') on "
+        "amqp://guest:***@"
+    )
+    assert "--queue NAME" in refused and "--app module:app" in refused
+
+    options = ("--app", APP_TARGET, "--transport", amqp_url, "--queue", error)
+    assert await mersal("dlq", "list", *options) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[0] == message_id
+    assert lines[2] == f"1 message(s) in {error!r}, all left there"
+
+
+async def test_a_missing_default_error_queue_points_to_queue_and_app(
+    own_vhost: str, capsys: pytest.CaptureFixture[str], no_transport_in_environment: None
+) -> None:
+    assert await mersal("dlq", "list", "--transport", own_vhost) == 2
+    assert capsys.readouterr().err == (
+        f"mersal: no queue named 'error' (the default) on {own_vhost.replace(':guest@', ':***@')}"
+        ": name the error queue with --queue NAME, or the app whose error queue to read with "
+        "--app module:app\n"
+    )
+
+    assert await mersal("dlq", "list", "--app", "tests.cli.no_such_module:app") == 2
+    assert "cannot import 'tests.cli.no_such_module'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def own_vhost() -> Iterator[str]:
+    """The AMQP URL of a vhost of this test's own (so surely without an 'error' queue)."""
+    name = f"mersal-cli-{uuid4().hex[:8]}"
+    rabbitmqctl("add_vhost", name)
+    try:
+        rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
+        yield f"amqp://guest:guest@{RABBITMQ_HOST}/{name}"
+    finally:
+        rabbitmqctl("delete_vhost", name)

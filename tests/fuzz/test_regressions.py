@@ -198,5 +198,5 @@ def test_the_source_checks_parse_in_a_fresh_interpreter_after_recursion_errors()
 
     report = checks.fresh_report.__wrapped__()  # not the cached report: a new interpreter now
     assert report["findings"] == []
-    assert report["load_app_calls"] == [["mersal/cli.py", "load_app(args.target)"]]
+    assert ["mersal/runner.py", "load_app(args.target)"] in report["load_app_calls"]
     assert any("import pickle" in finding for finding in report["sample"])

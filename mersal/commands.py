@@ -1,0 +1,106 @@
+"""Helpers for the `mersal` command's subcommands (ours and adapters'): the app, arguments, output.
+
+`mersal.cli` re-exports them; an adapter's commands (`mersal.commands` entry points) use them
+from there or from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TextIO
+
+from mersal.app import App
+from mersal.errors import ConfigurationError
+
+
+def load_app(target: str) -> App:
+    """The App named by `module:attribute` (an App, or a callable returning one)."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise ConfigurationError(f"{target!r} is not module:attribute, e.g. 'orders.service:app'")
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigurationError(f"cannot import {module_name!r}: {error}") from None
+    found = getattr(module, attribute, None)
+    if found is None:
+        raise ConfigurationError(f"module {module_name!r} has no attribute {attribute!r}")
+    if not isinstance(found, App) and callable(found):
+        found = found()
+    if not isinstance(found, App):
+        raise ConfigurationError(f"{target} is {type(found).__qualname__}, not a mersal App")
+    return found
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
+    return value
+
+
+def align(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows of cells as lines, each column padded to its widest cell."""
+    if not rows:
+        return []
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+class ProgressLine:
+    """`<verb> done/total` on one line of stderr during a long job, if stderr is a terminal.
+
+    Call it with `(done, total)` after each item; leaving its `with` block ends the line.
+    Jobs of `after` items or fewer, and streams that are no terminal, get nothing.
+    """
+
+    after = 50
+    """Jobs of more items than this show their progress."""
+    every = 0.1
+    """The least seconds between two updates of the line."""
+
+    def __init__(
+        self,
+        verb: str,
+        stream: TextIO | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.verb = verb
+        self.stream = sys.stderr if stream is None else stream
+        self.clock = clock
+        self.terminal = self.stream.isatty()
+        self.shown_at: float | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        """Show that `done` of `total` items are through (the last one always, others throttled)."""
+        if not self.terminal or total <= self.after:
+            return
+        now = self.clock()
+        if done < total and self.shown_at is not None and now - self.shown_at < self.every:
+            return
+        self.shown_at = now
+        self.stream.write(f"\r{self.verb} {done}/{total}")
+        self.stream.flush()
+
+    def __enter__(self) -> ProgressLine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.shown_at is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.shown_at = None

@@ -1,0 +1,102 @@
+"""The HTTP endpoints of `mersal run --health-port`: `/livez`, `/readyz` and `/metrics`.
+
+`/livez` and `/readyz` answer 200 or 503 with a JSON body naming each failing check and its
+reason (`app.health()`); `/metrics`, when the app's metrics go to Prometheus (the extra
+`mersal[prometheus]`), answers in Prometheus' text format. Served by aiohttp (`mersal[health]`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from mersal.errors import ConfigurationError
+from mersal.health import Health
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from mersal.app import App
+
+log = logging.getLogger("mersal.probes")
+
+HEALTH_EXTRA = "pip install 'mersal[health]'"
+
+Metrics = Callable[[], tuple[bytes, str]]
+"""Renders the current metrics: the body and its content type."""
+
+Endpoint = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
+
+
+@asynccontextmanager
+async def probes(
+    app: App, host: str, port: int, max_relay_lag: float, metrics: Metrics | None = None
+) -> AsyncIterator[int]:
+    """Serve the endpoints on `host:port` while the block runs; yields the port (for port 0)."""
+    try:
+        from aiohttp import web
+    except ImportError:
+        raise ConfigurationError(f"--health-port needs aiohttp: {HEALTH_EXTRA}") from None
+    server = web.Application()
+
+    def health() -> Health:
+        return app.health(max_relay_lag=max_relay_lag)
+
+    server.router.add_get("/livez", _answer(health, "live"))
+    server.router.add_get("/readyz", _answer(health, "ready"))
+    if metrics is not None:
+        server.router.add_get("/metrics", _metrics(metrics))
+    runner = web.AppRunner(server, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as error:
+            raise ConfigurationError(
+                f"cannot serve the health endpoints on {host}:{port} ({error.strerror or error}): "
+                "choose another --health-port"
+            ) from None
+        bound = _port_of(runner, port)
+        log.info("health endpoints on http://%s:%d/livez and /readyz", host, bound)
+        yield bound
+    finally:
+        await runner.cleanup()
+
+
+def _answer(health: Callable[[], Health], which: str) -> Endpoint:
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        found = health()
+        good = found.live if which == "live" else found.ready
+        body = {which: good, "checks": found.checks}
+        return web.Response(
+            status=200 if good else 503,
+            text=json.dumps(body, ensure_ascii=False),
+            content_type="application/json",
+        )
+
+    return answer
+
+
+def _metrics(metrics: Metrics) -> Endpoint:
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        body, content_type = metrics()
+        response = web.Response(body=body)
+        response.headers["Content-Type"] = content_type
+        return response
+
+    return answer
+
+
+def _port_of(runner: web.AppRunner, asked: int) -> int:
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return asked

@@ -1,0 +1,210 @@
+"""`mersal run module:app`: an app's worker as a production process.
+
+It waits for the broker and the database at start (`--wait`, with growing pauses, each
+logged), then runs until SIGINT or SIGTERM and stops gracefully. Every configuration and
+connection error ends it with one `mersal: ...` line and exit status 2; an app that stops
+working on its own (its worker or outbox relay ended) ends it with status 1, so that a
+supervisor restarts it. Logs are text or JSON lines (`--log-format json`); `--log-messages`
+adds an INFO line per handled message; `--health-port` serves `mersal.probes`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any
+
+from mersal import loop
+from mersal.commands import load_app, positive_int
+from mersal.errors import Unreachable
+from mersal.health import MAX_RELAY_LAG
+from mersal.logs import JsonFormatter
+from mersal.probes import Metrics, probes
+
+if TYPE_CHECKING:
+    from mersal.app import App
+
+log = logging.getLogger("mersal.run")
+
+WAIT = 30.0
+"""Seconds `mersal run` waits for the broker and the database at start, by default."""
+FIRST_PAUSE = 0.5
+MAX_PAUSE = 5.0
+WATCH_INTERVAL = 1.0
+"""Seconds between looks at whether the app still works."""
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def add_run_command(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add `run` to the `mersal` command's subcommands."""
+    run = commands.add_parser("run", help="run an app's worker until SIGINT or SIGTERM")
+    run.add_argument("target", help="module:attribute naming an App (or a function returning one)")
+    run.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=LEVELS, help="(default INFO)"
+    )
+    run.add_argument(
+        "--log-format", default="text", choices=("text", "json"), help="log lines (default text)"
+    )
+    run.add_argument(
+        "--log-messages", action="store_true", help="log an INFO line per handled message"
+    )
+    run.add_argument(
+        "--wait",
+        type=_seconds,
+        default=WAIT,
+        metavar="SECONDS",
+        help=f"wait this long for the broker and the database to answer at start ({WAIT:g})",
+    )
+    run.add_argument(
+        "--concurrency", type=positive_int, metavar="N", help="messages handled at once (the app's)"
+    )
+    run.add_argument(
+        "--health-port",
+        type=_port,
+        metavar="PORT",
+        help="serve /livez, /readyz (and /metrics with mersal[prometheus]) on this port",
+    )
+    run.add_argument("--health-host", default="0.0.0.0", metavar="HOST", help="(default 0.0.0.0)")
+    run.add_argument(
+        "--max-relay-lag",
+        type=_seconds,
+        default=MAX_RELAY_LAG,
+        metavar="SECONDS",
+        help=f"not ready while the outbox relay is behind for longer ({MAX_RELAY_LAG:g})",
+    )
+    run.add_argument(
+        "--loop",
+        choices=loop.LOOPS,
+        default=None,
+        help="event loop: uvloop when installed (mersal[fast]), or asyncio's (default: "
+        "MERSAL_LOOP, else auto)",
+    )
+    run.set_defaults(handler=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`mersal run`: load the app, set it up as the options say, serve it until told to stop."""
+    configure_logging(args.log_level, args.log_format)
+    app = load_app(args.target)
+    if args.concurrency is not None:
+        app.set_concurrency(args.concurrency)
+    app.log_messages = args.log_messages
+    served = serve(
+        app,
+        wait=args.wait,
+        health_port=args.health_port,
+        health_host=args.health_host,
+        max_relay_lag=args.max_relay_lag,
+    )
+    return loop.run(served, args.loop)
+
+
+def configure_logging(level: str, form: str) -> None:
+    """Log to stderr at `level`, as text or as JSON lines (`form`)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if form == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+async def serve(
+    app: App,
+    *,
+    wait: float = 0.0,
+    health_port: int | None = None,
+    health_host: str = "0.0.0.0",
+    max_relay_lag: float = MAX_RELAY_LAG,
+    metrics: Metrics | None = None,
+) -> int:
+    """Run `app` until SIGINT or SIGTERM (0), or until it stops working on its own (1)."""
+    stopping = asyncio.Event()
+    running = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        running.add_signal_handler(signum, stopping.set)
+    try:
+        if not await start_when_reachable(app, wait, stopping):
+            return 0
+        try:
+            async with AsyncExitStack() as stack:
+                if health_port is not None:
+                    await stack.enter_async_context(
+                        probes(app, health_host, health_port, max_relay_lag, metrics)
+                    )
+                return await watch(app, stopping)
+        finally:
+            await app.stop()
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            running.remove_signal_handler(signum)
+
+
+async def start_when_reachable(app: App, wait: float, stopping: asyncio.Event) -> bool:
+    """Start `app`, trying again while its broker or database does not answer, up to `wait` s.
+
+    False when told to stop meanwhile; the last `Unreachable` once the time is up.
+    """
+    running = asyncio.get_running_loop()
+    deadline = running.time() + wait
+    pause = FIRST_PAUSE
+    while True:
+        try:
+            await app.start()
+            return True
+        except Unreachable as error:
+            left = deadline - running.time()
+            if left <= 0:
+                if wait <= 0:
+                    raise
+                raise Unreachable(
+                    f"{error} (waited {wait:g}s; --wait SECONDS to wait longer)"
+                ) from error
+            pause = min(pause, left)
+            log.warning("%s; trying again in %.1fs", error, pause)
+            if await _set_within(stopping, pause):
+                return False
+            pause = min(pause * 2, MAX_PAUSE)
+
+
+async def watch(app: App, stopping: asyncio.Event) -> int:
+    """Wait for a stop signal (0), or for the app to stop working on its own (1)."""
+    while not await _set_within(stopping, WATCH_INTERVAL):
+        health = app.health()
+        if not health.live:
+            reasons = "; ".join(f"{name}: {reason}" for name, reason in health.checks.items())
+            log.error(
+                "app %r stopped working (%s); exiting so that it is restarted", app.name, reasons
+            )
+            return 1
+    return 0
+
+
+async def _set_within(event: asyncio.Event, seconds: float) -> bool:
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not 0 or more seconds")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535)")
+    return value

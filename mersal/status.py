@@ -1,0 +1,489 @@
+"""`mersal status`: an app's queues, error queue, outbox and inbox in one view, for operators.
+
+It only looks: nothing is declared, consumed or created, and the app is not started. The
+broker is asked through the transport's `queue_status` (`QueueInspector`), the database through
+the storage's `status` (`StorageInspector`); an adapter without them is named as such.
+
+Exit status: 0 all is well; 1 something needs an operator (messages in the error queue, parked
+outbox rows); 2 it could not look (bad arguments, broker or database unreachable, tables or a
+queue missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, runtime_checkable
+
+from mersal.app import App
+from mersal.commands import align, load_app
+from mersal.errors import ConfigurationError, MersalError
+from mersal.outbox import Storage, attach_storage
+from mersal.plugins import transport_from
+from mersal.transport import Transport, mask
+from mersal.transport.status import ERROR, INPUT, QUEUE, WAIT, QueueReport, QueueStatus
+
+DEFAULT_TIMEOUT = 10.0
+PROBE_APP = "mersal-status"
+"""The app name of the storage probe made when no app is named (its name filters nothing)."""
+
+
+@dataclass(frozen=True)
+class StorageStatus:
+    """The outbox and inbox as the database counts them (one app's rows, or every app's)."""
+
+    pending: int
+    parked: int
+    oldest_pending_age: float | None
+    """Seconds since the oldest pending row was committed; None when none is pending."""
+    inbox: int
+    app: str | None = None
+    """Whose rows were counted; None for every app's."""
+
+
+@runtime_checkable
+class QueueInspector(Protocol):
+    """A transport that can count the messages in its queues without changing anything."""
+
+    async def queue_status(
+        self,
+        names: Sequence[str],
+        *,
+        waits_of: Sequence[str] = (),
+        delays: Sequence[float] = (),
+        management: str | None = None,
+    ) -> QueueReport:
+        """Each named queue's counts, then the existing wait queues of the `waits_of` queues.
+
+        `delays` (seconds) are the delayed retries, whose wait queues are looked for by name;
+        `management` is the broker's monitoring API, for a transport that has one.
+        """
+        ...
+
+
+@runtime_checkable
+class StorageInspector(Protocol):
+    """A storage that can count its outbox and inbox rows without changing anything."""
+
+    async def status(self, *, every_app: bool = False) -> StorageStatus:
+        """The app's outbox and inbox counts (every app's with `every_app`)."""
+        ...
+
+
+@dataclass
+class Plan:
+    """What `mersal status` looks at."""
+
+    app: App | None = None
+    transport: Transport | None = None
+    queues: list[tuple[str, str]] = field(default_factory=list)
+    """(name, role) of every queue to count, the wait queues aside."""
+    waits_of: list[str] = field(default_factory=list)
+    delays: tuple[float, ...] = ()
+    database: str | None = None
+    management: str | None = None
+
+
+@dataclass
+class Status:
+    """What `mersal status` saw; `exit_code` and `reasons` say what it comes to."""
+
+    app: str | None = None
+    broker: str | None = None
+    queues: list[QueueStatus] = field(default_factory=list)
+    unacked_note: str | None = None
+    database: str | None = None
+    storage: StorageStatus | None = None
+
+    @property
+    def missing(self) -> list[QueueStatus]:
+        """The queues that do not exist."""
+        return [queue for queue in self.queues if not queue.exists]
+
+    def problems(self) -> list[str]:
+        """What needs an operator, each with what to do about it."""
+        problems = []
+        for queue in self.queues:
+            held = (queue.ready or 0) + (queue.unacked or 0)
+            if queue.role == ERROR and held:
+                problems.append(
+                    f"{held} message(s) in the error queue {queue.name!r}: look at them with "
+                    f"`mersal dlq list --queue {queue.name} --transport '{self.broker}'`, then "
+                    "replay them (`mersal dlq replay`)"
+                )
+        if self.storage is not None and self.storage.parked:
+            of_app = f" of app {self.storage.app!r}" if self.storage.app else ""
+            problems.append(
+                f"{self.storage.parked} parked outbox row(s){of_app}: look at them with "
+                f"`mersal outbox list --parked --database '{self.database}'`, fix the cause, "
+                "then `mersal outbox retry` (or `purge`) them"
+            )
+        return problems
+
+    def unseen(self) -> str | None:
+        """Why the view is incomplete (queues that do not exist), or None."""
+        missing = self.missing
+        if not missing:
+            return None
+        names = ", ".join(repr(queue.name) for queue in missing)
+        own = {INPUT, ERROR} & {queue.role for queue in missing}
+        hint = "the app declares its queues when it starts" if own else "check the name"
+        return f"no queue {names} on {self.broker}: {hint} (nothing was created)"
+
+    @property
+    def exit_code(self) -> int:
+        """2 when it could not see everything, 1 when something needs an operator, else 0."""
+        if self.unseen() is not None:
+            return 2
+        return 1 if self.problems() else 0
+
+    def reasons(self) -> list[str]:
+        """Why the exit code is not 0: one line for 2, one per problem for 1."""
+        unseen = self.unseen()
+        return [unseen] if unseen is not None else self.problems()
+
+    def as_json(self) -> dict[str, Any]:
+        """The status as one JSON object (the shape is in docs/operations.md)."""
+        storage = self.storage
+        return {
+            "app": self.app,
+            "exit_code": self.exit_code,
+            "reasons": self.reasons(),
+            "broker": self.broker,
+            "queues": [
+                {
+                    "name": queue.name,
+                    "role": queue.role,
+                    "exists": queue.exists,
+                    "ready": queue.ready,
+                    "unacked": queue.unacked,
+                    "consumers": queue.consumers,
+                    "wait_of": queue.wait_of,
+                }
+                for queue in self.queues
+            ],
+            "unacked_note": self.unacked_note,
+            "database": self.database,
+            "outbox": None
+            if storage is None
+            else {
+                "app": storage.app,
+                "pending": storage.pending,
+                "parked": storage.parked,
+                "oldest_pending_age": storage.oldest_pending_age,
+            },
+            "inbox": None if storage is None else {"app": storage.app, "rows": storage.inbox},
+        }
+
+    def lines(self) -> list[str]:
+        """The status as text for a terminal."""
+        lines = [f"app {self.app!r}"] if self.app else []
+        if self.broker is not None:
+            lines.append(f"broker {self.broker}")
+            header = ("QUEUE", "ROLE", "READY", "UNACKED", "CONSUMERS")
+            lines.extend(align([header, *(_cells(queue) for queue in self.queues)]))
+            if self.unacked_note is not None:
+                lines.append(f"unacked ?: {self.unacked_note}")
+        storage = self.storage
+        if storage is not None:
+            rows_of = f" (the rows of app {storage.app!r})" if storage.app else ""
+            lines.append(f"database {self.database}{rows_of}")
+            lines.append(f"outbox: {_pending(storage)}, {storage.parked} parked")
+            lines.append(f"inbox: {storage.inbox} row(s)")
+        if self.exit_code == 0:
+            lines.append("ok: nothing needs an operator")
+        return lines
+
+
+def _cells(queue: QueueStatus) -> tuple[str, ...]:
+    if not queue.exists:
+        return (queue.name, queue.role, "no such queue", "-", "-")
+    return (
+        queue.name,
+        queue.role,
+        _count(queue.ready),
+        _count(queue.unacked),
+        _count(queue.consumers),
+    )
+
+
+def _count(value: int | None) -> str:
+    return "?" if value is None else str(value)
+
+
+def _pending(storage: StorageStatus) -> str:
+    age = storage.oldest_pending_age
+    oldest = "" if age is None else f" (the oldest {age:.1f}s old)"
+    return f"{storage.pending} pending{oldest}"
+
+
+# Looking.
+
+
+async def look(plan: Plan) -> Status:
+    """Count the plan's queues and its database's outbox and inbox rows; change nothing."""
+    status = Status(app=plan.app.name if plan.app is not None else None)
+    if plan.transport is not None:
+        status.broker = mask(plan.transport.address)
+        report = await queue_report(plan)
+        roles = dict(plan.queues)
+        status.queues = [
+            queue if queue.role == WAIT else replace(queue, role=roles.get(queue.name, QUEUE))
+            for queue in report.queues
+        ]
+        status.unacked_note = report.note
+    if plan.database is not None:
+        status.database = mask(plan.database)
+        status.storage = await storage_status(plan)
+    return status
+
+
+async def queue_report(plan: Plan) -> QueueReport:
+    """The transport's counts of the plan's queues (and their wait queues)."""
+    transport = plan.transport
+    if not isinstance(transport, QueueInspector):
+        raise ConfigurationError(
+            f"the transport {type(transport).__name__} ({mask(getattr(transport, 'address', '?'))})"
+            " cannot count its queues: it has no queue_status() method"
+        )
+    return await transport.queue_status(
+        [name for name, _ in plan.queues],
+        waits_of=plan.waits_of,
+        delays=plan.delays,
+        management=plan.management,
+    )
+
+
+async def storage_status(plan: Plan) -> StorageStatus:
+    """The storage's counts of the outbox and inbox rows (the app's, or every app's)."""
+    async with storage_of(plan) as storage:
+        if not isinstance(storage, StorageInspector):
+            raise ConfigurationError(
+                f"the storage {type(storage).__name__} for {mask(plan.database or '')} cannot "
+                "count its outbox and inbox rows: it has no status() method"
+            )
+        return await storage.status(every_app=plan.app is None)
+
+
+@asynccontextmanager
+async def storage_of(plan: Plan) -> AsyncIterator[Storage]:
+    """The storage the app has, or a new one for `plan.database`; stopped after, unless running.
+
+    An app without a storage is left without one: the new one belongs to a probe app of the
+    same name.
+    """
+    app = plan.app
+    if app is not None and app.storage is not None and plan.database == app.database:
+        storage, owned = app.storage, not app.running
+    else:
+        name = app.name if app is not None else PROBE_APP
+        storage = attach_storage(App(name, transport="memory://", database=plan.database))
+        owned = True
+    try:
+        yield storage
+    finally:
+        if owned:
+            await storage.stop()
+
+
+async def app_status(app: App, *, management: str | None = None) -> Status:
+    """The status of `app` (running or not) in this process: its queues, outbox and inbox."""
+    return await look(plan_for(app, management=management))
+
+
+def plan_for(
+    app: App,
+    *,
+    transport: Transport | None = None,
+    database: str | None = None,
+    error_queue: str | None = None,
+    queues: Sequence[str] = (),
+    management: str | None = None,
+) -> Plan:
+    """What to look at for `app`: its transport, database, input, error and wait queues."""
+    named: list[tuple[str, str]] = []
+    if getattr(app, "consume", True) is not False:  # a send-only app declares neither queue
+        named += [(app.name, INPUT), (error_queue or app.retry.error_queue, ERROR)]
+    elif error_queue is not None:
+        named.append((error_queue, ERROR))
+    named += [(name, QUEUE) for name in queues]
+    return Plan(
+        app=app,
+        transport=transport or app.transport,
+        queues=_distinct(named),
+        waits_of=[name for name, role in named if role in (INPUT, QUEUE)],
+        delays=tuple(app.retry.delayed),
+        database=database or app.database,
+        management=management,
+    )
+
+
+def _distinct(queues: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Each queue once, with the role it was first named with."""
+    seen: dict[str, str] = {}
+    for name, role in queues:
+        seen.setdefault(name, role)
+    return list(seen.items())
+
+
+# The command.
+
+
+def add_status_command(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add `status` to the `mersal` command's subcommands."""
+    status = commands.add_parser(
+        "status",
+        help="an app's queues, error queue, outbox and inbox; exits 1 when something needs an "
+        "operator, 2 when it could not look",
+    )
+    status.add_argument(
+        "--app", default=None, metavar="MODULE:APP", help="the app (its queues and database)"
+    )
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument(
+        "--transport",
+        default=None,
+        metavar="URL",
+        help="the broker URL (default: the app's, else $MERSAL_TRANSPORT)",
+    )
+    status.add_argument(
+        "--database",
+        default=None,
+        metavar="URL",
+        help="the database URL (default: the app's, else $MERSAL_DATABASE)",
+    )
+    status.add_argument(
+        "--queue",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a queue to count too (repeatable); its wait queues are counted with it",
+    )
+    status.add_argument(
+        "--error-queue",
+        default=None,
+        metavar="NAME",
+        help="the error queue (default: the app's)",
+    )
+    status.add_argument(
+        "--management",
+        default=None,
+        metavar="URL",
+        help="the RabbitMQ management API, for unacked counts "
+        "(default: http://<broker host>:15672 with the broker's user and password)",
+    )
+    status.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"give up on a broker or database that does not answer ({DEFAULT_TIMEOUT:g})",
+    )
+    status.set_defaults(handler=run_status)
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds > 0")
+    return value
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Carry out `mersal status` as parsed by `add_status_command`."""
+    plan = plan_from(args)
+    # Adapters' libraries log their failures (aiormq: "error when creating transport"); those
+    # reach the user as the one `mersal: ...` line, so unless logging is set up, they go nowhere.
+    logging.basicConfig(handlers=[logging.NullHandler()])
+    status = asyncio.run(within(args.timeout, plan))
+    if args.json:
+        print(json.dumps(status.as_json(), indent=2))
+    else:
+        for line in status.lines():
+            print(line)
+    for reason in status.reasons():
+        print(f"mersal: {reason}", file=sys.stderr)
+    return status.exit_code
+
+
+async def within(seconds: float, plan: Plan) -> Status:
+    """`look(plan)`, or a MersalError after `seconds` without an answer."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await look(plan)
+    except TimeoutError:
+        where = [mask(plan.transport.address)] if plan.transport is not None else []
+        where += [mask(plan.database)] if plan.database is not None else []
+        raise MersalError(
+            f"no answer within {seconds:g}s from {' or '.join(where)}: is it up? "
+            "(--timeout SECONDS to wait longer)"
+        ) from None
+
+
+def plan_from(args: argparse.Namespace) -> Plan:
+    """The plan the command line asks for; a ConfigurationError when it names nothing to see."""
+    transport_url = args.transport
+    if args.app is not None:
+        app = load_app(args.app)
+        transport = transport_from(transport_url) if transport_url else app.transport
+        plan = plan_for(
+            app,
+            transport=transport,
+            database=args.database,
+            error_queue=args.error_queue,
+            queues=args.queue,
+            management=args.management,
+        )
+    else:
+        plan = plain_plan(args)
+    if plan.transport is not None:
+        refuse_memory(plan.transport)
+    return plan
+
+
+def plain_plan(args: argparse.Namespace) -> Plan:
+    """The plan without an app: the URLs and queues given, or from the environment."""
+    transport_url = args.transport or os.environ.get("MERSAL_TRANSPORT") or None
+    database = args.database or os.environ.get("MERSAL_DATABASE") or None
+    if transport_url is None and database is None:
+        raise ConfigurationError(
+            "mersal status needs --app module:app, or --transport URL (with --queue NAME, "
+            "--error-queue NAME) and/or --database URL (or MERSAL_TRANSPORT / MERSAL_DATABASE)"
+        )
+    named = [(name, QUEUE) for name in args.queue]
+    if args.error_queue is not None:
+        named.append((args.error_queue, ERROR))
+    if transport_url is not None and not named:
+        raise ConfigurationError(
+            f"mersal status --transport {mask(transport_url)!r} needs the queues to count: "
+            "--queue NAME (repeatable), --error-queue NAME, or --app module:app"
+        )
+    return Plan(
+        transport=transport_from(transport_url) if transport_url is not None else None,
+        queues=_distinct(named),
+        waits_of=list(args.queue),
+        database=database,
+        management=args.management,
+    )
+
+
+def refuse_memory(transport: Transport) -> None:
+    """A `memory://` broker lives in the process that made it: another cannot see it."""
+    if transport.address.partition("://")[0].lower() == "memory":
+        raise ConfigurationError(
+            f"{mask(transport.address)} is an in-process broker that only its own process sees: "
+            "give the broker's URL (--transport amqp://user:password@host/vhost), or call "
+            "mersal.status.app_status(app) in that process"
+        )

@@ -1,0 +1,127 @@
+"""The RabbitMQ management HTTP API, for what AMQP does not say: unacked counts, queue listings.
+
+Read-only GETs with the standard library, in a thread. The API refreshes its counts every few
+seconds (`collect_statistics_interval`, 5 s by default), so they lag the queue a little.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.error import HTTPError, URLError
+from urllib.parse import quote, unquote, urlencode, urlsplit
+from urllib.request import Request, urlopen
+
+PORT = 15672
+TLS_PORT = 15671
+TIMEOUT = 5.0
+PAGE_SIZE = 500  # the most the API returns in one page
+ENABLE = "enable it (`rabbitmq-plugins enable rabbitmq_management`) or pass --management URL"
+
+
+@dataclass(frozen=True)
+class Management:
+    """Where a vhost's management API is, and who asks it."""
+
+    base: str
+    """The API's base URL, without credentials: `http://host:15672`."""
+    vhost: str
+    user: str
+    password: str = field(repr=False)
+
+    @classmethod
+    def of(cls, amqp_url: str, management: str | None = None) -> Management:
+        """The API of the broker at `amqp_url` (the first of a `;` list), or at `management`.
+
+        `management` may carry a user and password; the AMQP URL's are used otherwise.
+        """
+        amqp = urlsplit(amqp_url.split(";")[0].strip())
+        vhost = unquote(amqp.path[1:]) if len(amqp.path) > 1 else "/"
+        user = unquote(amqp.username or "guest")
+        password = unquote(amqp.password or "guest")
+        if management is None:
+            secure = amqp.scheme.lower() == "amqps"
+            port = TLS_PORT if secure else PORT
+            host = amqp.hostname or "localhost"
+            host = f"[{host}]" if ":" in host else host  # an IPv6 address
+            return cls(f"{'https' if secure else 'http'}://{host}:{port}", vhost, user, password)
+        given = urlsplit(management if "://" in management else f"http://{management}")
+        if given.username:
+            user, password = unquote(given.username), unquote(given.password or "")
+        host = given.netloc.rpartition("@")[2]
+        return cls(f"{given.scheme}://{host}{given.path.rstrip('/')}", vhost, user, password)
+
+    async def look(self, names: Sequence[str], waits_of: Sequence[str]) -> View:
+        """The unacked counts of `names`, and the wait queues of `waits_of`; never raises."""
+        patterns = [re.escape(name) for name in names]
+        patterns += [f"{re.escape(queue)}\\.wait\\.[0-9]+" for queue in waits_of]
+        if not patterns:
+            return View()
+        query = {
+            "page": "1",
+            "page_size": str(PAGE_SIZE),
+            "name": f"^({'|'.join(patterns)})$",
+            "use_regex": "true",
+            "columns": "name,messages_unacknowledged",
+        }
+        try:
+            page = await asyncio.to_thread(
+                self.get, f"/api/queues/{quote(self.vhost, safe='')}", query
+            )
+        except ManagementUnavailable as error:
+            return View(note=str(error))
+        items = page.get("items", []) if isinstance(page, dict) else page  # paged, or not
+        return _view(items, set(names))
+
+    def get(self, path: str, query: dict[str, str]) -> Any:
+        """GET `path` (blocking): the JSON answer, or ManagementUnavailable saying why not."""
+        request = Request(f"{self.base}{path}?{urlencode(query)}")
+        credentials = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {credentials}")
+        try:
+            with urlopen(request, timeout=TIMEOUT) as answer:
+                return json.load(answer)
+        except HTTPError as error:
+            if error.code in (401, 403):
+                raise ManagementUnavailable(
+                    f"the RabbitMQ management API at {self.base} refused user {self.user!r} "
+                    f"(HTTP {error.code}): pass --management http://user:password@host:{PORT}"
+                ) from None
+            raise ManagementUnavailable(
+                f"the RabbitMQ management API at {self.base} answered HTTP {error.code}: {ENABLE}"
+            ) from None
+        except (URLError, OSError, ValueError) as error:
+            reason = getattr(error, "reason", error)
+            raise ManagementUnavailable(
+                f"unacked counts come from the RabbitMQ management API, which did not answer at "
+                f"{self.base} ({reason}): {ENABLE}"
+            ) from None
+
+
+class ManagementUnavailable(Exception):
+    """The management API could not be asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class View:
+    """What the management API said: unacked counts by queue, the wait queues it lists."""
+
+    unacked: dict[str, int] = field(default_factory=dict)
+    waits: list[str] = field(default_factory=list)
+    note: str | None = None
+    """Why the API could not be asked, and what to do about it."""
+
+
+def _view(items: list[dict[str, Any]], names: set[str]) -> View:
+    """The unacked counts the items carry (a queue not counted yet has none) and the waits."""
+    unacked = {
+        item["name"]: item["messages_unacknowledged"]
+        for item in items
+        if isinstance(item.get("messages_unacknowledged"), int)
+    }
+    return View(unacked, [item["name"] for item in items if item.get("name") not in names])

@@ -1,0 +1,85 @@
+"""The outbox and inbox counts `mersal status` shows: read-only queries, tables checked first."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Table, func, select
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.sql.elements import ColumnElement
+
+from mersal.errors import ConfigurationError, MersalError
+from mersal.status import StorageStatus
+from mersal.transport import mask
+from mersal_sqlalchemy.database import is_postgresql, read_schema, upgrade_command
+from mersal_sqlalchemy.tables import Tables
+
+
+async def storage_status(
+    engine: AsyncEngine, tables: Tables, database: str, app: str | None
+) -> StorageStatus:
+    """Pending and parked outbox rows, the oldest pending one's age, inbox rows: `app`'s or all.
+
+    A ConfigurationError naming `mersal db upgrade` when the tables are missing or behind; a
+    MersalError (password masked) when the database cannot be reached. Nothing is created.
+    """
+    url = engine.url
+    sqlite_file = Path(url.database or "")
+    if url.get_backend_name() == "sqlite" and not await asyncio.to_thread(sqlite_file.is_file):
+        raise ConfigurationError(
+            f"there is no SQLite database at {mask(database)}: check the URL, or create it with "
+            f"`{upgrade_command(database, tables)}`"
+        )
+    try:
+        async with engine.connect() as connection:
+            problem = (await connection.run_sync(read_schema, tables)).problem()
+            if problem is not None:
+                raise ConfigurationError(
+                    f"{problem} in database {mask(database)}: run "
+                    f"`{upgrade_command(database, tables)}`"
+                )
+            outbox = (await connection.execute(outbox_counts(engine, tables.outbox, app))).one()
+            inbox = (await connection.execute(row_count(tables.inbox, app))).scalar_one()
+    except (SQLAlchemyError, OSError) as error:
+        raise MersalError(
+            f"cannot look at the database {mask(database)}: {_reason(error, url)}"
+        ) from None
+    age = None if outbox.age is None else max(0.0, float(outbox.age))
+    return StorageStatus(int(outbox.pending), int(outbox.parked), age, int(inbox), app)
+
+
+def outbox_counts(engine: AsyncEngine, table: Table, app: str | None) -> Any:
+    """One row: `pending`, `parked` and `age` (seconds) of the oldest pending row, or NULL."""
+    waiting = table.c.parked_at.is_(None)
+    query = select(
+        func.count().filter(waiting).label("pending"),
+        func.count().filter(table.c.parked_at.is_not(None)).label("parked"),
+        seconds_since(engine, func.min(table.c.created_at).filter(waiting)).label("age"),
+    ).select_from(table)
+    return query.where(table.c.app == app) if app is not None else query
+
+
+def row_count(table: Table, app: str | None) -> Any:
+    """How many rows `table` holds (of `app`, if given)."""
+    query = select(func.count()).select_from(table)
+    return query.where(table.c.app == app) if app is not None else query
+
+
+def seconds_since(engine: AsyncEngine, moment: ColumnElement[Any]) -> ColumnElement[Any]:
+    """The seconds from `moment` to the database's now, as an SQL expression."""
+    if is_postgresql(engine):
+        return func.extract("epoch", func.now() - moment)
+    # SQLite keeps times as 'YYYY-MM-DD HH:MM:SS' text in UTC, which julianday() reads.
+    return (func.julianday("now") - func.julianday(moment)) * 86_400.0
+
+
+def _reason(error: BaseException, url: URL) -> str:
+    """The driver's own words for `error`, its password masked."""
+    if isinstance(error, DBAPIError) and error.orig is not None:
+        error = error.orig
+    text = f"{type(error).__name__}: {error}".strip()
+    return text.replace(str(url.password), "***") if url.password else text

@@ -1,0 +1,304 @@
+"""`mersal run` as a production process: probes, JSON logs, waiting at start, clean failures.
+
+Each test runs `python -m mersal.cli run svc:app` in a subprocess on a module written to the
+test's directory; the app takes its broker and database from MERSAL_TRANSPORT and
+MERSAL_DATABASE, as a deployed service does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from uuid import uuid4
+
+import aio_pika
+import pytest
+
+from mersal import App, MersalError, message
+from mersal.runner import serve
+from tests.sql.conftest import postgres_database
+from tests.support import eventually
+
+pytestmark = pytest.mark.integration
+
+SERVICE = """
+from dataclasses import dataclass
+
+from mersal import App, message
+
+
+@message("run.Ping.v1")
+@dataclass
+class Ping:
+    n: int
+
+
+app = App("{name}")
+
+
+async def handle(ping: Ping) -> None:
+    return None
+
+
+app.register(Ping, handle)
+"""
+
+
+@message("run.Ping.v1")
+@dataclass
+class Ping:
+    n: int
+
+
+@dataclass
+class Run:
+    """A `mersal run` subprocess and what it wrote to stderr."""
+
+    process: asyncio.subprocess.Process
+    lines: list[str]
+
+    def json_lines(self) -> list[dict[str, object]]:
+        return [json.loads(line) for line in self.lines if line.startswith("{")]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def get(url: str) -> tuple[int, dict[str, object]]:
+    """The status and JSON body of GET `url`."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@contextlib.asynccontextmanager
+async def mersal_run(
+    tmp_path: Path, name: str, env: dict[str, str], *options: str
+) -> AsyncIterator[Run]:
+    """Run `mersal run svc:app OPTIONS` on a service module named `name`; kill it if it lingers."""
+    (tmp_path / "svc.py").write_text(SERVICE.format(name=name))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "mersal.cli",
+        "run",
+        "svc:app",
+        *options,
+        cwd=tmp_path,
+        env={**os.environ, **env, "PYTHONPATH": os.getcwd()},
+        stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+    run = Run(process, [])
+
+    async def read() -> None:
+        assert process.stderr is not None
+        async for line in process.stderr:
+            run.lines.append(line.decode().rstrip("\n"))
+
+    reader = asyncio.create_task(read())
+    try:
+        yield run
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+        await reader
+
+
+async def ended(run: Run, timeout: float = 20.0) -> int:
+    """The exit status, once the process has ended (and its stderr is read)."""
+    async with asyncio.timeout(timeout):
+        return await run.process.wait()
+
+
+@pytest.fixture
+async def postgres() -> AsyncIterator[str]:
+    async with postgres_database(migrate=True) as url:
+        yield url
+
+
+async def test_a_running_app_answers_its_probes_logs_json_lines_and_stops_on_sigterm(
+    tmp_path: Path, amqp_url: str, postgres: str
+) -> None:
+    name = f"run-{uuid4().hex[:8]}"
+    port = free_port()
+    env = {"MERSAL_TRANSPORT": amqp_url, "MERSAL_DATABASE": postgres}
+    options = ("--health-port", str(port), "--log-format", "json", "--log-messages")
+    async with mersal_run(tmp_path, name, env, *options) as run:
+        status, body = await eventually(
+            lambda: _answered(f"http://127.0.0.1:{port}/readyz"), "ready", timeout=20
+        )
+        assert (status, body) == (200, {"ready": True, "checks": {}})
+        assert get(f"http://127.0.0.1:{port}/livez") == (200, {"live": True, "checks": {}})
+
+        sender = App(f"{name}-sender", transport=amqp_url)
+        sender.route(Ping, name)
+        try:
+            async with sender:
+                message_id = await sender.send(Ping(7))
+            handled = await eventually(
+                lambda: [e for e in run.json_lines() if e.get("logger") == "mersal.handled"],
+                "a line for the handled message",
+                timeout=10,
+            )
+        finally:
+            await _delete_queues(amqp_url, f"{name}-sender")
+        entry = handled[0]
+        assert entry["level"] == "INFO"
+        assert entry["message_id"] == message_id
+        assert entry["message_type"] == "run.Ping.v1"
+        assert entry["correlation_id"] == message_id
+        assert entry["queue"] == name
+        assert entry["attempt"] == 1
+        assert isinstance(entry["duration_ms"], float)
+        assert all(line.startswith("{") for line in run.lines), run.lines
+
+        run.process.send_signal(signal.SIGTERM)
+        assert await ended(run) == 0
+    await _delete_queues(amqp_url, name)
+
+
+async def test_an_unreachable_broker_is_waited_for_then_one_line_and_exit_2(
+    tmp_path: Path, postgres: str
+) -> None:
+    env = {"MERSAL_TRANSPORT": f"amqp://guest:secret@127.0.0.1:{free_port()}/"}
+    async with mersal_run(tmp_path, "run-nobroker", env, "--wait", "1.5") as run:
+        assert await ended(run) == 2
+    assert not any("Traceback" in line for line in run.lines), run.lines
+    waits = [line for line in run.lines if "trying again in" in line]
+    assert waits and all("WARNING mersal.run" in line for line in waits)
+    last = run.lines[-1]
+    assert last.startswith("mersal: cannot connect to RabbitMQ at amqp://guest:***@127.0.0.1")
+    assert "(waited 1.5s; --wait SECONDS to wait longer)" in last
+    assert all("secret" not in line for line in run.lines)
+
+
+async def test_a_broker_that_comes_up_while_waited_for_is_used(
+    tmp_path: Path, amqp_url: str
+) -> None:
+    port = free_port()
+    vhost = amqp_url.rsplit("/", 1)[1]
+    name = f"run-late-{uuid4().hex[:8]}"
+    env = {"MERSAL_TRANSPORT": f"amqp://guest:guest@127.0.0.1:{port}/{vhost}"}
+    health = free_port()
+    async with mersal_run(tmp_path, name, env, "--wait", "30", "--health-port", str(health)) as run:
+        await eventually(
+            lambda: any("trying again in" in line for line in run.lines), "waiting", timeout=10
+        )
+        async with forwarding(port, 5672):
+            status, _ = await eventually(
+                lambda: _answered(f"http://127.0.0.1:{health}/readyz"), "ready", timeout=20
+            )
+            assert status == 200
+            run.process.send_signal(signal.SIGTERM)
+            assert await ended(run) == 0
+    await _delete_queues(amqp_url, name)
+
+
+async def test_an_unreachable_database_is_one_line_and_exit_2(
+    tmp_path: Path, amqp_url: str
+) -> None:
+    env = {
+        "MERSAL_TRANSPORT": amqp_url,
+        "MERSAL_DATABASE": f"postgresql+asyncpg://root:hush@127.0.0.1:{free_port()}/nothing",
+    }
+    name = f"run-nodb-{uuid4().hex[:8]}"
+    async with mersal_run(tmp_path, name, env, "--wait", "0") as run:
+        assert await ended(run) == 2
+    assert not any("Traceback" in line for line in run.lines), run.lines
+    assert run.lines[-1].startswith("mersal: cannot connect to the database at postgresql")
+    assert all("hush" not in line for line in run.lines)
+    await _delete_queues(amqp_url, name)
+
+
+async def test_a_health_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"MERSAL_TRANSPORT": f"memory://run-{uuid4().hex}"}
+        options = ("--health-port", str(port), "--health-host", "127.0.0.1")
+        async with mersal_run(tmp_path, "run-port", env, *options) as run:
+            assert await ended(run) == 2
+    assert run.lines[-1].startswith(
+        f"mersal: cannot serve the health endpoints on 127.0.0.1:{port}"
+    )
+    assert "choose another --health-port" in run.lines[-1]
+
+
+async def test_serve_ends_with_1_when_the_app_stops_working_on_its_own() -> None:
+    app = App("run-dies", transport=f"memory://run-{uuid4().hex}")
+    app.register(Ping, _ignore)
+    served = asyncio.create_task(serve(app))
+    await eventually(lambda: app.worker is not None, "started")
+    assert app.worker is not None
+    await app.worker.consumer.close()  # as if the broker lost it for good
+    async with asyncio.timeout(10):
+        assert await served == 1
+    assert not app.running
+
+
+def test_concurrency_is_set_before_start_and_the_prefetch_follows() -> None:
+    app = App("run-concurrency", transport=f"memory://run-{uuid4().hex}", concurrency=4)
+    app.set_concurrency(50)
+    assert (app.concurrency, app.prefetch) == (50, App("run-same", concurrency=50).prefetch)
+    with pytest.raises(MersalError, match="must be an int >= 1"):
+        app.set_concurrency(0)
+
+
+async def _ignore(ping: Ping) -> None:
+    return None
+
+
+def _answered(url: str) -> tuple[int, dict[str, object]] | None:
+    try:
+        return get(url)
+    except OSError:
+        return None
+
+
+@contextlib.asynccontextmanager
+async def forwarding(port: int, to: int) -> AsyncIterator[None]:
+    """Forward connections on 127.0.0.1:`port` to 127.0.0.1:`to` while the block runs."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", to)
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+    server = await asyncio.start_server(accept, "127.0.0.1", port)
+    try:
+        yield
+    finally:
+        server.close()
+
+
+async def _delete_queues(url: str, name: str) -> None:
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        await channel.queue_delete(name)
+    finally:
+        await connection.close()

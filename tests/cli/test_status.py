@@ -1,0 +1,503 @@
+"""`mersal status` end to end: RabbitMQ (a vhost per test), PostgreSQL and SQLite, in-process.
+
+Unacked counts come from RabbitMQ's management API, which refreshes them every 5 s: the tests
+that read them wait for the expected value, with a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from uuid import uuid4
+
+import aio_pika
+import aiormq
+import pytest
+from sqlalchemy import insert, inspect
+
+from mersal import App, RetryPolicy
+from mersal.commands import load_app
+from mersal.messages import Envelope
+from mersal.status import app_status
+from mersal.transport import Outgoing
+from mersal_sqlalchemy.cli import upgrade
+from mersal_sqlalchemy.database import make_engine, sql_time
+from mersal_sqlalchemy.tables import make_tables
+from tests.cli.conftest import RABBITMQ_HOST, mersal
+from tests.sql.conftest import BACKENDS, postgres_database, sqlite_file
+from tests.support import eventually, rabbitmqctl, rabbitmqctl_rows
+
+UNACKED_WAIT = 30.0
+"""Seconds to wait for the management API's counts (it refreshes them every 5 s)."""
+
+JSON_KEYS = {
+    "app",
+    "exit_code",
+    "reasons",
+    "broker",
+    "queues",
+    "unacked_note",
+    "database",
+    "outbox",
+    "inbox",
+}
+APP_MODULE = """
+from mersal import App, RetryPolicy
+
+
+def make_app() -> App:
+    retry = RetryPolicy(immediate=0, delayed=[0.5], error_queue={error!r})
+    return App({name!r}, transport={transport!r}, database={database!r}, retry=retry)
+"""
+"""The module `--app` names in the tests: `make_app` returns a new App each time."""
+
+QUEUE_KEYS = {"name", "role", "exists", "ready", "unacked", "consumers", "wait_of"}
+
+
+@dataclass
+class Run:
+    """One `mersal status` run: exit code, stdout, stderr lines."""
+
+    code: int
+    out: str
+    err: list[str]
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """The stdout of a `--json` run."""
+        report: dict[str, Any] = json.loads(self.out)
+        return report
+
+    def queue(self, name: str) -> dict[str, Any]:
+        """The JSON entry of queue `name`."""
+        found: list[dict[str, Any]] = [q for q in self.report["queues"] if q["name"] == name]
+        assert len(found) == 1, self.report["queues"]
+        return found[0]
+
+
+Status = Callable[..., Awaitable[Run]]
+
+
+@pytest.fixture
+def status(capsys: pytest.CaptureFixture[str]) -> Status:
+    """`await status(*argv)`: run `mersal status ARGV` in this process, return what it said."""
+
+    async def run(*argv: str) -> Run:
+        code = await mersal("status", *argv)
+        out, err = capsys.readouterr()
+        return Run(code, out, err.splitlines())
+
+    return run
+
+
+@pytest.fixture
+def own_vhost() -> Iterator[str]:
+    """The AMQP URL of a RabbitMQ vhost of this test's own, deleted afterwards."""
+    name = f"mersal-status-{uuid4().hex[:8]}"
+    try:
+        rabbitmqctl("add_vhost", name)
+    except (OSError, RuntimeError) as error:
+        pytest.skip(f"RabbitMQ is not available here: {error}")
+    try:
+        rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
+        yield f"amqp://guest:guest@{RABBITMQ_HOST}/{name}"
+    finally:
+        rabbitmqctl("delete_vhost", name)
+
+
+@pytest.fixture
+def app_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., str]]:
+    """`app_module(name, transport, database)`: a module defining `make_app`; its --app target."""
+    written: list[str] = []
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def write(name: str, transport: str, database: str | None) -> str:
+        module = f"status_app_{uuid4().hex[:8]}"
+        source = APP_MODULE.format(
+            name=name, error=f"{name}.error", transport=transport, database=database
+        )
+        (tmp_path / f"{module}.py").write_text(source)
+        written.append(module)
+        return f"{module}:make_app"
+
+    yield write
+    for module in written:
+        sys.modules.pop(module, None)
+
+
+async def declare(url: str, *queues: str) -> None:
+    """Declare durable classic queues, as an app would."""
+    async with await aio_pika.connect(url) as connection:
+        channel = await connection.channel()
+        for queue in queues:
+            await channel.declare_queue(queue, durable=True, arguments={"x-queue-type": "classic"})
+
+
+async def put(url: str, queue: str, count: int) -> None:
+    """Publish `count` messages to `queue` through the default exchange, confirmed."""
+    async with await aio_pika.connect(url) as connection:
+        channel = await connection.channel()
+        for number in range(count):
+            await channel.default_exchange.publish(aio_pika.Message(b"%d" % number), queue)
+
+
+async def exists(url: str, queue: str) -> bool:
+    """Whether `queue` exists, by passive declaration."""
+    async with await aio_pika.connect(url) as connection:
+        channel = await connection.channel()
+        try:
+            await channel.declare_queue(queue, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return False
+        return True
+
+
+async def add_rows(database: str, app: str, *, pending: int, parked: int, age: float) -> None:
+    """Outbox rows of `app` (pending ones `age` seconds old, parked ones), and inbox rows."""
+    engine = make_engine(database)
+    tables = make_tables()
+    row = {"app": app, "address": "billing", "publish": False, "headers": "{}", "body": b"{}"}
+    try:
+        async with engine.begin() as connection:
+            for _ in range(pending):
+                statement = insert(tables.outbox).values(created_at=sql_time(engine, -age))
+                await connection.execute(statement, row)
+            for _ in range(parked):
+                statement = insert(tables.outbox).values(
+                    parked_at=sql_time(engine), parked_reason="Unroutable: no queue 'billing'"
+                )
+                await connection.execute(statement, row)
+            for number in range(pending + parked):
+                message_id = f"{app}-{number}"
+                await connection.execute(
+                    insert(tables.inbox), {"app": app, "message_id": message_id}
+                )
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture
+async def postgres() -> AsyncIterator[str]:
+    """A migrated PostgreSQL database of this test's own."""
+    async with postgres_database(migrate=True) as url:
+        yield url
+
+
+@pytest.mark.integration
+async def test_a_healthy_app_shows_its_queues_counts_and_exits_0(
+    status: Status, own_vhost: str, postgres: str, app_module: Callable[..., str]
+) -> None:
+    name = "orders"
+    target = app_module(name, own_vhost, postgres)
+    async with load_app(target):
+        pass  # declares the app's input and error queues, as `mersal run` would
+    await declare(own_vhost, f"{name}.wait.500", f"{name}.wait.7000")
+    await put(own_vhost, f"{name}.wait.7000", 1)
+    await put(own_vhost, name, 5)
+    await add_rows(postgres, "billing", pending=2, parked=1, age=1.0)  # another app's rows
+    await add_rows(postgres, name, pending=1, parked=0, age=0.0)
+    async with AsyncExitStack() as stack:
+        connection = await stack.enter_async_context(await aio_pika.connect(own_vhost))
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=2)
+        held: list[aio_pika.abc.AbstractIncomingMessage] = []
+
+        async def hold(delivery: aio_pika.abc.AbstractIncomingMessage) -> None:
+            held.append(delivery)  # never acked: two held, three ready
+
+        queue = await channel.get_queue(name, ensure=False)
+        await queue.consume(hold)
+        await eventually(lambda: len(held) == 2, "the consumer holding two messages")
+
+        async def counted() -> Run | None:
+            run = await status("--app", target, "--json")
+            unacked = [queue["unacked"] for queue in run.report["queues"]]
+            return run if unacked == [2, 0, 0, 0] else None
+
+        run = await eventually(
+            counted, "unacked counts from the management API", timeout=UNACKED_WAIT, interval=0.5
+        )
+        assert run is not None
+
+        assert run.code == 0, run.err
+        assert run.err == []
+        report = run.report
+        assert set(report) == JSON_KEYS
+        assert report["app"] == name
+        assert report["exit_code"] == 0
+        assert report["reasons"] == []
+        assert report["broker"] == own_vhost.replace("guest:guest", "guest:***")
+        assert report["unacked_note"] is None
+        assert [(q["name"], q["role"]) for q in report["queues"]] == [
+            (name, "input"),
+            (f"{name}.error", "error"),
+            (f"{name}.wait.500", "wait"),
+            (f"{name}.wait.7000", "wait"),
+        ]
+        assert all(set(queue) == QUEUE_KEYS for queue in report["queues"])
+        assert run.queue(name) | {"unacked": 2} == {
+            "name": name,
+            "role": "input",
+            "exists": True,
+            "ready": 3,
+            "unacked": 2,
+            "consumers": 1,
+            "wait_of": None,
+        }
+        assert (run.queue(f"{name}.error")["ready"], run.queue(f"{name}.error")["consumers"]) == (
+            0,
+            0,
+        )
+        assert run.queue(f"{name}.wait.7000")["ready"] == 1
+        assert run.queue(f"{name}.wait.7000")["wait_of"] == name
+        assert report["database"] == postgres
+        assert report["outbox"]["app"] == name
+        assert (report["outbox"]["pending"], report["outbox"]["parked"]) == (1, 0)
+        assert 0 <= report["outbox"]["oldest_pending_age"] < 60
+        assert report["inbox"] == {"app": name, "rows": 1}
+
+        text = await status("--app", target)
+        assert text.code == 0
+        lines = text.out.splitlines()
+        assert lines[0] == f"app {name!r}"
+        assert lines[-1] == "ok: nothing needs an operator"
+        assert [line.split() for line in lines if line.startswith(f"{name} ")] == [
+            [name, "input", "3", "2", "1"]
+        ]
+        assert "outbox: 1 pending (the oldest " in text.out
+        assert "inbox: 1 row(s)" in text.out
+
+
+@pytest.mark.integration
+async def test_messages_in_the_error_queue_need_an_operator(status: Status, own_vhost: str) -> None:
+    await declare(own_vhost, "payments", "payments.error")
+    await put(own_vhost, "payments.error", 2)
+
+    run = await status(
+        "--transport", own_vhost, "--queue", "payments", "--error-queue", "payments.error"
+    )
+
+    assert run.code == 1
+    assert len(run.err) == 1
+    assert run.err[0].startswith("mersal: 2 message(s) in the error queue 'payments.error'")
+    assert "mersal dlq list --queue payments.error" in run.err[0]
+    assert "guest:guest" not in run.out + run.err[0]
+    rows = [line.split() for line in run.out.splitlines() if line.startswith("payments")]
+    assert [row[:3] for row in rows] == [
+        ["payments", "queue", "0"],
+        ["payments.error", "error", "2"],
+    ]
+    assert "ok: nothing needs an operator" not in run.out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_parked_rows_need_an_operator_and_pending_rows_show_their_age(
+    status: Status, backend: str, tmp_path: Path
+) -> None:
+    async with AsyncExitStack() as stack:
+        if backend == "sqlite":
+            database = sqlite_file(tmp_path)
+            await asyncio.to_thread(upgrade, database)
+        else:
+            database = await stack.enter_async_context(postgres_database(migrate=True))
+        await add_rows(database, "orders", pending=2, parked=1, age=30.0)
+        await add_rows(database, "billing", pending=1, parked=0, age=5.0)
+
+        run = await status("--database", database, "--json")
+
+        assert run.code == 1
+        report = run.report
+        assert report["exit_code"] == 1
+        assert report["broker"] is None and report["queues"] == []
+        outbox = report["outbox"]
+        assert (outbox["app"], outbox["pending"], outbox["parked"]) == (None, 3, 1)
+        assert 29 <= outbox["oldest_pending_age"] < 120
+        assert report["inbox"] == {"app": None, "rows": 4}
+        assert len(report["reasons"]) == 1
+        assert report["reasons"][0].startswith("1 parked outbox row(s)")
+        assert run.err == [f"mersal: {report['reasons'][0]}"]
+        assert "mersal outbox list --parked" in run.err[0]
+
+
+async def test_without_an_app_or_urls_it_says_what_to_pass(
+    status: Status, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MERSAL_TRANSPORT", raising=False)
+    monkeypatch.delenv("MERSAL_DATABASE", raising=False)
+
+    run = await status()
+
+    assert run.code == 2
+    assert run.out == ""
+    assert len(run.err) == 1
+    for option in ("--app module:app", "--transport URL", "--database URL", "MERSAL_TRANSPORT"):
+        assert option in run.err[0]
+
+    without_queues = await status("--transport", "amqp://guest:s3cret@127.0.0.1/vh")
+    assert without_queues.code == 2
+    assert len(without_queues.err) == 1 and "--queue NAME" in without_queues.err[0]
+    assert "s3cret" not in without_queues.err[0]
+
+
+async def test_an_in_process_broker_is_refused(
+    status: Status, app_module: Callable[..., str]
+) -> None:
+    run = await status("--app", app_module("orders", "memory://status", None))
+
+    assert run.code == 2
+    assert len(run.err) == 1
+    assert "in-process broker" in run.err[0] and "--transport amqp://" in run.err[0]
+
+
+async def test_an_unreachable_broker_is_one_line_with_the_password_masked(status: Status) -> None:
+    run = await status("--transport", "amqp://guest:s3cret@127.0.0.1:1/vh", "--queue", "orders")
+
+    assert run.code == 2
+    assert run.out == ""
+    assert len(run.err) == 1, run.err
+    assert run.err[0].startswith(
+        "mersal: cannot connect to RabbitMQ at amqp://guest:***@127.0.0.1:1/vh"
+    )
+    assert "s3cret" not in run.err[0]
+
+
+async def test_a_broker_that_does_not_answer_is_given_up_on_after_the_timeout(
+    status: Status,
+) -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # accepts the connection, never says a word of AMQP
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        started = time.monotonic()
+        run = await status(
+            "--transport",
+            f"amqp://guest:s3cret@127.0.0.1:{port}/",
+            "--queue",
+            "q",
+            "--timeout",
+            "1",
+        )
+        elapsed = time.monotonic() - started
+
+    assert run.code == 2
+    assert run.err == [
+        f"mersal: no answer within 1s from amqp://guest:***@127.0.0.1:{port}/: is it up? "
+        "(--timeout SECONDS to wait longer)"
+    ]
+    assert elapsed < 10
+
+
+async def test_an_unreachable_database_is_one_line_with_the_password_masked(
+    status: Status,
+) -> None:
+    run = await status("--database", "postgresql+asyncpg://root:s3cret@127.0.0.1:1/orders")
+
+    assert run.code == 2
+    assert run.out == ""
+    assert len(run.err) == 1, run.err
+    assert run.err[0].startswith(
+        "mersal: cannot look at the database postgresql+asyncpg://root:***@"
+    )
+    assert "s3cret" not in run.err[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_missing_tables_say_mersal_db_upgrade_and_are_not_created(
+    status: Status, backend: str, tmp_path: Path
+) -> None:
+    async with AsyncExitStack() as stack:
+        if backend == "sqlite":
+            database = sqlite_file(tmp_path)
+        else:
+            database = await stack.enter_async_context(postgres_database(migrate=False))
+
+        run = await status("--database", database)
+
+        assert run.code == 2
+        assert run.out == ""
+        assert len(run.err) == 1
+        assert f"mersal db upgrade --database '{database}'" in run.err[0]
+        if backend == "sqlite":
+            assert not (tmp_path / "app.db").exists()
+            return
+        engine = make_engine(database)
+        try:
+            async with engine.connect() as connection:
+                names = await connection.run_sync(lambda sync: inspect(sync).get_table_names())
+        finally:
+            await engine.dispose()
+        assert names == []
+
+
+@pytest.mark.integration
+async def test_a_queue_that_does_not_exist_is_named_and_nothing_is_declared(
+    status: Status, own_vhost: str
+) -> None:
+    await declare(own_vhost, "orders")
+
+    run = await status("--transport", own_vhost, "--queue", "orders", "--queue", "ghost", "--json")
+
+    assert run.code == 2
+    assert run.queue("orders")["exists"] is True
+    assert run.queue("ghost") == {
+        "name": "ghost",
+        "role": "queue",
+        "exists": False,
+        "ready": None,
+        "unacked": None,
+        "consumers": None,
+        "wait_of": None,
+    }
+    assert run.err == [f"mersal: {run.report['reasons'][0]}"]
+    assert "no queue 'ghost'" in run.err[0] and "check the name" in run.err[0]
+    assert not await exists(own_vhost, "ghost")
+    vhost = own_vhost.rpartition("/")[2]
+    exchanges = {row["name"] for row in rabbitmqctl_rows("list_exchanges", "-p", vhost, "name")}
+    assert "mersal.events" not in exchanges
+
+
+@pytest.mark.integration
+async def test_without_the_management_api_unacked_is_unknown_and_it_says_how_once(
+    status: Status, own_vhost: str
+) -> None:
+    await declare(own_vhost, "orders", "orders.error")
+    elsewhere = ("--management", "http://127.0.0.1:1")
+    queues = ("--queue", "orders", "--error-queue", "orders.error")
+
+    text = await status("--transport", own_vhost, *queues, *elsewhere)
+    run = await status("--transport", own_vhost, *queues, *elsewhere, "--json")
+
+    assert (text.code, run.code) == (0, 0)
+    rows = [line.split() for line in text.out.splitlines() if line.startswith("orders")]
+    assert rows == [["orders", "queue", "0", "?", "0"], ["orders.error", "error", "0", "?", "0"]]
+    hints = [line for line in text.out.splitlines() if "rabbitmq_management" in line]
+    assert len(hints) == 1 and "--management URL" in hints[0]
+    assert [queue["unacked"] for queue in run.report["queues"]] == [None, None]
+    assert "rabbitmq-plugins enable rabbitmq_management" in run.report["unacked_note"]
+
+
+async def test_app_status_counts_an_in_process_app_on_the_memory_transport() -> None:
+    transport = f"memory://status-{uuid4().hex}"
+    app = App("orders", transport=transport, retry=RetryPolicy(error_queue="orders.error"))
+    async with app:
+        dead = Outgoing("orders.error", Envelope({"message-id": "m-1"}, b"{}"))
+        await app.transport.send([dead])
+
+        status = await app_status(app)
+
+    assert [(q.name, q.role, q.ready, q.unacked, q.consumers) for q in status.queues] == [
+        ("orders", "input", 0, 0, 1),
+        ("orders.error", "error", 1, 0, 0),
+    ]
+    assert status.storage is None
+    assert status.exit_code == 1
+    assert status.reasons()[0].startswith("1 message(s) in the error queue 'orders.error'")
