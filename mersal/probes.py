@@ -67,6 +67,30 @@ async def probes(
         await runner.cleanup()
 
 
+def prometheus_metrics(app: App) -> Metrics | None:
+    """`/metrics` for `app` when `mersal[prometheus]` is installed (else None).
+
+    An app not instrumented yet is instrumented here, its metrics going to the OpenTelemetry
+    SDK's Prometheus reader (its spans to the global tracer provider); an app instrumented
+    already keeps its providers, and `/metrics` shows what reaches prometheus_client's registry.
+    """
+    try:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from opentelemetry.sdk.metrics import MeterProvider
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+    except ImportError:
+        return None
+    from mersal.telemetry import instrument
+
+    if app.telemetry is None:
+        instrument(app, meter_provider=MeterProvider(metric_readers=[PrometheusMetricReader()]))
+
+    def render() -> tuple[bytes, str]:
+        return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+    return render
+
+
 def _answer(health: Callable[[], Health], which: str) -> Endpoint:
     from aiohttp import web
 

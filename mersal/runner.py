@@ -22,7 +22,7 @@ from mersal.commands import load_app, positive_int
 from mersal.errors import Unreachable
 from mersal.health import MAX_RELAY_LAG
 from mersal.logs import JsonFormatter
-from mersal.probes import Metrics, probes
+from mersal.probes import Metrics, probes, prometheus_metrics
 
 if TYPE_CHECKING:
     from mersal.app import App
@@ -93,12 +93,14 @@ def run_command(args: argparse.Namespace) -> int:
     if args.concurrency is not None:
         app.set_concurrency(args.concurrency)
     app.log_messages = args.log_messages
+    metrics = prometheus_metrics(app) if args.health_port is not None else None
     served = serve(
         app,
         wait=args.wait,
         health_port=args.health_port,
         health_host=args.health_host,
         max_relay_lag=args.max_relay_lag,
+        metrics=metrics,
     )
     return loop.run(served, args.loop)
 

@@ -169,6 +169,17 @@ async def test_a_running_app_answers_its_probes_logs_json_lines_and_stops_on_sig
         assert isinstance(entry["duration_ms"], float)
         assert all(line.startswith("{") for line in run.lines), run.lines
 
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("text/plain")
+            metrics = response.read().decode()
+        processed = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("messaging_process_duration_seconds_count")
+        ]
+        assert processed and float(processed[0].rsplit(" ", 1)[1]) == 1.0, metrics[:2000]
+
         run.process.send_signal(signal.SIGTERM)
         assert await ended(run) == 0
     await _delete_queues(amqp_url, name)
