@@ -4,19 +4,20 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 # Paths that ruff looks at; ones that do not exist (yet) are left out.
-LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples)
+LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples)
 
-.PHONY: help run test lint format bench chaos fuzz clean
+.PHONY: help run test lint format bench chaos fuzz docs clean
 
 help:
 	@echo "Targets:"
 	@echo "  make run     [ARGS=...]         run the orders example (python -m examples.orders)"
-	@echo "  make test    [PYTEST_ARGS=...]  lint, then pytest (chaos tests excluded)"
+	@echo "  make test    [PYTEST_ARGS=...]  lint, the docs build, then pytest (chaos tests excluded)"
 	@echo "  make lint                       ruff check, ruff format --check, mypy"
 	@echo "  make format                     ruff format + ruff check --fix"
 	@echo "  make bench   [ONLY=name]        run the benchmarks (python -m bench)"
 	@echo "  make chaos   [PYTEST_ARGS=...]  run only the chaos tests"
 	@echo "  make fuzz    [PYTEST_ARGS=...]  the property tests with new random examples, 10x as many"
+	@echo "  make docs                       build the docs site into site/ (mkdocs build --strict)"
 	@echo "  make clean                      remove .venv and caches"
 	@echo "Variables: PY=$(PY) (interpreter used to create $(VENV))"
 
@@ -33,6 +34,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(MAKE) --no-print-directory lint
+	$(MAKE) --no-print-directory docs
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -55,6 +57,9 @@ chaos: $(STAMP)
 fuzz: $(STAMP)
 	MERSAL_FUZZ=explore $(BIN)/pytest -p no:cacheprovider tests/fuzz tests/security tests/core/test_hostile_handlers.py $(PYTEST_ARGS)
 	$(BIN)/python -m tests.fuzz.fuzz_decode --iterations 200000
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build dist *.egg-info

@@ -86,6 +86,12 @@ def get(url: str) -> tuple[int, dict[str, object]]:
         return error.code, json.loads(error.read())
 
 
+def get_text(url: str) -> tuple[int, str, str]:
+    """The status, content type and text of GET `url`."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.status, response.headers["Content-Type"], response.read().decode()
+
+
 @contextlib.asynccontextmanager
 async def mersal_run(
     tmp_path: Path, name: str, env: dict[str, str], *options: str
@@ -169,10 +175,11 @@ async def test_a_running_app_answers_its_probes_logs_json_lines_and_stops_on_sig
         assert isinstance(entry["duration_ms"], float)
         assert all(line.startswith("{") for line in run.lines), run.lines
 
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            assert response.status == 200
-            assert response.headers["Content-Type"].startswith("text/plain")
-            metrics = response.read().decode()
+        status, content_type, metrics = await asyncio.to_thread(
+            get_text, f"http://127.0.0.1:{port}/metrics"
+        )
+        assert status == 200
+        assert content_type.startswith("text/plain")
         processed = [
             line
             for line in metrics.splitlines()

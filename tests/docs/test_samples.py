@@ -1,0 +1,196 @@
+"""Every code sample of the docs site runs, and does what its page says.
+
+The pages include these modules' sections with pymdownx.snippets (`--8<--`), so what the site
+shows is what runs here: on memory:// and SQLite, or on RabbitMQ and PostgreSQL for the pages
+about them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aio_pika
+import pytest
+
+from docs.samples import (
+    handlers,
+    inbox,
+    messages,
+    pipeline,
+    postgresql,
+    quickstart,
+    rabbitmq,
+    repositories,
+    retries,
+    sharing_engine,
+    testing,
+    transactions,
+)
+from tests.conftest import RABBITMQ_HOST
+from tests.sql.conftest import postgres_database
+
+ROOT = Path(__file__).parents[2]
+DOCS = ROOT / "docs"
+SNIPPET = re.compile(r'^[ \t]*-{1,3}8<-{1,2} "([^"]+)"[ \t]*$', re.MULTILINE)
+FENCE = re.compile(r"^([ \t]*)```python\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
+IN_DEPTH = {"guide.md", "rabbitmq.md", "outbox.md", "security.md", "operations.md", "extending.md"}
+"""The pages that predate the site, whose samples are tested their own way (or not yet)."""
+SECTION = re.compile(r"#\s*-{1,3}8<-{1,2}\s*\[(start|end):(\w+)\]")
+
+
+@pytest.fixture(autouse=True)
+def no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The samples run as a reader's would: without MERSAL_TRANSPORT or MERSAL_DATABASE."""
+    monkeypatch.delenv("MERSAL_TRANSPORT", raising=False)
+    monkeypatch.delenv("MERSAL_DATABASE", raising=False)
+
+
+@pytest.fixture
+def sqlite(tmp_path: Path) -> str:
+    """A SQLite file of this test's own."""
+    return f"sqlite+aiosqlite:///{tmp_path / 'sample.db'}"
+
+
+async def test_quickstart() -> None:
+    assert await quickstart.main() == ["o-1"]
+
+
+def test_the_readme_shows_the_quickstart_program() -> None:
+    program = section(DOCS / "samples" / "quickstart.py", "program")
+    readme = (ROOT / "README.md").read_text()
+    assert f"```python\n{program}```" in readme, "README.md's example differs from the sample"
+
+
+async def test_messages() -> None:
+    received, types = await messages.main()
+    assert received == [
+        messages.PriceChanged("p-1", 9.5),
+        messages.StockCounted("p-1", 12),
+        messages.NoteAdded(sku="p-1", text="recount on Monday"),
+    ]
+    assert types == ["catalog.PriceChanged.v1", "catalog.StockCounted.v1", "catalog.NoteAdded.v1"]
+
+
+async def test_handlers() -> None:
+    handlers.audit.clear()
+    assert await handlers.main() == {"p-1": 9.5}
+    assert handlers.audit == ["p-1 on attempt 1 from pricing"]
+
+
+async def test_pipeline() -> None:
+    pipeline.durations.clear()
+    names, tenants = await pipeline.main()
+    assert names[:3] == ["retry", "decode", "timed"]
+    assert tenants == ["acme"]
+    assert len(pipeline.durations) == 1
+
+
+async def test_transactions(sqlite: str) -> None:
+    carts, orders, published = await transactions.main(sqlite)
+    assert carts == ["c-1"], "the failed block's cart was rolled back"
+    assert orders == ["c-1"], "the failed block's PlaceOrder was never sent"
+    assert published == [transactions.OrderPlaced("c-1")]
+
+
+async def test_retries() -> None:
+    dead = {letter.message.order_id: letter for letter in await retries.main()}
+    assert dead["o-1"].attempts == 4  # 1 + 1 immediate + 2 delayed
+    assert dead["o-1"].error_type.endswith("PaymentDeclined")
+    assert dead["o-2"].attempts == 1  # fail_fast
+    assert dead["o-2"].error_type.endswith("InvalidAmount")
+    assert {letter.address for letter in dead.values()} == {"payments.error"}
+
+
+async def test_inbox(sqlite: str) -> None:
+    assert await inbox.main(sqlite) == 1
+
+
+async def test_testing() -> None:
+    await testing.test_a_declined_order_is_dead_lettered_after_three_attempts()
+
+
+async def test_repositories(sqlite: str) -> None:
+    assert await repositories.main(sqlite) == [
+        ("c-1", "ada@example.org"),
+        ("c-2", "alan@example.com"),
+    ]
+
+
+async def test_sharing_the_engine(sqlite: str) -> None:
+    shared, rows, welcomed = await sharing_engine.main(sqlite)
+    assert shared
+    assert rows == ["ada@example.com"]
+    assert welcomed == ["ada@example.com"]
+
+
+@pytest.fixture
+async def amqp_url(vhost: str) -> AsyncIterator[str]:
+    """The session's vhost; the sample's queues are deleted afterwards."""
+    url = f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}"
+    yield url
+    async with await aio_pika.connect(url) as connection:
+        channel = await connection.channel()
+        for queue in ("docs.pings", "docs.pings.error"):
+            await channel.queue_delete(queue)
+
+
+@pytest.mark.integration
+async def test_rabbitmq(amqp_url: str) -> None:
+    assert await rabbitmq.main(amqp_url) == [0, 1, 2]
+
+
+@pytest.mark.integration
+async def test_postgresql() -> None:
+    async with postgres_database(migrate=True) as database:
+        assert await postgresql.main(database) == ["o-1"]
+
+
+def section(path: Path, name: str) -> str:
+    """The lines between a file's `--8<-- [start:name]` and `[end:name]` markers, dedented."""
+    lines = path.read_text().splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if f"[start:{name}]" in line]
+    ends = [i for i, line in enumerate(lines) if f"[end:{name}]" in line]
+    assert len(starts) == len(ends) == 1, f"{path}: one section {name!r}"
+    chosen = [line for line in lines[starts[0] + 1 : ends[0]] if not SECTION.search(line)]
+    indent = min(len(line) - len(line.lstrip()) for line in chosen if line.strip())
+    return "".join(line[indent:] if line.strip() else line for line in chosen)
+
+
+def included() -> list[tuple[Path, str]]:
+    """Every snippet the pages include: (page, "path" or "path:section")."""
+    return [
+        (page, target)
+        for page in sorted(DOCS.rglob("*.md"))
+        for target in SNIPPET.findall(page.read_text())
+    ]
+
+
+@pytest.mark.parametrize("page, target", included(), ids=[f"{p.name}:{t}" for p, t in included()])
+def test_every_included_section_exists_in_tested_code(page: Path, target: str) -> None:
+    path, _, name = target.partition(":")
+    source = ROOT / path
+    assert source.is_file(), f"{page.name} includes {path}, which does not exist"
+    assert path.startswith(("docs/samples/", "examples/fastapi_orders/")), (
+        f"{page.name} includes {path}: samples live in docs/samples (tested by tests/docs) "
+        "or in the FastAPI example (tested by tests/examples)"
+    )
+    if name:
+        assert section(source, name).strip(), f"{target} is empty"
+
+
+def test_every_sample_module_runs_in_a_test_here() -> None:
+    modules = {path.stem for path in (DOCS / "samples").glob("*.py")} - {"__init__"}
+    assert modules <= set(globals()), f"no test imports {sorted(modules - set(globals()))}"
+
+
+@pytest.mark.parametrize(
+    "page", [p for p in sorted(DOCS.rglob("*.md")) if p.name not in IN_DEPTH], ids=str
+)
+def test_the_python_on_the_new_pages_is_included_not_typed(page: Path) -> None:
+    for _indent, body in FENCE.findall(page.read_text()):
+        assert SNIPPET.fullmatch(body.rstrip("\n")), (
+            f"{page.relative_to(DOCS)} has Python typed into the page: put it in a section of "
+            f"a module under docs/samples and include it with --8<--:\n{body}"
+        )

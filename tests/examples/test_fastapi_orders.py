@@ -1,0 +1,206 @@
+"""The FastAPI example end to end: HTTP request -> order row + outbox row -> worker -> invoice.
+
+On RabbitMQ and PostgreSQL the worker runs as `mersal run` in a subprocess, as it would be
+deployed; on `memory://` and SQLite both apps run in this process (no servers needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from uuid import uuid4
+
+import aio_pika
+import asyncpg  # type: ignore[import-untyped]
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import func, select
+from sqlalchemy.engine import make_url
+
+from examples.fastapi_orders import settings
+from examples.fastapi_orders.db import Invoice, Order
+from examples.fastapi_orders.schema import create_tables
+from examples.fastapi_orders.web import WEB_APP, create_api
+from examples.fastapi_orders.worker import create_app
+from mersal_sqlalchemy import make_engine, make_tables
+from tests.conftest import RABBITMQ_HOST
+from tests.sql.conftest import postgres_database
+from tests.support import eventually
+
+ROOT = Path(__file__).parents[2]
+MERSAL = Path(sys.executable).with_name("mersal")
+
+
+@contextlib.asynccontextmanager
+async def served(api: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """A client for `api`, with its lifespan run around it (as a server would)."""
+    async with api.router.lifespan_context(api):
+        transport = httpx.ASGITransport(app=api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://shop") as client:
+            yield client
+
+
+async def status_of(client: httpx.AsyncClient, order_id: str) -> str:
+    """The order's status as GET /orders/{id} shows it."""
+    response = await client.get(f"/orders/{order_id}")
+    assert response.status_code == 200, response.text
+    status: str = response.json()["status"]
+    return status
+
+
+async def table_counts(database: str) -> dict[str, int]:
+    """How many rows the shop's and Mersal's tables hold."""
+    tables = make_tables()
+    engine = make_engine(database)
+    try:
+        async with engine.connect() as connection:
+            counts = {}
+            for name, table in (
+                ("orders", Order.__table__),
+                ("invoices", Invoice.__table__),
+                ("outbox", tables.outbox),
+                ("inbox", tables.inbox),
+            ):
+                query = select(func.count()).select_from(table)
+                counts[name] = int((await connection.execute(query)).scalar_one())
+            return counts
+    finally:
+        await engine.dispose()
+
+
+async def place_orders_and_see_them_billed(client: httpx.AsyncClient, database: str) -> None:
+    """POST an order (and a duplicate), then wait for the worker's invoice; check the tables."""
+    placed = await client.post("/orders", json={"order_id": "o-1", "amount": 9.5})
+    assert placed.status_code == 202, placed.text
+    assert placed.json() == {"order_id": "o-1", "amount": 9.5, "status": "placed"}
+
+    again = await client.post("/orders", json={"order_id": "o-1", "amount": 1.0})
+    assert again.status_code == 409, again.text
+    assert again.json() == {"detail": "order 'o-1' exists already"}
+
+    async def billed() -> bool:
+        return await status_of(client, "o-1") == "billed"
+
+    await eventually(billed, "the worker billed o-1", timeout=20)
+    counts = await eventually(
+        lambda: _settled(database), "the outbox row deleted after its confirm", timeout=10
+    )
+    assert counts == {"orders": 1, "invoices": 1, "outbox": 0, "inbox": 1}
+    engine = make_engine(database)
+    try:
+        async with engine.connect() as connection:
+            invoices = (await connection.execute(select(Invoice.order_id, Invoice.amount))).all()
+    finally:
+        await engine.dispose()
+    assert [tuple(row) for row in invoices] == [("o-1", 9.5)]
+
+
+async def _settled(database: str) -> dict[str, int] | None:
+    counts = await table_counts(database)
+    return counts if counts["outbox"] == 0 and counts["inbox"] == 1 else None
+
+
+async def test_the_example_on_memory_and_sqlite(tmp_path: Path) -> None:
+    database = f"sqlite+aiosqlite:///{tmp_path / 'shop.db'}"
+    transport = f"memory://shop-{uuid4().hex}"
+    await create_tables(database)
+    worker = create_app(transport=transport, database=database)
+    api = create_api(transport=transport, database=database)
+    # the worker first: it declares the queue the web layer sends to
+    async with worker, served(api) as client:
+        await place_orders_and_see_them_billed(client, database)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def ready(url: str) -> bool:
+    """Whether the probe at `url` answers 200."""
+    try:
+        async with httpx.AsyncClient(timeout=2) as client:
+            return (await client.get(url)).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@contextlib.asynccontextmanager
+async def mersal_run(env: dict[str, str], port: int) -> AsyncIterator[asyncio.subprocess.Process]:
+    """`mersal run examples.fastapi_orders.worker:create_app`; killed if it outlives the test."""
+    process = await asyncio.create_subprocess_exec(
+        str(MERSAL),
+        "run",
+        "examples.fastapi_orders.worker:create_app",
+        "--health-port",
+        str(port),
+        "--health-host",
+        "127.0.0.1",
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        yield process
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def notifications(database: str, channel: str) -> AsyncIterator[list[str]]:
+    """The payloads of the NOTIFYs on `channel` while the block runs."""
+    url = make_url(database).set(drivername="postgresql").render_as_string(hide_password=False)
+    connection = await asyncpg.connect(url)
+    payloads: list[str] = []
+    await connection.add_listener(channel, lambda *args: payloads.append(args[3]))
+    try:
+        yield payloads
+    finally:
+        await connection.close()
+
+
+async def delete_queues(url: str, *names: str) -> None:
+    """Delete the example's queues from the test vhost."""
+    async with await aio_pika.connect(url) as connection:
+        channel = await connection.channel()
+        for name in names:
+            await channel.queue_delete(name)
+
+
+@pytest.mark.integration
+async def test_the_example_end_to_end_on_rabbitmq_and_postgresql(vhost: str) -> None:
+    url = f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}"
+    port = free_port()
+    async with postgres_database(migrate=True) as database:
+        await create_tables(database)
+        env = {"MERSAL_TRANSPORT": url, "MERSAL_DATABASE": database}
+        try:
+            async with mersal_run(env, port) as worker:
+                await eventually(
+                    lambda: ready(f"http://127.0.0.1:{port}/readyz"), "worker ready", timeout=30
+                )
+                api = create_api(transport=url, database=database)
+                async with (
+                    notifications(database, make_tables().outbox.name) as notified,
+                    served(api) as client,
+                ):
+                    await place_orders_and_see_them_billed(client, database)
+                    # the commit of POST /orders wrote an outbox row: its NOTIFY names the app
+                    assert notified == [WEB_APP]
+                worker.send_signal(signal.SIGTERM)
+                async with asyncio.timeout(30):
+                    assert await worker.wait() == 0
+        finally:
+            await delete_queues(url, settings.ORDERS_QUEUE, settings.ORDERS_ERRORS)
