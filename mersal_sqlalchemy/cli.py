@@ -1,4 +1,4 @@
-"""`mersal db upgrade` applies the migrations; `mersal outbox list|retry|purge` repairs rows."""
+"""The `mersal db ...` commands (migrations) and `mersal outbox list|retry|purge` (repairs)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from sqlalchemy import MetaData, Table, delete, func, inspect, select, update
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -25,96 +25,187 @@ from mersal.dead_letters import Progress, first_line, iso
 from mersal.errors import ConfigurationError, MersalError
 from mersal.messages import Header
 from mersal.transport import mask
-from mersal_sqlalchemy.database import database_url, is_postgresql, make_engine
-from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, make_tables, outbox_table
+from mersal_sqlalchemy import migrating
+from mersal_sqlalchemy.database import DIALECTS, database_url, is_postgresql, make_engine, reason
+from mersal_sqlalchemy.migrating import alembic_config, upgrade
+from mersal_sqlalchemy.migrations import SCRIPTS
+from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, outbox_table
 
-if TYPE_CHECKING:
-    from alembic.config import Config
+__all__ = ["MIGRATIONS", "add_db_commands", "add_outbox_commands", "alembic_config", "upgrade"]
 
-MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+MIGRATIONS = SCRIPTS
+"""Our Alembic script directory (kept under this name for earlier callers)."""
 
 
 def add_db_commands(commands: argparse._SubParsersAction[Any]) -> None:
-    """Add `db upgrade` to the `mersal` command's subcommands."""
+    """Add `db upgrade|downgrade|stamp|current|check|history` to the `mersal` command."""
+    tables, offline = _tables_options(), _offline_options()
     db = commands.add_parser("db", help="manage the outbox and inbox tables")
     actions = db.add_subparsers(dest="db_command", required=True)
-    upgrade = actions.add_parser(
-        "upgrade", help="create or upgrade the outbox and inbox tables (alembic upgrade head)"
+    upgrade_parser = actions.add_parser(
+        "upgrade",
+        parents=[tables, offline],
+        help="create or upgrade the tables (tables without a revision are recorded at the head)",
     )
-    upgrade.add_argument(
-        "--database", default=None, help="the database URL (default: $MERSAL_DATABASE)"
+    upgrade_parser.add_argument("--revision", default="head", help="the revision to reach (head)")
+    upgrade_parser.set_defaults(handler=run_upgrade)
+    downgrade_parser = actions.add_parser(
+        "downgrade", parents=[tables, offline], help="undo migrations (base: drop the tables)"
     )
-    upgrade.add_argument(
-        "--outbox-table", default=DEFAULT_OUTBOX, help=f"the outbox table ({DEFAULT_OUTBOX})"
+    downgrade_parser.add_argument(
+        "revision", help="the revision to go back to; with --sql, FROM:TO (head:base)"
     )
-    upgrade.add_argument(
-        "--inbox-table", default=DEFAULT_INBOX, help=f"the inbox table ({DEFAULT_INBOX})"
+    downgrade_parser.add_argument(
+        "--force", action="store_true", help="drop an outbox even if it holds unsent rows"
     )
-    upgrade.add_argument("--revision", default="head", help="the revision to reach (head)")
-    upgrade.add_argument("--sql", action="store_true", help="print the SQL instead of running it")
-    upgrade.set_defaults(handler=run_upgrade)
+    downgrade_parser.set_defaults(handler=run_downgrade)
+    stamp_parser = actions.add_parser(
+        "stamp", parents=[tables, offline], help="record the tables' revision, changing nothing"
+    )
+    stamp_parser.add_argument(
+        "revision", nargs="?", default="head", help="the revision they are at (head)"
+    )
+    stamp_parser.set_defaults(handler=run_stamp)
+    current_parser = actions.add_parser(
+        "current", parents=[tables], help="the revision recorded for the tables, and where"
+    )
+    current_parser.set_defaults(handler=run_current)
+    check_parser = actions.add_parser(
+        "check", parents=[tables], help="exit 1 unless an app can use the tables as they are"
+    )
+    check_parser.set_defaults(handler=run_check)
+    history_parser = actions.add_parser("history", help="our revisions, newest first")
+    history_parser.set_defaults(handler=run_history)
+
+
+def _tables_options() -> argparse.ArgumentParser:
+    """--database, --outbox-table and --inbox-table, for every `mersal db` command."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument(
+        "--database", default=None, metavar="URL", help="the database URL ($MERSAL_DATABASE)"
+    )
+    options.add_argument(
+        "--outbox-table",
+        default=DEFAULT_OUTBOX,
+        metavar="NAME",
+        help=f"the outbox table ({DEFAULT_OUTBOX})",
+    )
+    options.add_argument(
+        "--inbox-table",
+        default=DEFAULT_INBOX,
+        metavar="NAME",
+        help=f"the inbox table ({DEFAULT_INBOX})",
+    )
+    return options
+
+
+def _offline_options() -> argparse.ArgumentParser:
+    """--sql and --dialect, for the commands that can print their SQL."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument(
+        "--sql", action="store_true", help="print the SQL instead of running it (no connection)"
+    )
+    options.add_argument(
+        "--dialect",
+        choices=DIALECTS,
+        default=None,
+        help="the SQL dialect for --sql (default: the --database URL's)",
+    )
+    return options
 
 
 def run_upgrade(args: argparse.Namespace) -> int:
-    """Carry out `mersal db upgrade` as parsed by `add_db_commands`."""
-    database = args.database or os.environ.get("MERSAL_DATABASE")
-    if not database:
-        raise ConfigurationError("mersal db upgrade needs --database URL or MERSAL_DATABASE")
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("alembic.runtime.migration").setLevel(logging.INFO)
-    upgrade(
-        database,
+    """`mersal db upgrade`: create or upgrade the tables, or print the SQL."""
+    _show_progress()
+    report = migrating.upgrade(
+        _database(args),
+        revision=args.revision,
         outbox_table=args.outbox_table,
         inbox_table=args.inbox_table,
-        revision=args.revision,
         sql=args.sql,
+        dialect=args.dialect,
     )
-    if not args.sql:
-        print(f"the outbox and inbox tables in {mask(database)} are at revision {args.revision}")
+    return _done(report)
+
+
+def run_downgrade(args: argparse.Namespace) -> int:
+    """`mersal db downgrade REVISION`: undo migrations, or print the SQL."""
+    _show_progress()
+    report = migrating.downgrade(
+        _database(args),
+        args.revision,
+        outbox_table=args.outbox_table,
+        inbox_table=args.inbox_table,
+        sql=args.sql,
+        dialect=args.dialect,
+        force=args.force,
+    )
+    return _done(report)
+
+
+def run_stamp(args: argparse.Namespace) -> int:
+    """`mersal db stamp [REVISION]`: record the tables' revision."""
+    _show_progress()
+    report = migrating.stamp(
+        _database(args),
+        args.revision,
+        outbox_table=args.outbox_table,
+        inbox_table=args.inbox_table,
+        sql=args.sql,
+        dialect=args.dialect,
+    )
+    return _done(report)
+
+
+def run_current(args: argparse.Namespace) -> int:
+    """`mersal db current`: print the revision recorded for the tables, and where."""
+    database = _database(args)
+    print(migrating.current(database, outbox_table=args.outbox_table, inbox_table=args.inbox_table))
     return 0
 
 
-def upgrade(
-    database: str,
-    *,
-    outbox_table: str = DEFAULT_OUTBOX,
-    inbox_table: str = DEFAULT_INBOX,
-    revision: str = "head",
-    sql: bool = False,
-) -> None:
-    """Apply the migrations to `database` up to `revision`.
-
-    Blocking, and it runs an event loop of its own: from async code, call it through
-    `asyncio.to_thread`.
-    """
-    from alembic import command
-    from alembic.util import CommandError
-    from sqlalchemy.exc import SQLAlchemyError
-
-    database_url(database)
-    make_tables(outbox_table, inbox_table)
-    config = alembic_config(database, outbox_table, inbox_table)
-    try:
-        command.upgrade(config, revision, sql=sql)
-    except (CommandError, SQLAlchemyError, OSError) as error:
-        raise MersalError(f"upgrading the tables in {mask(database)} failed: {error}") from None
-
-
-def alembic_config(database: str, outbox_table: str, inbox_table: str) -> Config:
-    """An Alembic configuration for our migrations, as `alembic -x ...` would make it."""
-    from alembic.config import Config
-
-    if not (MIGRATIONS / "env.py").is_file():
-        raise ConfigurationError(
-            f"the migrations directory {MIGRATIONS} is missing: reinstall mersal[sqlalchemy] "
-            "(it ships them), or run alembic in your own project (see docs/outbox.md)"
-        )
-    options = argparse.Namespace(
-        x=[f"database={database}", f"outbox_table={outbox_table}", f"inbox_table={inbox_table}"]
+def run_check(args: argparse.Namespace) -> int:
+    """`mersal db check`: 0 when an app can use the tables, else 1 and what to run."""
+    database = _database(args)
+    problem = migrating.check(
+        database, outbox_table=args.outbox_table, inbox_table=args.inbox_table
     )
-    config = Config(cmd_opts=options)
-    config.set_main_option("script_location", str(MIGRATIONS).replace("%", "%%"))
-    return config
+    if problem is not None:
+        print(f"mersal: {problem}", file=sys.stderr)
+        return 1
+    print(f"the outbox and inbox tables in {mask(database or '')} are up to date")
+    return 0
+
+
+def run_history(args: argparse.Namespace) -> int:
+    """`mersal db history`: print our revisions."""
+    migrating.history()
+    return 0
+
+
+def _database(args: argparse.Namespace) -> str | None:
+    """The database URL, required unless --sql has a --dialect."""
+    database: str | None = args.database or os.environ.get("MERSAL_DATABASE") or None
+    offline = getattr(args, "sql", False)
+    if database is None and not (offline and args.dialect):
+        needs = "--database URL or MERSAL_DATABASE"
+        if offline:
+            needs = "--dialect postgresql|sqlite, or a database URL (only its dialect is used)"
+        raise ConfigurationError(f"mersal db {args.db_command} needs {needs}")
+    return database
+
+
+def _show_progress() -> None:
+    """Let Alembic's "Running upgrade ..." lines through to stderr."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("alembic.runtime.migration").setLevel(logging.INFO)
+
+
+def _done(report: str) -> int:
+    """Print what a migrating command did (nothing after --sql, which printed the SQL)."""
+    if report:
+        print(report)
+    return 0
 
 
 # mersal outbox list|retry|purge
@@ -381,18 +472,9 @@ async def with_outbox(
             )
         return await action(engine, table, args)
     except (SQLAlchemyError, OSError) as error:
-        raise MersalError(f"the outbox in {mask(database)}: {_reason(error, url)}") from None
+        raise MersalError(f"the outbox in {mask(database)}: {reason(error, url)}") from None
     finally:
         await engine.dispose()
-
-
-def _reason(error: BaseException, url: URL) -> str:
-    """The error's own text (the driver's, without SQLAlchemy's additions), no password in it."""
-    original = error.orig if isinstance(error, DBAPIError) and error.orig is not None else error
-    text = f"{type(original).__name__}: {original}".strip()
-    if url.password:
-        text = text.replace(str(url.password), "***")
-    return text
 
 
 async def outbox_list(engine: AsyncEngine, table: Table, args: argparse.Namespace) -> int:

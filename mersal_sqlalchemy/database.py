@@ -34,6 +34,8 @@ from mersal_sqlalchemy.tables import (
     HEAD_REVISION,
     REVISIONS,
     Tables,
+    legacy_version_table_name,
+    version_table_name,
 )
 
 CANNOT_CONNECT_NOW = "57P03"
@@ -47,13 +49,33 @@ DRIVERS = {
     "sqlite+aiosqlite": "sqlite+aiosqlite",
 }
 
+DIALECTS = ("postgresql", "sqlite")
+"""The SQL dialects Mersal supports."""
+
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 SQLITE_MIN_VERSION = (3, 35, 0)  # UPDATE ... RETURNING
 SHARED_VERSION_TABLE = "alembic_version"
+REVISION_PREFIX = "mersal_"
 
 
 def database_url(database: str) -> URL:
     """The SQLAlchemy URL for `database`, with the async driver we support for its backend."""
+    url = supported_url(database)
+    if url.get_backend_name() == "sqlite":
+        if url.database in (None, "", ":memory:"):
+            raise ConfigurationError(
+                f"database {mask(database)!r} is an in-memory SQLite database, where every "
+                "connection sees a database of its own: use a file, 'sqlite+aiosqlite:///app.db'"
+            )
+        if sqlite3.sqlite_version_info < SQLITE_MIN_VERSION:
+            raise ConfigurationError(
+                f"SQLite {sqlite3.sqlite_version} is too old for the outbox: it needs 3.35 or later"
+            )
+    return url
+
+
+def supported_url(database: str) -> URL:
+    """`database` parsed, with our async driver for its backend; a ConfigurationError if none."""
     try:
         url = make_url(database)
     except ArgumentError:
@@ -67,18 +89,37 @@ def database_url(database: str) -> URL:
             f"database {mask(database)!r} uses {url.drivername!r}, which Mersal does not support: "
             "use 'postgresql+asyncpg://...' or 'sqlite+aiosqlite:///file.db'"
         )
-    url = url.set(drivername=driver)
-    if url.get_backend_name() == "sqlite":
-        if url.database in (None, "", ":memory:"):
-            raise ConfigurationError(
-                f"database {mask(database)!r} is an in-memory SQLite database, where every "
-                "connection sees a database of its own: use a file, 'sqlite+aiosqlite:///app.db'"
-            )
-        if sqlite3.sqlite_version_info < SQLITE_MIN_VERSION:
-            raise ConfigurationError(
-                f"SQLite {sqlite3.sqlite_version} is too old for the outbox: it needs 3.35 or later"
-            )
-    return url
+    return url.set(drivername=driver)
+
+
+def dialect_of(database: str) -> str:
+    """The dialect, 'postgresql' or 'sqlite', of a database URL or a dialect's own name."""
+    if "://" in database:
+        return supported_url(database).get_backend_name()
+    driver = DRIVERS.get(database)
+    if driver is None:
+        raise ConfigurationError(
+            f"dialect {database!r} is not one Mersal supports: use postgresql or sqlite"
+        )
+    return driver.partition("+")[0]
+
+
+def reason(error: BaseException, database: str | URL | None = None) -> str:
+    """The driver's own words for `error` (not SQLAlchemy's additions), the password masked."""
+    if isinstance(error, DBAPIError) and error.orig is not None:
+        error = error.orig
+    text = f"{type(error).__name__}: {error}".strip()
+    password = _password(database)
+    return text.replace(password, "***") if password else text
+
+
+def _password(database: str | URL | None) -> str | None:
+    if isinstance(database, str):
+        try:
+            database = make_url(database)
+        except ArgumentError:
+            return None
+    return str(database.password) if database is not None and database.password else None
 
 
 def make_engine(database: str | URL, **options: Any) -> AsyncEngine:
@@ -188,9 +229,9 @@ def sql_time(engine: AsyncEngine, seconds: float = 0.0) -> ColumnElement[Any]:
     return func.datetime("now", f"{seconds:+.3f} seconds")
 
 
-def upgrade_command(database: str, tables: Tables) -> str:
-    """The command that creates or upgrades the tables (the password masked)."""
-    command = f"mersal db upgrade --database '{mask(database)}'"
+def db_command(action: str, database: str, tables: Tables) -> str:
+    """The `mersal db <action>` command line for these tables (the password masked)."""
+    command = f"mersal db {action} --database '{mask(database)}'"
     if tables.outbox.name != DEFAULT_OUTBOX:
         command += f" --outbox-table {tables.outbox.name}"
     if tables.inbox.name != DEFAULT_INBOX:
@@ -198,14 +239,62 @@ def upgrade_command(database: str, tables: Tables) -> str:
     return command
 
 
+def upgrade_command(database: str, tables: Tables) -> str:
+    """The command that creates or upgrades the tables (the password masked)."""
+    return db_command("upgrade", database, tables)
+
+
+@dataclass(frozen=True)
+class Record:
+    """The revisions of ours a version table records for a pair of tables."""
+
+    table: str
+    revisions: list[str]
+
+    @property
+    def shared(self) -> bool:
+        """Whether your own Alembic project recorded them (our branch in `alembic_version`)."""
+        return self.table == SHARED_VERSION_TABLE
+
+    @property
+    def unknown(self) -> list[str]:
+        """The recorded revisions this release does not know (a newer release wrote them)."""
+        return [v for v in self.revisions if v not in REVISIONS]
+
+    def problem(self) -> str | None:
+        """Why the recorded revision does not fit this release; None when it is the head."""
+        if not self.revisions:
+            return f"no migration of the tables is recorded in {self.table}"
+        if HEAD_REVISION in self.revisions:
+            return None
+        if self.unknown:
+            return (
+                f"the tables are at migration {', '.join(self.unknown)} (in {self.table}), which "
+                f"this version of mersal_sqlalchemy does not know (expected {HEAD_REVISION})"
+            )
+        return f"the tables are at migration {self.revisions[0]}, behind {HEAD_REVISION}"
+
+
 @dataclass
 class Schema:
-    """What the database holds of our tables: which exist, what they lack, their revision."""
+    """What the database holds of our tables: which exist, what they lack, their revision.
+
+    `record` is the pair's own version table when it exists; else, with both tables there, the
+    version table of earlier releases (`<outbox>_alembic_version`) if it holds a revision, or
+    our revisions in your Alembic project's `alembic_version`; None when nothing of ours is
+    recorded (tables made by your own migrations, or not there yet).
+    """
 
     missing_tables: list[str] = field(default_factory=list)
     missing_columns: dict[str, list[str]] = field(default_factory=dict)
-    versions: list[str] | None = None
-    shared_versions: list[str] | None = None
+    record: Record | None = None
+    alembic_project: bool = False
+    """Whether the database has an `alembic_version` table (your own Alembic project's)."""
+
+    @property
+    def complete(self) -> bool:
+        """Whether both tables exist with every column this release uses."""
+        return not self.missing_tables and not self.missing_columns
 
     def problem(self) -> str | None:
         """Why the app cannot use the tables as they are; None when it can."""
@@ -214,23 +303,47 @@ class Schema:
         if self.missing_columns:
             name, columns = next(iter(self.missing_columns.items()))
             return f"table {name} has no column(s) {', '.join(columns)}: it is out of date"
-        versions = self.versions
-        if versions is None:
-            versions = [v for v in self.shared_versions or () if v in REVISIONS]
-            return _version_problem(versions) if versions else None
-        return _version_problem(versions) if versions else "no migration of the tables is recorded"
+        return self.record.problem() if self.record is not None else None
 
+    def remedy(self, database: str, tables: Tables) -> str:
+        """What fixes `problem()`: the command to run, or what else to do."""
+        record = self.record
+        upgrade = upgrade_command(database, tables)
+        if record is not None and record.unknown:
+            return "install the release of mersal[sqlalchemy] that migrated them, or a newer one"
+        if record is not None and record.shared:
+            return (
+                "they are migrated by your own Alembic project: run `alembic upgrade heads` "
+                "there (after `alembic merge heads`, `alembic upgrade head` does it too)"
+            )
+        if self.missing_tables and record is not None and record.revisions:
+            stamp = db_command("stamp base", database, tables)
+            return f"{record.table} records tables that are gone: run `{stamp}`, then `{upgrade}`"
+        if self.missing_columns and not self.missing_tables and record is None:
+            return self._owned_remedy(database, tables)
+        return f"run `{upgrade}`"
 
-def _version_problem(versions: list[str]) -> str | None:
-    if HEAD_REVISION in versions:
-        return None
-    known = [v for v in versions if v in REVISIONS]
-    if known:
-        return f"the tables are at migration {known[0]}, behind {HEAD_REVISION}"
-    return (
-        f"the tables are at migration {', '.join(versions)}, which this version of "
-        f"mersal_sqlalchemy does not know (expected {HEAD_REVISION})"
-    )
+    def _owned_remedy(self, database: str, tables: Tables) -> str:
+        """What upgrades tables that no revision of ours records (your own migrations made them)."""
+        if self.alembic_project:
+            return (
+                f"apply revision {HEAD_REVISION} in your Alembic project: `alembic upgrade head` "
+                "if it includes our versions (after `alembic merge heads` if it shows two "
+                "heads), else a migration of your own that adds the columns"
+            )
+        stamp = db_command("stamp REVISION", database, tables)
+        upgrade = upgrade_command(database, tables)
+        return (
+            "add the columns (see mersal_sqlalchemy/migrations/versions), or record the "
+            f"revision the tables are at with `{stamp}` and run `{upgrade}`"
+        )
+
+    def explain(self, database: str, tables: Tables) -> str | None:
+        """The problem and its remedy in one message; None when there is no problem."""
+        problem = self.problem()
+        if problem is None:
+            return None
+        return f"{problem} in database {mask(database)}: {self.remedy(database, tables)}"
 
 
 async def prepare_schema(engine: AsyncEngine, tables: Tables, database: str, create: bool) -> None:
@@ -258,11 +371,9 @@ async def prepare_schema(engine: AsyncEngine, tables: Tables, database: str, cre
             f"cannot use the database at {mask(database)}: {error.orig}; check the URL, the "
             "database name, the credentials and the user's rights"
         ) from error
-    problem = schema.problem()
+    problem = schema.explain(database, tables)
     if problem is not None:
-        raise ConfigurationError(
-            f"{problem} in database {mask(database)}: run `{upgrade_command(database, tables)}`"
-        )
+        raise ConfigurationError(problem)
 
 
 def read_schema(connection: Connection, tables: Tables) -> Schema:
@@ -278,11 +389,33 @@ def read_schema(connection: Connection, tables: Tables) -> Schema:
         missing = [c.name for c in wanted.columns if c.name not in present]
         if missing:
             schema.missing_columns[wanted.name] = missing
-    if tables.version.name in existing:
-        schema.versions = _versions(connection, tables.version.name)
-    if SHARED_VERSION_TABLE in existing:
-        schema.shared_versions = _versions(connection, SHARED_VERSION_TABLE)
+    schema.record = _record(connection, tables, existing, not schema.missing_tables)
+    schema.alembic_project = SHARED_VERSION_TABLE in existing
     return schema
+
+
+def _record(
+    connection: Connection, tables: Tables, existing: set[str], both_exist: bool
+) -> Record | None:
+    if tables.version.name in existing:
+        return Record(tables.version.name, _versions(connection, tables.version.name))
+    if not both_exist:
+        return None  # another version table would be about other tables, or ones now gone
+    legacy = legacy_version_table_name(tables.outbox.name)
+    if legacy in existing:
+        versions = _versions(connection, legacy)
+        if versions:
+            return Record(legacy, versions)
+    if SHARED_VERSION_TABLE in existing:
+        ours = [v for v in _versions(connection, SHARED_VERSION_TABLE) if is_ours(v)]
+        if ours:
+            return Record(SHARED_VERSION_TABLE, ours)
+    return None
+
+
+def is_ours(revision: str) -> bool:
+    """Whether a revision id is one of ours (this release's or a later one's)."""
+    return revision.startswith(REVISION_PREFIX)
 
 
 def _versions(connection: Connection, name: str) -> list[str]:
@@ -290,10 +423,44 @@ def _versions(connection: Connection, name: str) -> list[str]:
     return [str(value) for value in connection.execute(select(version.c.version_num)).scalars()]
 
 
+def recorded_elsewhere(connection: Connection, outbox: str, inbox: str) -> dict[str, str]:
+    """The tables of the pair that another pair's version table records, each with that table.
+
+    A downgrade leaves these: another pair (sharing the outbox, say) still uses them.
+    """
+    existing = set(inspect(connection).get_table_names())
+    own = version_table_name(outbox, inbox)
+    found: dict[str, str] = {}
+    for name in (outbox, inbox):
+        if name not in existing:
+            continue
+        candidates = sorted((_version_tables_naming(name, existing) & existing) - {own})
+        recording = [v for v in candidates if _versions(connection, v)]
+        if recording:
+            found[name] = recording[0]
+    return found
+
+
+def _version_tables_naming(name: str, existing: set[str]) -> set[str]:
+    """The version tables that would record `name` with another table that exists."""
+    others = existing - {name}
+    names = {legacy_version_table_name(name)}
+    names |= {version_table_name(name, other) for other in others}
+    names |= {version_table_name(other, name) for other in others}
+    return names
+
+
+def count_rows(connection: Connection, name: str) -> int:
+    """How many rows the table `name` holds."""
+    return int(connection.execute(select(func.count()).select_from(table(name))).scalar_one())
+
+
 def create_schema(connection: Connection, tables: Tables, schema: Schema) -> None:
     """Create the missing tables and record them as migrated to our head revision."""
     tables.metadata.create_all(connection, tables=[tables.outbox, tables.inbox])
-    if schema.versions is None:
+    record = schema.record
+    own = record if record is not None and record.table == tables.version.name else None
+    if own is None:
         tables.version.create(connection)
-    if not schema.versions:
+    if own is None or not own.revisions:
         connection.execute(insert(tables.version).values(version_num=HEAD_REVISION))

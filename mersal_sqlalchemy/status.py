@@ -7,15 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Table, func, select
-from sqlalchemy.engine import URL
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
 
 from mersal.errors import ConfigurationError, MersalError
 from mersal.status import StorageStatus
 from mersal.transport import mask
-from mersal_sqlalchemy.database import is_postgresql, read_schema, upgrade_command
+from mersal_sqlalchemy.database import is_postgresql, read_schema, reason, upgrade_command
 from mersal_sqlalchemy.tables import Tables
 
 
@@ -24,8 +23,9 @@ async def storage_status(
 ) -> StorageStatus:
     """Pending and parked outbox rows, the oldest pending one's age, inbox rows: `app`'s or all.
 
-    A ConfigurationError naming `mersal db upgrade` when the tables are missing or behind; a
-    MersalError (password masked) when the database cannot be reached. Nothing is created.
+    A ConfigurationError naming the fix (`mersal db upgrade`) when the tables are missing or
+    behind; a MersalError (password masked) when the database cannot be reached. Nothing is
+    created.
     """
     url = engine.url
     sqlite_file = Path(url.database or "")
@@ -36,17 +36,15 @@ async def storage_status(
         )
     try:
         async with engine.connect() as connection:
-            problem = (await connection.run_sync(read_schema, tables)).problem()
+            schema = await connection.run_sync(read_schema, tables)
+            problem = schema.explain(database, tables)
             if problem is not None:
-                raise ConfigurationError(
-                    f"{problem} in database {mask(database)}: run "
-                    f"`{upgrade_command(database, tables)}`"
-                )
+                raise ConfigurationError(problem)
             outbox = (await connection.execute(outbox_counts(engine, tables.outbox, app))).one()
             inbox = (await connection.execute(row_count(tables.inbox, app))).scalar_one()
     except (SQLAlchemyError, OSError) as error:
         raise MersalError(
-            f"cannot look at the database {mask(database)}: {_reason(error, url)}"
+            f"cannot look at the database {mask(database)}: {reason(error, url)}"
         ) from None
     age = None if outbox.age is None else max(0.0, float(outbox.age))
     return StorageStatus(int(outbox.pending), int(outbox.parked), age, int(inbox), app)
@@ -75,11 +73,3 @@ def seconds_since(engine: AsyncEngine, moment: ColumnElement[Any]) -> ColumnElem
         return func.extract("epoch", func.now() - moment)
     # SQLite keeps times as 'YYYY-MM-DD HH:MM:SS' text in UTC, which julianday() reads.
     return (func.julianday("now") - func.julianday(moment)) * 86_400.0
-
-
-def _reason(error: BaseException, url: URL) -> str:
-    """The driver's own words for `error`, its password masked."""
-    if isinstance(error, DBAPIError) and error.orig is not None:
-        error = error.orig
-    text = f"{type(error).__name__}: {error}".strip()
-    return text.replace(str(url.password), "***") if url.password else text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +38,13 @@ REVISIONS = (HEAD_REVISION,)
 APP_LENGTH = 200
 MESSAGE_ID_LENGTH = 255
 
+VERSION_SUFFIX = "alembic_version"
+VERSION_NAME_LENGTH = 59
+
+OUTBOX_OPTION = "mersal_outbox_table"
+INBOX_OPTION = "mersal_inbox_table"
+"""The `alembic.ini` options naming the tables when our revisions run in your Alembic project."""
+
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 
 
@@ -50,17 +58,54 @@ def check_identifier(name: object, what: str) -> str:
     return name
 
 
-def migration_table_names(arguments: Mapping[str, str]) -> tuple[str, str]:
-    """The outbox and inbox names a migration works on, from Alembic's `-x` arguments."""
-    return (
-        check_identifier(arguments.get("outbox_table", DEFAULT_OUTBOX), "-x outbox_table"),
-        check_identifier(arguments.get("inbox_table", DEFAULT_INBOX), "-x inbox_table"),
-    )
+def migration_table_names(
+    arguments: Mapping[str, str], options: Mapping[str, str | None] | None = None
+) -> tuple[str, str]:
+    """The outbox and inbox names a migration works on.
+
+    From Alembic's `-x outbox_table=... -x inbox_table=...` arguments first, then from
+    `options` (the `mersal_outbox_table` and `mersal_inbox_table` options of `alembic.ini`),
+    then the defaults.
+    """
+    options = options or {}
+    outbox = arguments.get("outbox_table") or options.get(OUTBOX_OPTION) or DEFAULT_OUTBOX
+    inbox = arguments.get("inbox_table") or options.get(INBOX_OPTION) or DEFAULT_INBOX
+    check_identifier(outbox, f"-x outbox_table (or {OUTBOX_OPTION})")
+    check_identifier(inbox, f"-x inbox_table (or {INBOX_OPTION})")
+    if outbox == inbox:
+        raise ConfigurationError(f"the outbox and the inbox need two tables, not both {outbox!r}")
+    return outbox, inbox
 
 
-def version_table_name(outbox: str) -> str:
-    """The Alembic version table that records the migrations of the tables named after `outbox`."""
-    return f"{outbox}_alembic_version"
+def version_table_name(outbox: str, inbox: str) -> str:
+    """The Alembic version table that records the migrations of the pair `outbox`, `inbox`.
+
+    The default pair keeps `mersal_outbox_alembic_version`; any other pair gets
+    `<outbox>_<inbox>_alembic_version`, shortened with a digest of both names past 59
+    characters (so that Alembic's `<name>_pkc` fits PostgreSQL's 63).
+    """
+    if (outbox, inbox) == (DEFAULT_OUTBOX, DEFAULT_INBOX):
+        return legacy_version_table_name(outbox)
+    name = f"{outbox}_{inbox}_{VERSION_SUFFIX}"
+    if len(name) <= VERSION_NAME_LENGTH:
+        return name
+    digest = hashlib.sha256(f"{outbox} {inbox}".encode()).hexdigest()[:8]
+    return f"{outbox[:16]}_{inbox[:16]}_{digest}_{VERSION_SUFFIX}"
+
+
+def migration_lock_key() -> int:
+    """The PostgreSQL advisory lock key that serializes our migrations in a database.
+
+    One key for every pair, not one per version table: pairs may share a table, and two pairs
+    creating the same outbox at once would collide.
+    """
+    digest = hashlib.sha256(f"mersal migrations {VERSION_SUFFIX}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def legacy_version_table_name(outbox: str) -> str:
+    """The version table of earlier releases, keyed on the outbox alone (read, never written)."""
+    return f"{outbox}_{VERSION_SUFFIX}"
 
 
 @dataclass(frozen=True)
@@ -83,7 +128,10 @@ def make_tables(
     inbox: str = DEFAULT_INBOX,
     metadata: MetaData | None = None,
 ) -> Tables:
-    """The outbox and inbox tables on `metadata` (a new MetaData unless given)."""
+    """The outbox and inbox tables on `metadata` (a new MetaData unless given).
+
+    The version table stays on a MetaData of its own: Alembic keeps it, not your models.
+    """
     check_identifier(outbox, "outbox table")
     check_identifier(inbox, "inbox table")
     if outbox == inbox:
@@ -93,7 +141,7 @@ def make_tables(
         metadata,
         outbox_table(outbox, metadata),
         inbox_table(inbox, metadata),
-        version_table(version_table_name(outbox), MetaData()),
+        version_table(version_table_name(outbox, inbox), MetaData()),
     )
 
 

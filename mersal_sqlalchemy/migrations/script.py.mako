@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-from alembic import context, op
+from alembic import op
 ${imports if imports else ""}
-from mersal_sqlalchemy.tables import migration_table_names
+from mersal_sqlalchemy.migrations import table_names
 
 revision: str = ${repr(up_revision)}
 down_revision: str | None = ${repr(down_revision)}
@@ -21,12 +21,16 @@ depends_on: str | Sequence[str] | None = ${repr(depends_on)}
 
 
 def upgrade() -> None:
-    """Apply this revision to the tables named by -x outbox_table / inbox_table."""
-    outbox, inbox = migration_table_names(context.get_x_argument(as_dictionary=True))
+    """Apply this revision to the tables named by -x outbox_table / inbox_table.
+
+    Every pair of tables runs it once, and pairs may share a table (one outbox, two inboxes):
+    change a table only if it is not changed yet, as 0001 creates only what is missing.
+    """
+    outbox, inbox = table_names()
     ${upgrades if upgrades else "pass"}
 
 
 def downgrade() -> None:
     """Undo this revision."""
-    outbox, inbox = migration_table_names(context.get_x_argument(as_dictionary=True))
+    outbox, inbox = table_names()
     ${downgrades if downgrades else "pass"}

@@ -14,7 +14,9 @@ from mersal import App, ConfigurationError
 from mersal.cli import main
 from mersal_sqlalchemy import HEAD_REVISION, attach, make_engine, make_tables
 from mersal_sqlalchemy.cli import alembic_config, upgrade
+from mersal_sqlalchemy.tables import version_table_name
 from tests.sql.conftest import sqlite_file
+from tests.sql.legacy import migrate_as_before
 from tests.sql.support import (
     ORDERS,
     PlaceOrder,
@@ -71,9 +73,11 @@ async def test_db_upgrade_on_an_empty_database_creates_the_tables(
     assert {"mersal_outbox", "mersal_inbox", "mersal_outbox_alembic_version"} <= set(schema)
     assert ("ix_mersal_outbox_claim", ("app", "id"), False) in schema["mersal_outbox"]["indexes"]
     assert schema["mersal_inbox"]["primary_key"] == ("app", "message_id")
-    assert "are at revision head" in capsys.readouterr().out
+    said = f"the outbox and inbox tables in {empty_postgres_url} are at mersal_0001 (head)\n"
+    assert capsys.readouterr().out == said
     # a second run finds nothing to do
     assert await asyncio.to_thread(main, ["db", "upgrade", "--database", empty_postgres_url]) == 0
+    assert capsys.readouterr().out == said
 
 
 @pytest.mark.integration
@@ -96,9 +100,10 @@ async def test_an_app_on_a_database_without_the_tables_names_the_command(
     ("damage", "says"),
     [
         pytest.param(
-            "UPDATE mersal_outbox_alembic_version SET version_num = 'mersal_0000'",
-            "mersal db upgrade",
-            id="an unknown revision",
+            "UPDATE mersal_outbox_alembic_version SET version_num = 'mersal_0099'",
+            r"at migration mersal_0099 .* does not know .*: install the release of "
+            r"mersal\[sqlalchemy\] that migrated them, or a newer one$",
+            id="a revision of a newer release",
         ),
         pytest.param(
             "ALTER TABLE mersal_outbox DROP COLUMN parked_reason",
@@ -174,6 +179,29 @@ def test_the_head_revision_in_the_code_is_the_head_of_the_migrations() -> None:
 
     scripts = ScriptDirectory.from_config(alembic_config("sqlite:///unused.db", "a", "b"))
     assert scripts.get_heads() == [HEAD_REVISION]
+
+
+@pytest.mark.parametrize(
+    ("outbox", "inbox", "version"),
+    [
+        ("mersal_outbox", "mersal_inbox", "mersal_outbox_alembic_version"),  # as it always was
+        ("orders_outbox", "orders_inbox", "orders_outbox_orders_inbox_alembic_version"),
+        ("mersal_outbox", "orders_inbox", "mersal_outbox_orders_inbox_alembic_version"),
+        ("orders_outbox", "mersal_inbox", "orders_outbox_mersal_inbox_alembic_version"),
+    ],
+)
+def test_each_pair_of_tables_has_a_version_table_of_its_own(
+    outbox: str, inbox: str, version: str
+) -> None:
+    assert version_table_name(outbox, inbox) == version
+    assert make_tables(outbox, inbox).version.name == version
+
+
+def test_long_table_names_get_a_short_version_table_name_of_their_own() -> None:
+    outbox, inbox = "o" * 40, "i" * 40
+    names = {version_table_name(outbox, inbox), version_table_name(outbox, inbox[:-1])}
+    assert len(names) == 2
+    assert all(len(name) <= 59 and name.endswith("_alembic_version") for name in names)
 
 
 @pytest.mark.parametrize("name", ["", "1outbox", "out box", "outbox;drop", "x" * 41, "a.b"])
@@ -298,3 +326,56 @@ async def test_an_engine_with_an_isolation_level_that_keeps_transactions_is_take
             assert await count(engine, ORDERS) == 0  # its flushed row was rolled back
     finally:
         await engine.dispose()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("migrated", "names", "found"),
+    [
+        pytest.param("default_pair", {}, "", id="the default tables"),
+        pytest.param(
+            "billing_pair",
+            {"outbox_table": "billing_outbox", "inbox_table": "billing_inbox"},
+            "found mersal_0001 recorded in billing_outbox_alembic_version: recorded them at "
+            "mersal_0001 in billing_outbox_billing_inbox_alembic_version\n",
+            id="tables of other names",
+        ),
+    ],
+)
+async def test_a_database_the_release_before_migrated_keeps_working_and_upgrades(
+    empty_postgres_url: str,
+    memory_url: str,
+    capsys: pytest.CaptureFixture[str],
+    migrated: str,
+    names: dict[str, str],
+    found: str,
+) -> None:
+    db = empty_postgres_url
+    await migrate_as_before(db, migrated)
+    flags = [part for k, v in names.items() for part in (f"--{k.replace('_', '-')}", v)]
+    outbox = names.get("outbox_table", "mersal_outbox")
+    engine = make_engine(db)
+    async with engine.begin() as connection:
+        await connection.execute(
+            text(
+                f"INSERT INTO {outbox} (app, address, publish, headers, body) "
+                "VALUES ('orders', 'sink', false, '{}', '')"
+            )
+        )
+    await engine.dispose()
+    async with orders_app(db, memory_url, Probe(), create_tables=False, **names) as app:
+        assert app.running
+
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["db", "current", "--database", db, *flags]) == 0
+    assert capsys.readouterr().out == (
+        f"mersal_0001 (head), recorded in {outbox}_alembic_version\n"
+    )
+    assert await asyncio.to_thread(main, ["db", "upgrade", "--database", db, *flags]) == 0
+    at_head = f"the outbox and inbox tables in {db} are at mersal_0001 (head)\n"
+    assert capsys.readouterr().out == found + at_head
+    assert await asyncio.to_thread(main, ["db", "upgrade", "--database", db, *flags]) == 0
+    assert capsys.readouterr().out == at_head
+    async with orders_app(db, memory_url, Probe(), create_tables=False, **names) as app:
+        assert app.running
+        assert await count(storage_of(app).engine, storage_of(app).tables.outbox) == 1

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import context, op
 
-from mersal_sqlalchemy.tables import migration_table_names
+from mersal_sqlalchemy.database import recorded_elsewhere
+from mersal_sqlalchemy.migrations import table_names
 
 revision: str = "mersal_0001"
 down_revision: str | None = None
@@ -21,8 +22,49 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    """Create the outbox and inbox tables and their indexes."""
-    outbox, inbox = migration_table_names(context.get_x_argument(as_dictionary=True))
+    """Create the outbox and inbox tables and their indexes, each unless it exists already.
+
+    A table that exists belongs to another pair sharing it (an outbox with another inbox).
+    """
+    outbox, inbox = table_names()
+    present = existing(offline=set())
+    if outbox not in present:
+        create_outbox(outbox)
+    if inbox not in present:
+        create_inbox(inbox)
+
+
+def downgrade() -> None:
+    """Drop the outbox and inbox tables (those that exist), but not one another pair records.
+
+    When printing the SQL (`--sql`) it cannot look: both are dropped.
+    """
+    outbox, inbox = table_names()
+    present = existing(offline={outbox, inbox}) - set(shared(outbox, inbox))
+    if inbox in present:
+        op.drop_index(f"ix_{inbox}_handled_at", table_name=inbox)
+        op.drop_table(inbox)
+    if outbox in present:
+        op.drop_index(f"ix_{outbox}_claim", table_name=outbox)
+        op.drop_table(outbox)
+
+
+def shared(outbox: str, inbox: str) -> dict[str, str]:
+    """The tables another pair's version table records (none when printing the SQL)."""
+    if context.is_offline_mode():
+        return {}
+    return recorded_elsewhere(op.get_bind(), outbox, inbox)
+
+
+def existing(offline: set[str]) -> set[str]:
+    """The tables in the database; when printing the SQL (`--sql`), `offline`."""
+    if context.is_offline_mode():
+        return offline
+    return set(sa.inspect(op.get_bind()).get_table_names())
+
+
+def create_outbox(outbox: str) -> None:
+    """The outbox table and its claim index."""
     op.create_table(
         outbox,
         sa.Column(
@@ -51,6 +93,10 @@ def upgrade() -> None:
         postgresql_where=sa.text("parked_at IS NULL"),
         sqlite_where=sa.text("parked_at IS NULL"),
     )
+
+
+def create_inbox(inbox: str) -> None:
+    """The inbox table and its index for the cleanup."""
     op.create_table(
         inbox,
         sa.Column("app", sa.String(200), nullable=False),
@@ -61,12 +107,3 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("app", "message_id"),
     )
     op.create_index(f"ix_{inbox}_handled_at", inbox, ["handled_at"])
-
-
-def downgrade() -> None:
-    """Drop the outbox and inbox tables."""
-    outbox, inbox = migration_table_names(context.get_x_argument(as_dictionary=True))
-    op.drop_index(f"ix_{inbox}_handled_at", table_name=inbox)
-    op.drop_table(inbox)
-    op.drop_index(f"ix_{outbox}_claim", table_name=outbox)
-    op.drop_table(outbox)

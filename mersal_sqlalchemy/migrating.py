@@ -1,0 +1,400 @@
+"""What `mersal db` does: our Alembic migrations on one pair of tables, knowing what Alembic cannot.
+
+Alembic sees only the pair's own version table. Before it runs, these functions look at the
+database as a whole: tables your own migrations made (recorded at the head, rather than created
+again, unless your Alembic project's `alembic_version` is there), a revision in the version
+table of earlier releases (taken over), our branch in your Alembic project's `alembic_version`
+(left to that project), other pairs sharing a table (left by a downgrade). After an upgrade
+they check that the tables are really there, so that no command reports success and creates
+nothing.
+
+Every function here blocks and runs an event loop of its own: from async code, call it through
+`asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from sqlalchemy import inspect
+from sqlalchemy.exc import SQLAlchemyError
+
+from mersal.errors import ConfigurationError, MersalError
+from mersal.transport import mask
+from mersal_sqlalchemy.database import (
+    Record,
+    Schema,
+    count_rows,
+    database_url,
+    db_command,
+    make_engine,
+    read_schema,
+    reason,
+    recorded_elsewhere,
+)
+from mersal_sqlalchemy.migrations import SCRIPTS
+from mersal_sqlalchemy.tables import (
+    DEFAULT_INBOX,
+    DEFAULT_OUTBOX,
+    HEAD_REVISION,
+    Tables,
+    make_tables,
+)
+
+if TYPE_CHECKING:
+    from alembic.config import Config
+    from sqlalchemy import Connection
+
+T = TypeVar("T")
+NO_CREATE_RIGHTS = "permission denied for schema"
+CREATE_RIGHTS_HINT = (
+    "grant CREATE on the schema to this user, or have a DBA apply `mersal db upgrade --sql`"
+)
+
+
+def alembic_config(
+    database: str | None,
+    outbox_table: str = DEFAULT_OUTBOX,
+    inbox_table: str = DEFAULT_INBOX,
+    *,
+    dialect: str | None = None,
+) -> Config:
+    """An Alembic configuration for our migrations, as `alembic -x ...` would make it."""
+    from alembic.config import Config
+
+    if not (SCRIPTS / "env.py").is_file():
+        raise ConfigurationError(
+            f"the migrations directory {SCRIPTS} is missing: reinstall mersal[sqlalchemy] "
+            "(it ships them), or run alembic in your own project (see docs/outbox.md)"
+        )
+    arguments = [f"outbox_table={outbox_table}", f"inbox_table={inbox_table}"]
+    if database:
+        arguments.append(f"database={database}")
+    if dialect:
+        arguments.append(f"dialect={dialect}")
+    # Alembic binds sys.stdout when it is imported: give it the one in use now.
+    config = Config(
+        cmd_opts=argparse.Namespace(x=arguments), stdout=sys.stdout, output_buffer=sys.stdout
+    )
+    config.set_main_option("script_location", str(SCRIPTS).replace("%", "%%"))
+    return config
+
+
+def upgrade(
+    database: str | None,
+    *,
+    outbox_table: str = DEFAULT_OUTBOX,
+    inbox_table: str = DEFAULT_INBOX,
+    revision: str = "head",
+    sql: bool = False,
+    dialect: str | None = None,
+) -> str:
+    """Apply the migrations up to `revision`; returns what was done, in words.
+
+    With `sql`, print the SQL instead, connecting to nothing (the dialect from `dialect` or
+    from the URL). Tables that exist without a revision of ours (your own migration made them)
+    are recorded at the head rather than created again.
+    """
+    tables = make_tables(outbox_table, inbox_table)
+    config = alembic_config(database, outbox_table, inbox_table, dialect=dialect)
+    if sql:
+        _alembic("upgrade", database, lambda command: command.upgrade(config, revision, sql=True))
+        return ""
+    database = _online(database)
+    took_over = _take_over(database, tables, config, look(database, tables, create=True))
+    _alembic("upgrade", database, lambda command: command.upgrade(config, revision))
+    after = look(database, tables)
+    if after.record is not None and HEAD_REVISION in after.record.revisions:
+        problem = after.explain(database, tables)
+        if problem is not None:
+            raise MersalError(f"the upgrade ran, but {problem}")
+    return took_over + _at(database, after)
+
+
+def downgrade(
+    database: str | None,
+    revision: str,
+    *,
+    outbox_table: str = DEFAULT_OUTBOX,
+    inbox_table: str = DEFAULT_INBOX,
+    sql: bool = False,
+    dialect: str | None = None,
+    force: bool = False,
+) -> str:
+    """Undo the migrations down to `revision` (`base` drops the tables); returns what was done.
+
+    A table another pair's version table records is left (and said so); an outbox holding rows
+    is not dropped unless `force`. With `sql` it cannot look, and prints every drop.
+    """
+    tables = make_tables(outbox_table, inbox_table)
+    config = alembic_config(database, outbox_table, inbox_table, dialect=dialect)
+    if sql:
+        _alembic(
+            "downgrade", database, lambda command: command.downgrade(config, revision, sql=True)
+        )
+        return ""
+    database = _online(database)
+    schema = look(database, tables)
+    if schema.record is None or not schema.record.revisions:
+        owned = "" if schema.missing_tables else " (tables your own migrations made are yours)"
+        raise MersalError(
+            f"no revision of ours is recorded for {_pair(tables)} in {mask(database)}: there "
+            f"is nothing to downgrade{owned}"
+        )
+    _refuse_shared(schema.record, database, tables, "downgrade")
+    left = _before_drop(database, tables, force) if _drops(config, revision) else ""
+    took_over = _take_over(database, tables, config, schema)
+    _alembic("downgrade", database, lambda command: command.downgrade(config, revision))
+    return took_over + left + _at(database, look(database, tables))
+
+
+def stamp(
+    database: str | None,
+    revision: str = "head",
+    *,
+    outbox_table: str = DEFAULT_OUTBOX,
+    inbox_table: str = DEFAULT_INBOX,
+    sql: bool = False,
+    dialect: str | None = None,
+) -> str:
+    """Record the tables as at `revision` without changing them; returns what was done.
+
+    Refused when they could not be at it: a table missing (anything but `base`), or a column
+    missing at the head.
+    """
+    tables = make_tables(outbox_table, inbox_table)
+    config = alembic_config(database, outbox_table, inbox_table, dialect=dialect)
+    if sql:
+        _alembic("stamp", database, lambda command: command.stamp(config, revision, sql=True))
+        return ""
+    database = _online(database)
+    _check_stamp(look(database, tables), database, tables, _resolve(config, revision))
+    _alembic("stamp", database, lambda command: command.stamp(config, revision))
+    return _at(database, look(database, tables))
+
+
+def current(
+    database: str | None, *, outbox_table: str = DEFAULT_OUTBOX, inbox_table: str = DEFAULT_INBOX
+) -> str:
+    """The revision recorded for the tables and where, in words."""
+    database = _online(database)
+    tables = make_tables(outbox_table, inbox_table)
+    schema = look(database, tables)
+    record = schema.record
+    if record is not None and record.revisions:
+        where = record.table + (" (your Alembic project's)" if record.shared else "")
+        return f"{', '.join(_named(v) for v in record.revisions)}, recorded in {where}"
+    if not schema.missing_tables and schema.alembic_project:
+        return (
+            f"no revision recorded; {_pair(tables)} exist (made by your Alembic project, whose "
+            "alembic_version records no revision of ours by name: your own migration, or our "
+            "branch merged)"
+        )
+    if not schema.missing_tables:
+        return f"no revision recorded; {_pair(tables)} exist (made by your own migrations?)"
+    return f"no revision recorded; the table(s) {', '.join(schema.missing_tables)} do not exist"
+
+
+def check(
+    database: str | None, *, outbox_table: str = DEFAULT_OUTBOX, inbox_table: str = DEFAULT_INBOX
+) -> str | None:
+    """What keeps an app from using the tables, with the fix; None when they are up to date."""
+    database = _online(database)
+    tables = make_tables(outbox_table, inbox_table)
+    return look(database, tables).explain(database, tables)
+
+
+def history() -> None:
+    """Print our revisions, newest first (no database needed)."""
+    config = alembic_config(None)
+    _alembic("history", None, lambda command: command.history(config))
+
+
+def look(database: str, tables: Tables, *, create: bool = False) -> Schema:
+    """What the database holds of the tables (a missing SQLite file is refused unless `create`)."""
+    url = database_url(database)
+    if url.get_backend_name() == "sqlite" and not create and not Path(url.database or "").is_file():
+        raise ConfigurationError(f"there is no SQLite database at {mask(database)}")
+
+    return _run(database, lambda connection: read_schema(connection, tables))
+
+
+def _run(database: str, call: Callable[[Connection], T]) -> T:
+    """`call` on a connection to the database, in a transaction of its own."""
+
+    async def run() -> T:
+        engine = make_engine(database_url(database))
+        try:
+            async with engine.connect() as connection:
+                return await connection.run_sync(call)
+        finally:
+            await engine.dispose()
+
+    try:
+        return asyncio.run(run())
+    except (SQLAlchemyError, OSError) as error:
+        raise MersalError(
+            f"cannot look at the database {mask(database)}: {reason(error, database)}"
+        ) from None
+
+
+def _take_over(database: str, tables: Tables, config: Config, schema: Schema) -> str:
+    """Record both tables' revision in their own version table when it is found elsewhere.
+
+    Returns what was recorded, in words ('' for nothing). Refused: tables whose revision is in
+    your Alembic project's `alembic_version`, tables without one beside that table (its history
+    may record them), and tables of your own that lack a column.
+    """
+    record = schema.record
+    if schema.missing_tables:
+        return ""  # the first revision creates what is missing
+    if record is not None and record.table == tables.version.name and record.revisions:
+        return ""  # Alembic goes on from there
+    if record is not None and record.revisions:
+        _refuse_shared(record, database, tables, "upgrade")
+        revisions = record.revisions
+        found = f"found {', '.join(revisions)} recorded in {record.table}"
+    elif schema.missing_columns:
+        name, columns = next(iter(schema.missing_columns.items()))
+        stamp_command = db_command("stamp REVISION", database, tables)
+        raise MersalError(
+            f"{_pair(tables)} exist in {mask(database)} without a revision of ours, and {name} "
+            f"has no column(s) {', '.join(columns)}: record the revision they are at with "
+            f"`{stamp_command}`, then run this again"
+        )
+    elif schema.alembic_project:
+        raise MersalError(_project_tables(database, tables))
+    else:
+        revisions = [HEAD_REVISION]
+        found = f"found {_pair(tables)} without a revision of ours (made by your own migration?)"
+    _alembic("stamp", database, lambda command: command.stamp(config, revisions))
+    return f"{found}: recorded them at {', '.join(revisions)} in {tables.version.name}\n"
+
+
+def _project_tables(database: str, tables: Tables) -> str:
+    """Why tables beside your Alembic project's `alembic_version` are not taken over silently."""
+    stamp = db_command("stamp head", database, tables)
+    return (
+        f"{_pair(tables)} exist in {mask(database)} without a revision of ours, beside your "
+        "Alembic project's alembic_version: if your own Alembic project manages these tables, "
+        "keep using `alembic upgrade head` there; if you want `mersal db` to manage them, run "
+        f"`{stamp}` once"
+    )
+
+
+def _drops(config: Config, revision: str) -> bool:
+    """Whether downgrading to `revision` undoes our first revision (drops the tables)."""
+    from alembic.script import Script, ScriptDirectory
+    from alembic.util import CommandError
+
+    try:
+        resolved = ScriptDirectory.from_config(config).get_revisions(revision)
+    except CommandError:
+        return True  # a relative one ("-1"): as if it did; Alembic judges it next
+    return not any(isinstance(script, Script) for script in resolved)
+
+
+def _before_drop(database: str, tables: Tables, force: bool) -> str:
+    """What the drops leave, in words; a MersalError for an outbox holding rows (unless `force`)."""
+    left, rows = _run(database, lambda connection: _shared_and_rows(connection, tables))
+    if rows and not force:
+        raise MersalError(
+            f"{tables.outbox.name} in {mask(database)} holds {rows} row(s), messages not sent "
+            "yet (or parked): the downgrade would drop them; pass --force to drop them anyway"
+        )
+    return "".join(
+        f"left {name}: {version} records it for another pair of tables\n"
+        for name, version in left.items()
+    )
+
+
+def _shared_and_rows(connection: Connection, tables: Tables) -> tuple[dict[str, str], int]:
+    """The pair's tables other pairs record, and the rows of the outbox a drop would lose."""
+    outbox = tables.outbox.name
+    left = recorded_elsewhere(connection, outbox, tables.inbox.name)
+    present = outbox in set(inspect(connection).get_table_names())
+    rows = count_rows(connection, outbox) if present and outbox not in left else 0
+    return left, rows
+
+
+def _refuse_shared(record: Record, database: str, tables: Tables, action: str) -> None:
+    """A MersalError if your own Alembic project records the tables' revision."""
+    if record.shared:
+        stamp = db_command(f"stamp {record.revisions[0]}", database, tables)
+        raise MersalError(
+            f"the tables in {mask(database)} are migrated by your own Alembic project "
+            f"({', '.join(record.revisions)} in alembic_version): {action} them there "
+            f"(`alembic {action} ...`), or take them over with `{stamp}` first"
+        )
+
+
+def _check_stamp(schema: Schema, database: str, tables: Tables, revisions: tuple[str, ...]) -> None:
+    if revisions and schema.missing_tables:
+        raise MersalError(
+            f"the table(s) {', '.join(schema.missing_tables)} do not exist in {mask(database)}: "
+            f"create them with `{db_command('upgrade', database, tables)}` rather than record "
+            "a revision for them"
+        )
+    if HEAD_REVISION in revisions and schema.missing_columns:
+        name, columns = next(iter(schema.missing_columns.items()))
+        raise MersalError(
+            f"table {name} has no column(s) {', '.join(columns)}, so it is not at "
+            f"{HEAD_REVISION}: record the revision it is at"
+        )
+
+
+def _resolve(config: Config, revision: str) -> tuple[str, ...]:
+    """The revision ids `revision` names (none for `base`); a MersalError for no such one."""
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    try:
+        resolved = ScriptDirectory.from_config(config).get_revisions(revision)
+    except CommandError as error:
+        raise MersalError(f"no revision {revision!r} of ours: {error}") from None
+    return tuple(script.revision for script in resolved if script is not None)
+
+
+def _alembic(action: str, database: str | None, call: Callable[[Any], Any]) -> Any:
+    """Run `call(alembic.command)`, its failures turned into MersalErrors."""
+    from alembic import command
+    from alembic.util import CommandError
+
+    where = f" the tables in {mask(database)}" if database else ""
+    try:
+        return call(command)
+    except CommandError as error:
+        raise MersalError(f"{action}{where} failed: {error}") from None
+    except (SQLAlchemyError, OSError) as error:
+        raise MersalError(f"{action}{where} failed: {_hinted(reason(error, database))}") from None
+
+
+def _hinted(text: str) -> str:
+    """The driver's words, with what to do when the user may not create tables."""
+    return f"{text}; {CREATE_RIGHTS_HINT}" if NO_CREATE_RIGHTS in text else text
+
+
+def _online(database: str | None) -> str:
+    if not database:
+        raise ConfigurationError("no database: pass --database URL or set MERSAL_DATABASE")
+    return database
+
+
+def _at(database: str, schema: Schema) -> str:
+    record = schema.record
+    revisions = record.revisions if record is not None else []
+    at = ", ".join(_named(v) for v in revisions) if revisions else "base (no revision recorded)"
+    return f"the outbox and inbox tables in {mask(database)} are at {at}"
+
+
+def _named(revision: str) -> str:
+    return f"{revision} (head)" if revision == HEAD_REVISION else revision
+
+
+def _pair(tables: Tables) -> str:
+    return f"{tables.outbox.name} and {tables.inbox.name}"

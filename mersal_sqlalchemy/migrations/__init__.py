@@ -1,0 +1,88 @@
+"""Our Alembic migrations, and what your own Alembic project needs to include them.
+
+In your `env.py`, pass `include_object` to `context.configure`, so that autogenerate and
+`alembic check` leave our tables and version tables alone; to run our revisions from your
+project, add `VERSIONS` to your `version_locations`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+from sqlalchemy.sql.schema import SchemaItem
+
+from mersal_sqlalchemy.tables import (
+    DEFAULT_INBOX,
+    DEFAULT_OUTBOX,
+    INBOX_OPTION,
+    OUTBOX_OPTION,
+    legacy_version_table_name,
+    migration_table_names,
+    version_table_name,
+)
+
+SCRIPTS = Path(__file__).resolve().parent
+"""Our Alembic script directory (env.py and versions), as `mersal db` uses it."""
+
+VERSIONS = SCRIPTS / "versions"
+"""Our revisions: the directory to add to your `version_locations`."""
+
+IncludeObject = Callable[[SchemaItem, str | None, str, bool, SchemaItem | None], bool]
+
+
+@functools.cache
+def include_object_for(outbox: str = DEFAULT_OUTBOX, inbox: str = DEFAULT_INBOX) -> IncludeObject:
+    """An Alembic `include_object` hook that keeps autogenerate off these tables of ours.
+
+    It hides their version tables always, and the outbox and inbox when they are in the
+    database but not on your metadata (created by our migrations); when you put them on your
+    metadata (`make_tables(metadata=...)`), they are compared like your own tables.
+    """
+    versions = {version_table_name(outbox, inbox), legacy_version_table_name(outbox)}
+    tables = {outbox, inbox}
+
+    def include(
+        item: SchemaItem,
+        name: str | None,
+        type_: str,
+        reflected: bool,
+        compare_to: SchemaItem | None,
+    ) -> bool:
+        if type_ != "table":
+            return True
+        if name in versions:
+            return False
+        return not (reflected and compare_to is None and name in tables)
+
+    return include
+
+
+def include_object(
+    item: SchemaItem,
+    name: str | None,
+    type_: str,
+    reflected: bool,
+    compare_to: SchemaItem | None,
+) -> bool:
+    """Alembic's `include_object` hook for our tables, named as our revisions name them.
+
+    That is by `-x outbox_table=... -x inbox_table=...`, else by the `mersal_outbox_table` and
+    `mersal_inbox_table` options of your `alembic.ini`, else `mersal_outbox` and
+    `mersal_inbox`; see `include_object_for`.
+    """
+    return include_object_for(*table_names())(item, name, type_, reflected, compare_to)
+
+
+def table_names() -> tuple[str, str]:
+    """The outbox and inbox names the running migration works on (for our revision files).
+
+    From `-x outbox_table=... -x inbox_table=...`, then the `mersal_outbox_table` and
+    `mersal_inbox_table` options of the `alembic.ini` in use, then the defaults.
+    """
+    from alembic import context  # only while Alembic runs: `mersal` starts without it
+
+    config = context.config
+    options = {name: config.get_main_option(name) for name in (OUTBOX_OPTION, INBOX_OPTION)}
+    return migration_table_names(context.get_x_argument(as_dictionary=True), options)

@@ -1,0 +1,321 @@
+"""Mersal's tables in a user's own Alembic project, run as a user runs it (`python -m alembic`).
+
+Two routes: our versions directory in the project's `version_locations` (our branch, merged
+once), or the tables on the project's metadata (the user owns the migration). In both,
+`alembic upgrade head` works, `alembic check` finds nothing to change, the app starts, and the
+`mersal db` commands cope with what they find. The project's env.py is the one docs/outbox.md
+shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import alembic
+import pytest
+from sqlalchemy import inspect
+
+from mersal.cli import main
+from mersal_sqlalchemy import make_engine
+from mersal_sqlalchemy.migrations import VERSIONS
+from tests.sql.support import Probe, orders_app
+
+HERE = Path(__file__).parent
+ENV = HERE / "alembic_project" / "env.py"
+DOCS = HERE.parents[1] / "docs" / "outbox.md"
+TEMPLATE = Path(alembic.__file__).parent / "templates" / "async" / "script.py.mako"
+NO_CHANGES = "No new upgrade operations detected."
+
+CUSTOMERS = '''"""Customers."""
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "u0001"
+down_revision = None
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "customers",
+        sa.Column("id", sa.Integer(), primary_key=True),
+        sa.Column("name", sa.String(100), nullable=False),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("customers")
+'''
+
+MODELS = '''"""The project's models."""
+
+from sqlalchemy import String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from mersal_sqlalchemy import make_tables
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Customer(Base):
+    __tablename__ = "customers"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(100))
+'''
+
+OWN_TABLES = 'make_tables("{outbox}", "{inbox}", metadata=Base.metadata)\n'
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What one command printed, and how it exited."""
+
+    code: int
+    out: str
+    err: str
+
+
+@dataclass(frozen=True)
+class Project:
+    """A user's Alembic project in a directory: alembic.ini, alembic/, myapp/models.py."""
+
+    root: Path
+
+    @property
+    def versions(self) -> Path:
+        """The project's own versions directory."""
+        return self.root / "alembic" / "versions"
+
+    async def alembic(self, *arguments: str) -> Ran:
+        """Run `python -m alembic ARGUMENTS` in the project, as its user would."""
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("MERSAL_")}
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "alembic", *arguments],
+            cwd=self.root,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        return Ran(done.returncode, done.stdout, done.stderr)
+
+    def own_tables(self, outbox: str = "mersal_outbox", inbox: str = "mersal_inbox") -> None:
+        """Put our tables on the project's metadata, as `make_tables(metadata=...)` does."""
+        models = self.root / "myapp" / "models.py"
+        line = OWN_TABLES.format(outbox=outbox, inbox=inbox)
+        models.write_text(models.read_text() + "\n" + line)
+
+
+def write_project(
+    root: Path, database: str, *, our_branch: bool, options: dict[str, str] | None = None
+) -> Project:
+    """A project with a customers table and its migration; our versions added if `our_branch`."""
+    (root / "alembic" / "versions").mkdir(parents=True)
+    (root / "myapp").mkdir()
+    (root / "myapp" / "__init__.py").write_text("")
+    (root / "myapp" / "models.py").write_text(MODELS)
+    (root / "alembic" / "env.py").write_text(ENV.read_text())
+    (root / "alembic" / "script.py.mako").write_text(TEMPLATE.read_text())
+    (root / "alembic" / "versions" / "u0001_customers.py").write_text(CUSTOMERS)
+    lines = [
+        "[alembic]",
+        "script_location = %(here)s/alembic",
+        "prepend_sys_path = .",
+        "path_separator = os",
+        f"sqlalchemy.url = {database}",
+    ]
+    if our_branch:
+        ours = str(VERSIONS).replace("%", "%%")
+        lines.append(f"version_locations = %(here)s/alembic/versions{os.pathsep}{ours}")
+    lines += [f"{name} = {value}" for name, value in (options or {}).items()]
+    (root / "alembic.ini").write_text("\n".join(lines) + "\n")
+    return Project(root)
+
+
+async def table_names(database: str) -> set[str]:
+    """The tables in `database`."""
+    engine = make_engine(database)
+    try:
+        async with engine.connect() as connection:
+            return set(await connection.run_sync(lambda c: inspect(c).get_table_names()))
+    finally:
+        await engine.dispose()
+
+
+async def mersal(*arguments: str) -> int:
+    """Run `mersal ARGUMENTS` in process."""
+    return await asyncio.to_thread(main, list(arguments))
+
+
+async def app_starts(database: str, memory_url: str, **options: str) -> bool:
+    """Whether the orders app starts on `database` (its start checks the tables)."""
+    async with orders_app(database, memory_url, Probe(), create_tables=False, **options) as app:
+        return app.running
+
+
+def test_the_env_py_in_the_docs_is_the_one_tested() -> None:
+    pattern = r"```python\n(\"\"\"Your Alembic project's env\.py.*?)```"
+    shown = re.search(pattern, DOCS.read_text(), re.DOTALL)
+    assert shown is not None, "docs/outbox.md shows the env.py"
+    assert shown.group(1) == ENV.read_text()
+
+
+async def test_our_branch_in_your_project_upgrades_to_head_after_one_merge(
+    empty_database: str, tmp_path: Path, memory_url: str
+) -> None:
+    project = write_project(tmp_path / "project", empty_database, our_branch=True)
+    heads = await project.alembic("heads")
+    assert sorted(heads.out.splitlines()) == ["mersal_0001 (mersal) (head)", "u0001 (head)"]
+    refused = await project.alembic("upgrade", "head")
+    assert refused.code != 0
+    assert refused.out.startswith(
+        "FAILED: Multiple head revisions are present for given argument 'head'"
+    )
+
+    ours = sorted(VERSIONS.iterdir())
+    merged = await project.alembic("merge", "-m", "include mersal", "heads")
+    assert merged.code == 0, merged.err
+    assert sorted(VERSIONS.iterdir()) == ours  # the merge lands in the project, not in ours
+    [merge] = project.versions.glob("*_include_mersal.py")
+    assert (await project.alembic("heads")).out == f"{merge.name.split('_')[0]} (mersal) (head)\n"
+
+    upgraded = await project.alembic("upgrade", "head")
+    assert upgraded.code == 0, upgraded.err
+    assert await table_names(empty_database) == {
+        "alembic_version",
+        "customers",
+        "mersal_inbox",
+        "mersal_outbox",
+    }
+    checked = await project.alembic("check")
+    assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
+    assert await app_starts(empty_database, memory_url)
+
+
+async def test_without_a_merge_upgrade_heads_works_and_check_finds_nothing(
+    empty_database: str, tmp_path: Path, memory_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project = write_project(tmp_path / "project", empty_database, our_branch=True)
+    upgraded = await project.alembic("upgrade", "heads")
+    assert upgraded.code == 0, upgraded.err
+    checked = await project.alembic("check")
+    assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
+    assert await app_starts(empty_database, memory_url)
+
+    assert await mersal("db", "current", "--database", empty_database) == 0
+    assert capsys.readouterr().out == (
+        "mersal_0001 (head), recorded in alembic_version (your Alembic project's)\n"
+    )
+    for action in ("upgrade", "downgrade"):
+        arguments = ["base"] if action == "downgrade" else []
+        assert await mersal("db", action, *arguments, "--database", empty_database) == 2
+        assert capsys.readouterr().err == (
+            f"mersal: the tables in {empty_database} are migrated by your own Alembic project "
+            f"(mersal_0001 in alembic_version): {action} them there (`alembic {action} ...`), "
+            f"or take them over with `mersal db stamp mersal_0001 --database '{empty_database}'` "
+            "first\n"
+        )
+    assert {"mersal_outbox", "mersal_inbox"} <= await table_names(empty_database)
+
+
+@pytest.mark.integration
+async def test_our_branch_takes_the_table_names_from_alembic_ini(
+    empty_postgres_url: str, tmp_path: Path, memory_url: str
+) -> None:
+    names = {"mersal_outbox_table": "orders_outbox", "mersal_inbox_table": "orders_inbox"}
+    project = write_project(
+        tmp_path / "project", empty_postgres_url, our_branch=True, options=names
+    )
+    assert (await project.alembic("merge", "-m", "include mersal", "heads")).code == 0
+    upgraded = await project.alembic("upgrade", "head")
+    assert upgraded.code == 0, upgraded.err
+    tables = await table_names(empty_postgres_url)
+    assert {"orders_outbox", "orders_inbox"} <= tables
+    assert not {"mersal_outbox", "mersal_inbox"} & tables
+    checked = await project.alembic("check")
+    assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
+    options = {"outbox_table": "orders_outbox", "inbox_table": "orders_inbox"}
+    assert await app_starts(empty_postgres_url, memory_url, **options)
+
+
+async def test_tables_you_own_are_refused_by_upgrade_and_recorded_by_stamp(
+    empty_database: str,
+    tmp_path: Path,
+    memory_url: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    project = write_project(tmp_path / "project", empty_database, our_branch=False)
+    assert (await project.alembic("upgrade", "head")).code == 0
+    project.own_tables()
+    generated = await project.alembic("revision", "--autogenerate", "-m", "mersal tables")
+    assert generated.code == 0, generated.err
+    [revision] = project.versions.glob("*_mersal_tables.py")
+    written = revision.read_text()
+    assert "op.create_table('mersal_outbox'" in written
+    assert "op.create_table('mersal_inbox'" in written
+    assert (await project.alembic("upgrade", "head")).code == 0
+    checked = await project.alembic("check")
+    assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
+    assert await app_starts(empty_database, memory_url)
+
+    capsys.readouterr()
+    assert await mersal("db", "upgrade", "--database", empty_database) == 2
+    assert capsys.readouterr().err == refused_take_over(empty_database)
+    assert "mersal_outbox_alembic_version" not in await table_names(empty_database)
+
+    assert await mersal("db", "stamp", "head", "--database", empty_database) == 0
+    at_head = f"the outbox and inbox tables in {empty_database} are at mersal_0001 (head)\n"
+    assert capsys.readouterr().out == at_head
+    assert await mersal("db", "upgrade", "--database", empty_database) == 0
+    assert capsys.readouterr().out == at_head
+    assert "mersal_outbox_alembic_version" in await table_names(empty_database)
+    checked = await project.alembic("check")  # include_object hides our version table
+    assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
+    assert await app_starts(empty_database, memory_url)
+
+
+def refused_take_over(database: str) -> str:
+    """What `mersal db upgrade` says of our tables beside a project's alembic_version."""
+    return (
+        f"mersal: mersal_outbox and mersal_inbox exist in {database} without a revision of "
+        "ours, beside your Alembic project's alembic_version: if your own Alembic project "
+        "manages these tables, keep using `alembic upgrade head` there; if you want `mersal db` "
+        f"to manage them, run `mersal db stamp head --database '{database}'` once\n"
+    )
+
+
+async def test_after_the_merge_mersal_db_leaves_the_tables_to_your_project(
+    empty_database: str, tmp_path: Path, memory_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project = write_project(tmp_path / "project", empty_database, our_branch=True)
+    assert (await project.alembic("merge", "-m", "include mersal", "heads")).code == 0
+    upgraded = await project.alembic("upgrade", "head")
+    assert upgraded.code == 0, upgraded.err
+    tables = await table_names(empty_database)
+
+    capsys.readouterr()
+    assert await mersal("db", "upgrade", "--database", empty_database) == 2
+    assert capsys.readouterr().err == refused_take_over(empty_database)
+    assert await mersal("db", "downgrade", "base", "--database", empty_database) == 2
+    assert capsys.readouterr().err == (
+        "mersal: no revision of ours is recorded for mersal_outbox and mersal_inbox in "
+        f"{empty_database}: there is nothing to downgrade (tables your own migrations made "
+        "are yours)\n"
+    )
+    assert await table_names(empty_database) == tables
+    assert "mersal_outbox_alembic_version" not in tables
+    checked = await project.alembic("check")
+    assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
+    assert await app_starts(empty_database, memory_url)
