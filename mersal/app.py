@@ -29,7 +29,7 @@ from mersal.errors import (
 from mersal.handlers import Handler, Handlers, M
 from mersal.health import MAX_RELAY_LAG, Health, check
 from mersal.logs import log_handled
-from mersal.messages import Header, TypeRegistry, describe, new_id
+from mersal.messages import Header, TypeRegistry, check_message_class, describe, new_id
 from mersal.outbox import Storage, attach_storage, unreachable_reply
 from mersal.pipeline import (
     MessageContext,
@@ -179,12 +179,14 @@ class App:
     def register(self, message_type: type[M], handler: Handler[M]) -> None:
         """Handle `message_type` (and its subclasses) with a handler class or async function."""
         self._check_not_running("register handlers")
+        check_message_class(message_type, self.codec, "register")
         self.types.add(message_type)
         self.handlers.add(message_type, handler)
 
     def route(self, message_type: type, queue: str) -> None:
         """Send messages of `message_type` (and its subclasses) to `queue`."""
         self._check_not_running("route message types")
+        check_message_class(message_type, self.codec, "route")
         check_queue_name(queue, f"route({message_type.__qualname__}, queue)")
         self.types.add(message_type)
         self._routes[message_type] = queue
@@ -192,6 +194,7 @@ class App:
     def subscribe(self, message_type: type) -> None:
         """Receive every published `message_type` in this app's queue."""
         self._check_not_running("subscribe")
+        check_message_class(message_type, self.codec, "subscribe", bases=False)
         self.types.add(message_type)
         if message_type not in self._subscriptions:
             self._subscriptions.append(message_type)
@@ -226,11 +229,7 @@ class App:
         partition_key: str | None = None,
     ) -> str:
         """Send a message to this app's own queue; returns the message id."""
-        if not self.consume:
-            raise ConfigurationError(
-                f"app {self.name!r} is send-only (consume=False) and has no queue of its own: "
-                "send to another app's queue (app.route + app.send)"
-            )
+        self._check_own_queue("send_local()")
         return await self._emit(message, self.name, False, headers, partition_key)
 
     async def publish(
@@ -262,7 +261,10 @@ class App:
             )
         merged = check_headers(headers)
         merged[Header.DELIVER_AT] = f"{time.time() + max(0.0, seconds):.6f}"
-        queue = self._routes_get(type(message)) or self.name
+        queue = self._routes_get(type(message))
+        if queue is None:
+            self._check_own_queue(f"defer() a {type(message).__qualname__} that has no route")
+            queue = self.name
         return await self._emit(message, queue, False, merged, partition_key)
 
     async def reply(
@@ -452,8 +454,7 @@ class App:
         """Running, still receiving, and no outbox row parked for an operator to deal with."""
         return (
             self._running
-            and self._worker is not None
-            and self._worker.failed is None
+            and (not self.consume or (self._worker is not None and self._worker.failed is None))
             and (self.storage is None or not self.storage.parked)
         )
 
@@ -506,6 +507,7 @@ class App:
         self._running = True
         if self._worker is not None:
             self._worker.start()
+            self._warn_undelivered()
         log.info(
             "app %r started on %s%s",
             self.name,
@@ -613,6 +615,14 @@ class App:
             )
         self.handlers.check()
 
+    def _check_own_queue(self, what: str) -> None:
+        """Refuse `what` (a send to the app's own queue) in a send-only app, which has none."""
+        if not self.consume:
+            raise ConfigurationError(
+                f"app {self.name!r} is send-only (consume=False) and has no queue of its own, so "
+                f"it cannot {what}: route the type to the app that handles it (app.route)"
+            )
+
     def _check_send_only(self) -> None:
         """A send-only app receives nothing: refuse what would wait for a delivery."""
         received = [*self._subscriptions, *self.handlers.message_types]
@@ -629,6 +639,28 @@ class App:
                 f"app {self.name!r} is send-only (consume=False), so it has no queue of its own, "
                 f"yet it routes {routed_home[0].__qualname__} to {self.name!r}: route it to the "
                 "app that handles it"
+            )
+
+    def _warn_undelivered(self) -> None:
+        """Warn of handled types that no route to this app's queue or subscription brings."""
+        home = [t for t, queue in self._routes.items() if queue == self.name]
+        for handled in self.handlers.message_types:
+            if any(issubclass(t, handled) for t in self._subscriptions) or any(
+                issubclass(t, handled) or issubclass(handled, t) for t in home
+            ):
+                continue
+            name = handled.__qualname__
+            log.warning(
+                "app %r handles %s but neither routes it to its own queue nor subscribes to it: "
+                "its handler runs only for a %s sent with send_local, routed here by another "
+                "app or replied to this app; app.route(%s, %r) if this app receives it, "
+                "app.subscribe(%s) if it is a published event",
+                self.name,
+                name,
+                name,
+                name,
+                self.name,
+                name,
             )
 
     def _check_running(self) -> None:

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import sys
-import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from mersal import plugins
 from mersal.app import App
-from mersal.commands import ProgressLine, align, load_app, positive_int
+from mersal.commands import ProgressLine, align, in_daemon_thread, load_app, positive_int
 from mersal.dead_letters import (
     SUMMARY_COLUMNS,
     DeadLetter,
@@ -303,28 +301,17 @@ async def ask_to_drop(letters: Sequence[DeadLetter], queue: str) -> bool:
 
 
 async def read_answer(question: str) -> str:
-    """Ask `question` on stderr; the line typed on stdin ('' at its end), read off the loop."""
+    """Ask `question` on stderr; the line typed on stdin ('' at its end), read off the loop.
+
+    The loop keeps running meanwhile (the broker's heartbeats), and a question left unanswered
+    (Ctrl-C) does not keep the process alive.
+    """
     print(question, end="", file=sys.stderr, flush=True)
-    loop = asyncio.get_running_loop()
-    answer: asyncio.Future[str] = loop.create_future()
-    stdin = sys.stdin
-
-    def read() -> None:
-        try:
-            line = stdin.readline()
-        except (OSError, ValueError):
-            line = ""
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-            loop.call_soon_threadsafe(give, line)
-
-    def give(line: str) -> None:
-        if not answer.done():
-            answer.set_result(line)
-
-    # The loop keeps running meanwhile (the broker's heartbeats); a daemon thread, so that a
-    # question left unanswered (Ctrl-C) does not keep the process alive.
-    threading.Thread(target=read, name="mersal-answer", daemon=True).start()
-    return await answer
+    try:
+        line: str = await in_daemon_thread(sys.stdin.readline)
+    except (OSError, ValueError):
+        return ""
+    return line
 
 
 def dlq_url(args: argparse.Namespace, app: App | None) -> str:

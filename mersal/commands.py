@@ -7,14 +7,18 @@ from there or from here.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import functools
 import importlib
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from mersal.app import App
-from mersal.errors import ConfigurationError
+from mersal.errors import ConfigurationError, MersalError
 
 
 def load_app(target: str) -> App:
@@ -28,11 +32,22 @@ def load_app(target: str) -> App:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise ConfigurationError(f"cannot import {module_name!r}: {error}") from None
+    except Exception as error:  # the user's module failed: one line, not a traceback
+        raise ConfigurationError(
+            f"importing {module_name!r} raised {type(error).__name__}: {error}"
+        ) from error
     found = getattr(module, attribute, None)
     if found is None:
         raise ConfigurationError(f"module {module_name!r} has no attribute {attribute!r}")
     if not isinstance(found, App) and callable(found):
-        found = found()
+        try:
+            found = found()
+        except MersalError:
+            raise
+        except Exception as error:
+            raise ConfigurationError(
+                f"{target}() raised {type(error).__name__}: {error}"
+            ) from error
     if not isinstance(found, App):
         raise ConfigurationError(f"{target} is {type(found).__qualname__}, not a mersal App")
     return found
@@ -104,3 +119,29 @@ class ProgressLine:
             self.stream.write("\n")
             self.stream.flush()
             self.shown_at = None
+
+
+async def in_daemon_thread(function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` in a daemon thread: a caller that stops waiting does not wait for it.
+
+    (`asyncio.to_thread` cannot be abandoned: `asyncio.run` waits for its threads at the end.)
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not done.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = function(*args)
+        except BaseException as error:  # handed to the caller, who raises it
+            answer: Callable[[], None] = functools.partial(done.set_exception, error)
+        else:
+            answer = functools.partial(done.set_result, result)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, answer)
+
+    threading.Thread(target=run, name="mersal-command", daemon=True).start()
+    return await done

@@ -19,6 +19,10 @@ class DecodeError(MersalError):
     """A delivery cannot become a message: bad body, unknown or missing type, too large."""
 
 
+class EncodeError(MersalError):
+    """A message cannot be encoded (a field of a type the codec cannot carry): nothing was sent."""
+
+
 class Unsendable(MersalError):
     """The broker can never take this message as it is (no such queue, too large)."""
 

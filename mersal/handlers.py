@@ -38,6 +38,8 @@ Handler = (
 """What `App.register` takes for messages of type M: a class, or an async function."""
 
 _UNBUILDABLE = (str, int, float, bool, bytes, complex, list, dict, set, tuple, type(None))
+_SESSION = ("sqlalchemy.ext.asyncio.session", "AsyncSession")
+"""SQLAlchemy's AsyncSession, by module and name: the core does not import SQLAlchemy."""
 
 
 @dataclass(slots=True)
@@ -157,6 +159,12 @@ class Handlers:
         if dependency in self.scoped or self.container.get_definition(dependency) is not None:
             return
         trail = " -> ".join((*path, f"{name}: {_name(dependency)}"))
+        if _is_session(dependency):
+            raise ConfigurationError(
+                f"handler {_name(handler)} needs {trail}, the message's database session, but "
+                "the app has no database: pass App(database='postgresql+asyncpg://...') (or "
+                "set MERSAL_DATABASE), or drop the session from the handler"
+            )
         if (
             not inspect.isclass(dependency)
             or dependency in _UNBUILDABLE
@@ -214,6 +222,11 @@ def _parameters(cls: type) -> list[tuple[str, Any]]:
             )
         found.append((name, hints[name]))
     return found
+
+
+def _is_session(dependency: Any) -> bool:
+    module = getattr(dependency, "__module__", None)
+    return (module, getattr(dependency, "__qualname__", None)) == _SESSION
 
 
 def _name(thing: Any) -> str:

@@ -6,7 +6,8 @@ call it as often as it likes. Each failing check is named with its reason:
 - live: `app` (started, not stopped), `worker` (still receiving), `relay` (the outbox relay's
   loop runs);
 - ready: every liveness check, and `broker` (connected now), `outbox` (the relay's last round
-  failed: the database or the broker refused it), `relay_lag` (the relay has been behind, with
+  failed, or its batch has taken longer than the threshold: the database or the broker
+  refused it or does not answer), `relay_lag` (the relay has been behind, with
   a full batch in hand each time it looked, for longer than the threshold).
 """
 
@@ -33,11 +34,20 @@ class Health:
     checks: dict[str, str] = field(default_factory=dict)
 
 
+LIVENESS = frozenset({"app", "worker", "relay"})
+"""The checks that make an app not live (the others make it only not ready)."""
+
+
 def check(app: App, max_relay_lag: float = MAX_RELAY_LAG) -> Health:
     """Run every check on `app` and sum them up."""
     alive = liveness(app)
     readiness = {**alive, **ready_checks(app, max_relay_lag)} if app.running else alive
     return Health(live=not alive, ready=not readiness, checks=readiness)
+
+
+def liveness_checks(health: Health) -> dict[str, str]:
+    """The failing checks of `health` that make the app not live."""
+    return {name: reason for name, reason in health.checks.items() if name in LIVENESS}
 
 
 def liveness(app: App) -> dict[str, str]:
@@ -63,6 +73,11 @@ def ready_checks(app: App, max_relay_lag: float) -> dict[str, str]:
     if relay is not None:
         if relay.failing is not None:
             failing["outbox"] = f"the outbox relay's last round failed: {relay.failing}"
+        elif relay.batch_time > max_relay_lag:
+            failing["outbox"] = (
+                f"the outbox relay's batch has taken {relay.batch_time:.0f}s so far: the "
+                "database or the broker does not answer"
+            )
         if relay.lag > max_relay_lag:
             failing["relay_lag"] = (
                 f"the outbox relay has been behind for {relay.lag:.0f}s "

@@ -78,4 +78,4 @@ class JsonFormatter(logging.Formatter):
                 entry[name] = value
         if record.exc_info:
             entry["error"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str, ensure_ascii=False)
+        return json.dumps(entry, default=str)

@@ -136,6 +136,36 @@ def check_type_name(name: object) -> str:
     return name
 
 
+def check_message_class(cls: object, codec: object, use: str, *, bases: bool = True) -> None:
+    """Refuse (`ConfigurationError`) a class the codec cannot carry, unless a base of one.
+
+    A handler or a route for a base class covers its subclasses: with `bases`, a class of the
+    program (not a builtin) passes when one of its subclasses is a message class. `use` is the
+    App method taking it ("register", "route", "subscribe"). A codec without `accepts` (see
+    `mersal.serialization.Codec`) is trusted with any class.
+    """
+    if not isinstance(cls, type):
+        raise ConfigurationError(
+            f"app.{use}() takes a message class, not {cls!r:.80}: pass the class itself"
+        )
+    accepts: Callable[[type], bool] | None = getattr(codec, "accepts", None)
+    if accepts is None or accepts(cls):
+        return
+    builtin = cls.__module__ == "builtins"
+    if bases and not builtin and any(accepts(sub) for sub in _subclasses(cls)):
+        return
+    name = cls.__qualname__
+    fix = (
+        f"wrap the value in one (e.g. a @dataclass with a field of type {name})"
+        if builtin
+        else f"make {name} one (e.g. decorate it with @dataclass)"
+    )
+    raise ConfigurationError(
+        f"app.{use}({name}{'' if use == 'subscribe' else ', ...'}): {name} is not a message "
+        f"class; a message is {getattr(codec, 'supported', 'a class the codec carries')}: {fix}"
+    )
+
+
 def type_name_of(cls: type) -> str:
     """The wire name of a message class: its `@message` name or `module.QualName`."""
     declared = cls.__dict__.get(NAME_ATTRIBUTE)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -145,6 +146,7 @@ class Relay:
         self.failing: Failure | None = None
         """Why the relay's last round failed, until a round succeeds."""
         self._behind_since: float | None = None
+        self._batch_since: float | None = None
         self._failures: dict[int, int] = {}
         self._parked_seen = 0
         self._counted_at = -math.inf
@@ -166,7 +168,14 @@ class Relay:
         """Seconds since the relay last had every claimable row in hand (0 when it has)."""
         if self._behind_since is None:
             return 0.0
-        return asyncio.get_running_loop().time() - self._behind_since
+        return time.monotonic() - self._behind_since
+
+    @property
+    def batch_time(self) -> float:
+        """Seconds the relay's current batch has taken so far (0 between batches)."""
+        if self._batch_since is None:
+            return 0.0
+        return time.monotonic() - self._batch_since
 
     def start(self) -> None:
         """Run the relay loop in the background."""
@@ -225,6 +234,13 @@ class Relay:
         publish timeout): rows the broker confirmed are deleted, not sent again by the next
         start, and no claimed row keeps its lease.
         """
+        self._batch_since = time.monotonic()
+        try:
+            return await self._claim_and_send()
+        finally:
+            self._batch_since = None
+
+    async def _claim_and_send(self) -> int | None:
         rows = await self.store.claim(self.batch)
         self._note_backlog(len(rows))
         if not rows:
@@ -245,7 +261,7 @@ class Relay:
         if claimed < self.batch:
             self._behind_since = None
         elif self._behind_since is None:
-            self._behind_since = asyncio.get_running_loop().time()
+            self._behind_since = time.monotonic()
 
     async def _run(self) -> None:
         backoff = 0.0

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from mersal.errors import ConfigurationError
-from mersal.health import Health
+from mersal.health import Health, liveness_checks
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -96,8 +96,11 @@ def _answer(health: Callable[[], Health], which: str) -> Endpoint:
 
     async def answer(request: web.Request) -> web.StreamResponse:
         found = health()
-        good = found.live if which == "live" else found.ready
-        body = {which: good, "checks": found.checks}
+        if which == "live":
+            good, checks = found.live, liveness_checks(found)
+        else:
+            good, checks = found.ready, found.checks
+        body = {which: good, "checks": checks}
         return web.Response(
             status=200 if good else 503,
             text=json.dumps(body, ensure_ascii=False),

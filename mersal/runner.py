@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from mersal.errors import Unreachable
 from mersal.health import MAX_RELAY_LAG
 from mersal.logs import JsonFormatter
 from mersal.probes import Metrics, probes, prometheus_metrics
+from mersal.transport import mask
 
 if TYPE_CHECKING:
     from mersal.app import App
@@ -33,6 +35,13 @@ WAIT = 30.0
 """Seconds `mersal run` waits for the broker and the database at start, by default."""
 FIRST_PAUSE = 0.5
 MAX_PAUSE = 5.0
+ATTEMPT_TIMEOUT = 15.0
+"""Seconds one start may take (at least) before its broker or database counts as unreachable."""
+CANCEL_WAIT = 5.0
+"""Seconds a cancelled start may take to clean up before it is left behind."""
+STOP_MARGIN = 10.0
+"""Seconds beyond the app's grace period that a stop may take before it is abandoned."""
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 WATCH_INTERVAL = 1.0
 """Seconds between looks at whether the app still works."""
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -90,6 +99,7 @@ def run_command(args: argparse.Namespace) -> int:
     """`mersal run`: load the app, set it up as the options say, serve it until told to stop."""
     configure_logging(args.log_level, args.log_format)
     app = load_app(args.target)
+    warn_if_in_process(app)
     if args.concurrency is not None:
         app.set_concurrency(args.concurrency)
     app.log_messages = args.log_messages
@@ -103,6 +113,20 @@ def run_command(args: argparse.Namespace) -> int:
         metrics=metrics,
     )
     return loop.run(served, args.loop)
+
+
+def warn_if_in_process(app: App) -> None:
+    """Warn that an app on `memory://` has a broker no other process reaches."""
+    address = app.transport.address
+    if address.partition("://")[0].lower() == "memory":
+        log.warning(
+            "app %r runs on %s, a broker inside this process: no other process reaches it (a "
+            "second `mersal run`, a web server or a script on the same URL gets an empty broker "
+            "of its own, and their messages never meet); for several processes use RabbitMQ: "
+            "MERSAL_TRANSPORT=amqp://user:password@host/vhost",
+            app.name,
+            mask(address),
+        )
 
 
 def configure_logging(level: str, form: str) -> None:
@@ -121,11 +145,16 @@ async def serve(
     max_relay_lag: float = MAX_RELAY_LAG,
     metrics: Metrics | None = None,
 ) -> int:
-    """Run `app` until SIGINT or SIGTERM (0), or until it stops working on its own (1)."""
+    """Run `app` until SIGINT or SIGTERM (0), or until it stops working on its own (1).
+
+    A second signal ends the process at once; a stop that outlasts the app's grace period by
+    `STOP_MARGIN` seconds is abandoned (1). Either way the broker gives unacknowledged
+    messages back, and committed outbox rows wait for the next start.
+    """
     stopping = asyncio.Event()
     running = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        running.add_signal_handler(signum, stopping.set)
+    for signum in SIGNALS:
+        running.add_signal_handler(signum, _on_signal, stopping, signum)
     try:
         if not await start_when_reachable(app, wait, stopping):
             return 0
@@ -135,12 +164,39 @@ async def serve(
                     await stack.enter_async_context(
                         probes(app, health_host, health_port, max_relay_lag, metrics)
                     )
-                return await watch(app, stopping)
+                code = await watch(app, stopping)
         finally:
-            await app.stop()
+            stopped = await stop_within(app, app.grace_period + STOP_MARGIN)
+        return code if stopped else 1
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in SIGNALS:
             running.remove_signal_handler(signum)
+
+
+def _on_signal(stopping: asyncio.Event, signum: int) -> None:
+    name = signal.Signals(signum).name
+    if not stopping.is_set():
+        log.info("%s: stopping gracefully (again to exit at once)", name)
+        stopping.set()
+        return
+    log.error("%s again: exiting at once; the broker gives unfinished messages back", name)
+    os._exit(128 + signum)
+
+
+async def stop_within(app: App, seconds: float) -> bool:
+    """Stop `app`, giving up after `seconds` (a broker or database that does not answer)."""
+    try:
+        async with asyncio.timeout(seconds):
+            await app.stop()
+    except TimeoutError:
+        log.error(
+            "app %r did not stop within %gs (the broker or the database does not answer); "
+            "leaving it: the broker gives unacknowledged messages back",
+            app.name,
+            seconds,
+        )
+        return False
+    return True
 
 
 async def start_when_reachable(app: App, wait: float, stopping: asyncio.Event) -> bool:
@@ -153,8 +209,8 @@ async def start_when_reachable(app: App, wait: float, stopping: asyncio.Event) -
     pause = FIRST_PAUSE
     while True:
         try:
-            await app.start()
-            return True
+            limit = max(deadline - running.time(), ATTEMPT_TIMEOUT)
+            return await start_once(app, limit, stopping)
         except Unreachable as error:
             left = deadline - running.time()
             if left <= 0:
@@ -168,6 +224,33 @@ async def start_when_reachable(app: App, wait: float, stopping: asyncio.Event) -
             if await _set_within(stopping, pause):
                 return False
             pause = min(pause * 2, MAX_PAUSE)
+
+
+async def start_once(app: App, limit: float, stopping: asyncio.Event) -> bool:
+    """Start `app` within `limit` seconds: True once started, False if told to stop first.
+
+    An attempt that outlasts `limit` (a broker or database that takes the connection but
+    never answers) is cancelled and counts as `Unreachable`.
+    """
+    attempt = asyncio.ensure_future(app.start())
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {attempt, stop}, timeout=limit, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        stop.cancel()
+    if attempt in done:
+        attempt.result()
+        return True
+    attempt.cancel()
+    await asyncio.wait({attempt}, timeout=CANCEL_WAIT)
+    if stop in done:
+        return False
+    raise Unreachable(
+        f"app {app.name!r} could not start within {limit:g}s: its broker or database took "
+        "the connection but did not answer"
+    )
 
 
 async def watch(app: App, stopping: asyncio.Event) -> int:

@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import msgspec
 
-from mersal.errors import DecodeError
+from mersal.errors import DecodeError, EncodeError
+
+MESSAGE_CLASSES = "a dataclass, a pydantic model, a msgspec Struct or an attrs class"
+"""What a message is for the JSON codec."""
+FIELD_TYPES = (
+    "str, int, float, bool, None, list, dict with str keys, datetime, UUID, Decimal, enum, or a "
+    "dataclass, pydantic model, msgspec Struct or attrs class"
+)
+"""What a message's fields may hold for the JSON codec."""
+MAX_DEPTH = 20
+"""How deep an encoding failure is looked for in nested fields."""
 
 
 class Codec(Protocol):
-    """Encodes message objects to bytes and decodes bytes into a given class."""
+    """Encodes message objects to bytes and decodes bytes into a given class.
+
+    A codec may also have `accepts(cls) -> bool` and `supported: str` (what it accepts, in
+    words): `register`, `route` and `subscribe` then refuse the classes it cannot carry.
+    """
 
     content_type: str
 
@@ -24,17 +41,29 @@ class Codec(Protocol):
 
 
 class JsonCodec:
-    """JSON for dataclasses, msgspec Structs and pydantic models, validated against the class."""
+    """JSON for dataclasses, msgspec Structs, pydantic models and attrs classes, validated."""
 
     content_type = "application/json"
+    supported = MESSAGE_CLASSES
+    """What a message class must be, in words."""
 
     def __init__(self) -> None:
         self._encoder = msgspec.json.Encoder(enc_hook=_to_builtins)
         self._decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 
+    def accepts(self, cls: type) -> bool:
+        """Whether messages of class `cls` encode and decode."""
+        return is_message_class(cls)
+
     def encode(self, message: object) -> bytes:
-        """The message as compact UTF-8 JSON."""
-        return self._encoder.encode(message)
+        """The message as compact UTF-8 JSON, or an `EncodeError` naming what cannot be."""
+        try:
+            body = self._encoder.encode(message)
+        except Exception as error:
+            raise encode_error(message, error, self._encoder.encode) from None
+        if b"null" in body:  # where JSON has no number, the encoder writes null: refuse that
+            refuse_non_finite(message)
+        return body
 
     def decode(self, body: bytes, cls: type) -> Any:
         """An instance of `cls` validated from a JSON body."""
@@ -52,11 +81,100 @@ class JsonCodec:
             raise DecodeError(f"body is not valid JSON for {cls.__qualname__}: {error}") from None
 
 
+def is_message_class(cls: type) -> bool:
+    """Whether `cls` is a dataclass, a pydantic model, a msgspec Struct or an attrs class."""
+    return (
+        dataclasses.is_dataclass(cls)
+        or issubclass(cls, msgspec.Struct)
+        or hasattr(cls, "__attrs_attrs__")
+        or callable(getattr(cls, "model_validate_json", None))
+    )
+
+
+def encode_error(message: object, error: Exception, encode: Callable[[Any], bytes]) -> EncodeError:
+    """What could not be encoded in `message` (the field, when one is to blame), and the fix."""
+    name = type(message).__qualname__
+    path, culprit = _unencodable(message, encode, MAX_DEPTH)
+    reason = "" if isinstance(error, _Unsupported) else f" ({type(error).__name__}: {error})"
+    if path:
+        return EncodeError(
+            f"cannot encode {name} as JSON: field {path.lstrip('.')} holds a "
+            f"{type(culprit).__qualname__}{reason}; give the field a type JSON can carry "
+            f"({FIELD_TYPES}) or convert the value before sending"
+        )
+    if not is_message_class(type(message)):
+        return EncodeError(
+            f"cannot encode {name} as JSON{reason}: a message is {MESSAGE_CLASSES}; make "
+            f"{name} one (e.g. decorate it with @dataclass)"
+        )
+    return EncodeError(f"cannot encode {name} as JSON{reason}")
+
+
+def refuse_non_finite(message: object) -> None:
+    """An `EncodeError` if a float in `message` is infinite or NaN, which JSON cannot carry."""
+    found = _non_finite(message, MAX_DEPTH)
+    if found is not None:
+        path, value = found
+        raise EncodeError(
+            f"cannot encode {type(message).__qualname__} as JSON: field {path.lstrip('.')} holds "
+            f"{value!r}, which JSON cannot carry (it would arrive as null): send a finite number"
+        )
+
+
+def _non_finite(value: object, depth: int) -> tuple[str, float] | None:
+    """The path to a float in `value` that is infinite or NaN, and that float."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else ("", value)
+    if depth <= 0 or isinstance(value, str | bytes | int):
+        return None
+    for name, part in _parts(value):
+        found = _non_finite(part, depth - 1)
+        if found is not None:
+            return f"{name}{found[0]}", found[1]
+    return None
+
+
+def _unencodable(value: object, encode: Callable[[Any], bytes], depth: int) -> tuple[str, object]:
+    """The path to the innermost part of `value` that does not encode, and that part."""
+    if depth > 0:
+        for name, part in _parts(value):
+            try:
+                encode(part)
+            except Exception:
+                path, culprit = _unencodable(part, encode, depth - 1)
+                return f"{name}{path}", culprit
+    return "", value
+
+
+def _parts(value: object) -> Iterator[tuple[str, object]]:
+    """The named parts of a message or container value, as a path suffix and the part."""
+    if isinstance(value, dict):
+        yield from ((f"[{key!r}]", item) for key, item in value.items())
+    elif isinstance(value, list | tuple | set | frozenset):
+        yield from ((f"[{index}]", item) for index, item in enumerate(value))
+    else:
+        for field in _field_names(type(value)):
+            yield f".{field}", getattr(value, field, None)
+
+
+def _field_names(cls: type) -> list[str]:
+    if dataclasses.is_dataclass(cls):
+        return [field.name for field in dataclasses.fields(cls)]
+    names = getattr(cls, "__struct_fields__", None)  # a msgspec Struct
+    if names is None:
+        names = [attribute.name for attribute in getattr(cls, "__attrs_attrs__", ())]
+    return list(names or getattr(cls, "model_fields", ()))
+
+
+class _Unsupported(TypeError):
+    """An object of a type the JSON encoder does not know."""
+
+
 def _to_builtins(value: object) -> Any:
     dump = getattr(value, "model_dump", None)
     if dump is not None:
         return dump(mode="json", by_alias=True)
-    raise NotImplementedError(f"cannot encode {type(value).__qualname__} as JSON")
+    raise _Unsupported(type(value).__qualname__)
 
 
 def _decode_pydantic(validate: Any, body: bytes, cls: type) -> Any:

@@ -255,6 +255,21 @@ async def _connect(address: str, options: dict[str, Any]) -> AbstractRobustConne
 
 def connect_failure(address: str, error: Exception) -> MersalError:
     """The error for a failed connect: `Unreachable` when nothing answered, else what refused."""
+    user, vhost = _login_of(address)
+    if isinstance(error, aiormq.exceptions.ProbableAuthenticationError):
+        return ConfigurationError(
+            f"RabbitMQ at {mask(address)} refused the login for user {user!r}: check the user "
+            "name and password"
+        )
+    if isinstance(error, aiormq.exceptions.InvalidFrameError) and "Connection.OpenOk" in str(
+        error
+    ):  # RabbitMQ answered Connection.Open with Connection.Close: the vhost is the trouble
+        return ConfigurationError(
+            f"RabbitMQ at {mask(address)} refused to open the vhost: vhost {vhost!r} does not "
+            f"exist or user {user!r} may not use it; fix the vhost in the URL, or create it and "
+            f"let the user in (rabbitmqctl add_vhost {vhost}; rabbitmqctl set_permissions -p "
+            f"{vhost} {user} '.*' '.*' '.*')"
+        )
     if isinstance(error, OSError | TimeoutError) or isinstance(error.__cause__, OSError):
         return Unreachable(
             f"cannot connect to RabbitMQ at {mask(address)}: {type(error).__name__}: {error}; "
@@ -264,6 +279,12 @@ def connect_failure(address: str, error: Exception) -> MersalError:
         f"cannot connect to RabbitMQ at {mask(address)}: {type(error).__name__}: {error}; "
         "check the URL, the vhost and the credentials"
     )
+
+
+def _login_of(address: str) -> tuple[str, str]:
+    """The user name and vhost an AMQP URL logs in with (aio-pika's defaults: guest, /)."""
+    url = make_url(address)
+    return url.user or "guest", url.path[1:].replace("%2F", "/") or "/"
 
 
 def closed_under(error: BaseException, closed: bool, what: str) -> ConnectionError | None:

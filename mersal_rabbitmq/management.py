@@ -17,9 +17,14 @@ from urllib.error import HTTPError, URLError
 from urllib.parse import quote, unquote, urlencode, urlsplit
 from urllib.request import Request, urlopen
 
+from mersal.commands import in_daemon_thread
+
 PORT = 15672
 TLS_PORT = 15671
 TIMEOUT = 5.0
+"""Seconds each socket operation of a request may take."""
+DEADLINE = 10.0
+"""Seconds a whole look at the API may take (a server that trickles bytes never times out)."""
 PAGE_SIZE = 500  # the most the API returns in one page
 ENABLE = "enable it (`rabbitmq-plugins enable rabbitmq_management`) or pass --management URL"
 
@@ -69,13 +74,23 @@ class Management:
             "use_regex": "true",
             "columns": "name,messages_unacknowledged",
         }
+        path = f"/api/queues/{quote(self.vhost, safe='')}"
         try:
-            page = await asyncio.to_thread(
-                self.get, f"/api/queues/{quote(self.vhost, safe='')}", query
-            )
+            async with asyncio.timeout(DEADLINE):
+                page = await in_daemon_thread(self.get, path, query)
         except ManagementUnavailable as error:
             return View(note=str(error))
-        items = page.get("items", []) if isinstance(page, dict) else page  # paged, or not
+        except TimeoutError:
+            return View(
+                note=f"the RabbitMQ management API at {self.base} did not answer within "
+                f"{DEADLINE:g}s: {ENABLE}"
+            )
+        items = page.get("items") if isinstance(page, dict) else page  # paged, or not
+        if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+            return View(
+                note=f"the RabbitMQ management API at {self.base} answered what is not a "
+                "list of queues: is --management the API's base URL?"
+            )
         return _view(items, set(names))
 
     def get(self, path: str, query: dict[str, str]) -> Any:
@@ -119,9 +134,12 @@ class View:
 
 def _view(items: list[dict[str, Any]], names: set[str]) -> View:
     """The unacked counts the items carry (a queue not counted yet has none) and the waits."""
+    named = [item for item in items if isinstance(item.get("name"), str)]
     unacked = {
-        item["name"]: item["messages_unacknowledged"]
-        for item in items
-        if isinstance(item.get("messages_unacknowledged"), int)
+        item["name"]: count
+        for item in named
+        if isinstance(count := item.get("messages_unacknowledged"), int)
+        and not isinstance(count, bool)
+        and count >= 0
     }
-    return View(unacked, [item["name"] for item in items if item.get("name") not in names])
+    return View(unacked, [item["name"] for item in named if item["name"] not in names])

@@ -57,7 +57,9 @@ class Publisher:
         """Whether new publishes may use this channel."""
         return not self.retired and not self.channel.is_closed
 
-    async def publish(self, exchange: str, routing_key: str, envelope: Envelope) -> bool:
+    async def publish(
+        self, exchange: str, routing_key: str, envelope: Envelope, *, mandatory: bool = True
+    ) -> bool:
         """Publish and wait for the confirm; False if the broker returned it as unroutable."""
         if self.channel.is_closed:
             raise aiormq.exceptions.ChannelInvalidStateError(f"{self.channel!r} closed")
@@ -68,7 +70,7 @@ class Publisher:
                 exchange=exchange,
                 routing_key=routing_key,
                 properties=properties,
-                mandatory=exchange != EVENTS,
+                mandatory=mandatory,
             )
         except aiormq.exceptions.PublishError:
             return False
@@ -154,12 +156,15 @@ class Publishing:
         channels: int,
         publish_timeout: float,
         confirms: bool,
+        unheard: set[str] | None = None,
     ) -> None:
         self._connection = connection
         self._topology = topology
         self._publish_timeout = publish_timeout
         self._confirms = confirms
         self._pool = PublisherPool(self._open_publisher, channels)
+        self._unheard = unheard if unheard is not None else set()
+        """The topics already warned of: events published that no queue took."""
 
     async def send_each(
         self, messages: Sequence[Outgoing], limits: Limits
@@ -272,16 +277,37 @@ class Publishing:
 
     async def _deliver(self, publisher: Publisher, outgoing: Outgoing) -> None:
         exchange, routing_key, waiting = await self._destination(outgoing)
-        if await publisher.publish(exchange, routing_key, outgoing.envelope):
+        mandatory = exchange != EVENTS or self._listening(routing_key)
+        if await publisher.publish(exchange, routing_key, outgoing.envelope, mandatory=mandatory):
             return
         if waiting:  # the wait queue was deleted since it was declared: declare it again, once
             self._topology.forget(routing_key)
             exchange, routing_key, _ = await self._destination(outgoing)
             if await publisher.publish(exchange, routing_key, outgoing.envelope):
                 return
+        elif outgoing.publish:  # an event nobody subscribes to is fine: say so, once
+            self._nobody_subscribes(outgoing.address)
+            return
         raise Unroutable(
             f"no queue named {outgoing.address!r}: start the app that owns it, or check the route"
         )
+
+    def _listening(self, topic: str) -> bool:
+        """Whether to publish an event `mandatory`, to hear that no queue takes it.
+
+        Only with confirms (without, aiormq logs a return as an error), and only until the
+        warning for its topic is out: a returned body costs the client time to read.
+        """
+        return self._confirms and topic not in self._unheard
+
+    def _nobody_subscribes(self, topic: str) -> None:
+        if topic not in self._unheard:
+            self._unheard.add(topic)
+            log.warning(
+                "no queue subscribes to %s: nobody receives it (an app receives these events "
+                "from the time it calls app.subscribe for them and starts); said once per type",
+                topic,
+            )
 
     async def _destination(self, outgoing: Outgoing) -> tuple[str, str, bool]:
         """The exchange and routing key to publish to, and whether that is a wait queue."""

@@ -2,11 +2,13 @@
 
 A send goes through the default exchange (routing key = queue name) with `mandatory`, so a send
 to a missing queue raises `Unroutable`. A publish goes to one durable topic exchange,
-`mersal.events`, with the message type name as routing key, not mandatory (an event nobody
-subscribes to is fine); `bind(queue, topic)` binds with that exact name. Type names contain
-dots, which separate words in topic routing, but a binding key without wildcards still only
-matches itself. Queues are durable with `x-queue-type` = `queue_type`; a temporary queue is an
-exclusive, auto-delete, non-durable classic queue that goes away with the connection.
+`mersal.events`, with the message type name as routing key: an event nobody subscribes to is
+fine, but with confirms it is published `mandatory` until the broker first returns one of its
+type, which the publisher logs once. `bind(queue, topic)` binds with that exact name. Type names
+contain dots, which separate words in topic routing, but a binding key without wildcards still
+only matches itself.
+Queues are durable with `x-queue-type` = `queue_type`; a temporary queue is an exclusive,
+auto-delete, non-durable classic queue that goes away with the connection.
 
 Everything is declared on one channel, replaced when an error closed it (RabbitMQ closes it on
 a 406), and remembered: the topology registers with the connection and declares it all again
@@ -249,6 +251,11 @@ class Topology:
             return QueueStatus(name)  # an exclusive queue of another connection: not counted
         except aiormq.exceptions.ChannelAccessRefused as error:
             raise ConfigurationError(f"may not look at queue {name!r}: {_reply(error)}") from None
+        except ValueError as error:  # pamqp refuses some names RabbitMQ itself allows
+            raise ConfigurationError(
+                f"cannot ask RabbitMQ about queue {name!r} over AMQP ({error}): its name uses "
+                "characters the AMQP client refuses"
+            ) from None
         counts = queue.declaration_result
         return QueueStatus(name, ready=counts.message_count, consumers=counts.consumer_count)
 

@@ -43,7 +43,8 @@ class RabbitMQTransport:
     `ack_mode="manual"` (the default) acks a delivery after it was handled. `"on_receive"` acks
     it as it arrives and `"none"` consumes without acks: faster, but a crash (or a stop) loses
     what was received and not yet handled. `fire_and_forget=True` publishes without confirms:
-    faster, but a lost or unroutable message goes unnoticed.
+    faster, but a lost or unroutable message goes unnoticed. With confirms, an event published
+    that no queue receives is logged as a WARNING, once per type, and is not an error.
     """
 
     resubscribe_delays: Sequence[float] = RESUBSCRIBE_DELAYS
@@ -82,6 +83,7 @@ class RabbitMQTransport:
         self.publish_timeout = publish_timeout
         self.channels = channels
         self.limits = Limits(max_delay=MAX_WAIT_MS / 1000)
+        self._unheard: set[str] = set()  # event types published to no queue, warned of once
         self._compose()
 
     def _compose(self) -> None:
@@ -94,6 +96,7 @@ class RabbitMQTransport:
             channels=self.channels,
             publish_timeout=self.publish_timeout,
             confirms=not self.fire_and_forget,
+            unheard=self._unheard,
         )
         self._consumers = Consumers(self._link, self._topology, self.ack_mode)
 

@@ -83,7 +83,7 @@ class OrderRequest(BaseModel):
     """The body of POST /orders."""
 
     order_id: str = Field(min_length=1, max_length=64)
-    amount: float = Field(gt=0)
+    amount: float = Field(gt=0, allow_inf_nan=False)
 
 
 class OrderView(BaseModel):

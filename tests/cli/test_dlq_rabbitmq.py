@@ -175,7 +175,7 @@ async def test_the_commands_explain_what_they_need(
     wrong = amqp_url.replace("guest:guest@", "guest:s3cret-pw@")
     assert await mersal("dlq", "list", "--transport", wrong) == 2
     error = capsys.readouterr().err
-    assert "cannot connect to RabbitMQ" in error
+    assert "refused the login for user 'guest': check the user name and password" in error
     assert "s3cret-pw" not in error and "guest:***@" in error
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -25,7 +26,8 @@ import aio_pika
 import pytest
 
 from mersal import App, MersalError, message
-from mersal.runner import serve
+from mersal.errors import Unreachable
+from mersal.runner import serve, start_once, stop_within
 from tests.sql.conftest import postgres_database
 from tests.support import eventually
 
@@ -260,6 +262,94 @@ async def test_a_health_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> No
     assert "choose another --health-port" in run.lines[-1]
 
 
+HANGING_STOP = '''
+import asyncio
+
+from mersal import App
+from mersal.transport.memory import MemoryTransport
+
+
+class HangingStop(MemoryTransport):
+    """A memory transport whose stop never ends, as a broker that stopped answering."""
+
+    async def stop(self) -> None:
+        await asyncio.Event().wait()
+
+
+app = App("run-hangs", transport=HangingStop("memory://run-hangs"))
+'''
+
+
+async def test_a_second_sigterm_ends_a_stop_that_hangs_at_once(tmp_path: Path) -> None:
+    (tmp_path / "hangs.py").write_text(HANGING_STOP)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "mersal.cli",
+        "run",
+        "hangs:app",
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    try:
+        async with asyncio.timeout(20):
+            async for line in process.stderr:
+                if b"started on" in line:
+                    break
+            process.send_signal(signal.SIGTERM)
+            async for line in process.stderr:
+                if b"stopping gracefully" in line:
+                    break
+            process.send_signal(signal.SIGTERM)
+            rest = (await process.stderr.read()).decode()
+            assert await process.wait() == 128 + signal.SIGTERM
+        assert "SIGTERM again: exiting at once" in rest
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_a_stop_that_outlasts_its_limit_is_abandoned(memory_url: str) -> None:
+    app = App("run-stop-limit", transport=memory_url)
+    async with asyncio.timeout(10):
+        await app.start()
+        app.transport.stop = _forever  # type: ignore[method-assign]
+        assert await stop_within(app, 0.3) is False
+
+
+async def _forever() -> None:
+    await asyncio.Event().wait()
+
+
+async def test_a_start_whose_broker_takes_the_connection_but_never_answers_is_unreachable() -> None:
+    reached = asyncio.Event()
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        reached.set()
+        await reader.read()  # takes every byte, answers none, until the client leaves
+        writer.close()
+
+    silent = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    app = App("run-silent", transport=f"amqp://guest:guest@127.0.0.1:{port}/")
+    try:
+        async with asyncio.timeout(10):
+            with pytest.raises(Unreachable, match=r"could not start within 0\.5s"):
+                await start_once(app, 0.5, asyncio.Event())
+            stopping = asyncio.Event()
+            attempt = asyncio.create_task(start_once(app, 30, stopping))
+            reached.clear()
+            await reached.wait()  # the attempt is connected to the silent broker
+            stopping.set()
+            assert await attempt is False
+        assert not app.running
+    finally:
+        silent.close()
+
+
 async def test_serve_ends_with_1_when_the_app_stops_working_on_its_own() -> None:
     app = App("run-dies", transport=f"memory://run-{uuid4().hex}")
     app.register(Ping, _ignore)
@@ -320,3 +410,33 @@ async def _delete_queues(url: str, name: str) -> None:
         await channel.queue_delete(name)
     finally:
         await connection.close()
+
+
+@pytest.mark.parametrize(
+    "source, target, said",
+    [
+        ("raise RuntimeError('no config')", "boom:app", "importing 'boom' raised RuntimeError: no"),
+        (
+            "def make():\n    return {}['missing']\n",
+            "boom:make",
+            "boom:make() raised KeyError: 'missing'",
+        ),
+    ],
+)
+def test_a_module_that_fails_to_load_is_one_line_and_exit_2(
+    source: str, target: str, said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "boom.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "boom", raising=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "mersal.cli", "run", target],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(f"mersal: {said}")
+    assert "Traceback" not in result.stderr

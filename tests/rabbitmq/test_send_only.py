@@ -134,8 +134,15 @@ async def test_what_a_send_only_app_could_never_receive_is_refused_at_start(
     assert not app.running
 
 
-async def test_send_local_in_a_send_only_app_says_what_to_do_instead(url: str, prefix: str) -> None:
+async def test_sends_to_its_own_queue_in_a_send_only_app_say_what_to_do_instead(
+    url: str, prefix: str
+) -> None:
     app = App(f"{prefix}.web", transport=url, consume=False)
     async with app:
-        with pytest.raises(ConfigurationError, match="has no queue of its own"):
+        assert app.healthy
+        with pytest.raises(ConfigurationError, match=r"cannot send_local\(\): route the type"):
             await app.send_local(PlaceOrder("o-2"))
+        with pytest.raises(
+            ConfigurationError, match=r"cannot defer\(\) a PlaceOrder that has no route"
+        ):
+            await app.defer(5, PlaceOrder("o-3"))

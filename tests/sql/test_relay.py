@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -24,6 +26,13 @@ from tests.sql.support import (
     storage_of,
 )
 from tests.support import eventually
+
+
+@dataclass
+class Stray:
+    """A command routed to a queue that does not exist."""
+
+    n: int
 
 
 async def send_ships(app: App, numbers: range) -> list[str]:
@@ -68,12 +77,12 @@ async def test_a_row_that_cannot_be_routed_is_parked_and_later_rows_still_leave(
 ) -> None:
     sink = await Sink(memory_url).start()
     app = orders_app(database, memory_url, Probe())
-    app.route(int, "nowhere")
+    app.route(Stray, "nowhere")
     async with app:
         storage = storage_of(app)
         async with app.transaction():
             before = await app.send(Ship(1))
-            await app.send(7)
+            await app.send(Stray(7))
             after = await app.send(Ship(2))
         await eventually(lambda: after in sink.ids(), "the rows after the parked one leave")
         await eventually(lambda: outbox_empty(storage), "only the parked row is left")

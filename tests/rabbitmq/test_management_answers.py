@@ -1,0 +1,96 @@
+"""`mersal status` asks the management API: whatever it answers, a note, never a crash.
+
+The API here is a local HTTP server answering what a misconfigured proxy or another service
+on the port might: JSON of the wrong shape, or bytes trickling in forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from mersal_rabbitmq import management
+from mersal_rabbitmq.management import Management
+
+
+class Answers(http.server.BaseHTTPRequestHandler):
+    """Answers every GET with the server's `body`, or trickles a byte a second."""
+
+    def do_GET(self) -> None:
+        body: object = self.server.body  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        if body == "trickle":
+            for _ in range(60):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(1)
+            return
+        self.wfile.write(json.dumps(body).encode())
+
+    def log_message(self, format: str, *args: object) -> None:
+        return None
+
+
+@pytest.fixture
+def api() -> Iterator[http.server.ThreadingHTTPServer]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+
+
+def at(server: http.server.ThreadingHTTPServer) -> Management:
+    port = server.server_address[1]
+    return Management.of("amqp://guest:guest@127.0.0.1/", f"http://127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"items": None}, ["a", "b"], {"items": "queues"}, 7, None],
+)
+async def test_an_answer_that_is_not_a_list_of_queues_is_a_note(
+    api: http.server.ThreadingHTTPServer, body: object
+) -> None:
+    api.body = body  # type: ignore[attr-defined]
+    view = await at(api).look(["orders"], [])
+    assert view.unacked == {}
+    assert view.note is not None and "not a list of queues" in view.note
+
+
+async def test_items_without_names_or_with_odd_counts_are_left_out(
+    api: http.server.ThreadingHTTPServer,
+) -> None:
+    api.body = {  # type: ignore[attr-defined]
+        "items": [
+            {"messages_unacknowledged": 3},
+            {"name": "orders", "messages_unacknowledged": True},
+            {"name": "billing", "messages_unacknowledged": -1},
+            {"name": "stock", "messages_unacknowledged": 4},
+            {"name": 5, "messages_unacknowledged": 1},
+        ]
+    }
+    view = await at(api).look(["orders", "billing", "stock"], [])
+    assert view.unacked == {"stock": 4}
+    assert view.note is None
+
+
+async def test_an_api_that_trickles_bytes_is_given_up_on_after_the_deadline(
+    api: http.server.ThreadingHTTPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api.body = "trickle"  # type: ignore[attr-defined]
+    monkeypatch.setattr(management, "DEADLINE", 1.0)
+    started = time.monotonic()
+    async with asyncio.timeout(10):
+        view = await at(api).look(["orders"], [])
+    assert time.monotonic() - started < 5
+    assert view.note is not None and "did not answer within 1s" in view.note
