@@ -15,7 +15,8 @@ import asyncio
 import logging
 import os
 import signal
-from contextlib import AsyncExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import AsyncExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from mersal import loop
@@ -42,6 +43,8 @@ CANCEL_WAIT = 5.0
 STOP_MARGIN = 10.0
 """Seconds beyond the app's grace period that a stop may take before it is abandoned."""
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+CLIENT_LOGGERS = ("aiormq.connection", "aio_pika.robust_connection")
+"""The broker client's loggers that report each failed connect of a start."""
 WATCH_INTERVAL = 1.0
 """Seconds between looks at whether the app still works."""
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -204,6 +207,11 @@ async def start_when_reachable(app: App, wait: float, stopping: asyncio.Event) -
 
     False when told to stop meanwhile; the last `Unreachable` once the time is up.
     """
+    with _quiet(CLIENT_LOGGERS):
+        return await _start_patiently(app, wait, stopping)
+
+
+async def _start_patiently(app: App, wait: float, stopping: asyncio.Event) -> bool:
     running = asyncio.get_running_loop()
     deadline = running.time() + wait
     pause = FIRST_PAUSE
@@ -224,6 +232,31 @@ async def start_when_reachable(app: App, wait: float, stopping: asyncio.Event) -
             if await _set_within(stopping, pause):
                 return False
             pause = min(pause * 2, MAX_PAUSE)
+
+
+@contextmanager
+def _quiet(names: Sequence[str]) -> Iterator[None]:
+    """Keep the named loggers' records below DEBUG out while the block runs.
+
+    The broker client logs each failed connect itself (aiormq at ERROR); while `mersal run`
+    waits, its own WARNING says the same once per try.
+    """
+    keep = _BelowDebugOnly()
+    loggers = [logging.getLogger(name) for name in names]
+    for logger in loggers:
+        logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(keep)
+
+
+class _BelowDebugOnly(logging.Filter):
+    """Passes a record only when DEBUG logging is on (`--log-level DEBUG` shows everything)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
 
 
 async def start_once(app: App, limit: float, stopping: asyncio.Event) -> bool:

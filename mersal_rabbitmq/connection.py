@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -269,6 +270,12 @@ def connect_failure(address: str, error: Exception) -> MersalError:
             f"exist or user {user!r} may not use it; fix the vhost in the URL, or create it and "
             f"let the user in (rabbitmqctl add_vhost {vhost}; rabbitmqctl set_permissions -p "
             f"{vhost} {user} '.*' '.*' '.*')"
+        )
+    if isinstance(error, ssl.SSLError) or isinstance(error.__cause__, ssl.SSLError):
+        return ConfigurationError(
+            f"the TLS handshake with RabbitMQ at {mask(address)} failed "
+            f"({type(error).__name__}: {error}): check the port (5671 for amqps), the server's "
+            "certificate and the CA the client trusts (?cafile=... in the URL)"
         )
     if isinstance(error, OSError | TimeoutError) or isinstance(error.__cause__, OSError):
         return Unreachable(

@@ -86,6 +86,22 @@ async def test_a_broker_that_does_not_answer_is_still_unreachable(prefix: str) -
     assert "is it running, and are the host and port right?" in str(raised.value)
 
 
+async def test_a_failed_tls_handshake_is_a_configuration_error_not_unreachable(
+    vhost: str, prefix: str
+) -> None:
+    app = App(prefix, transport=f"amqps://guest:secret@{HOST}:5672/{vhost}")  # no TLS there
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    text = str(raised.value)
+    assert text.startswith(f"the TLS handshake with RabbitMQ at amqps://guest:***@{HOST}:5672/")
+    assert text.endswith(
+        "check the port (5671 for amqps), the server's certificate and the CA the client trusts "
+        "(?cafile=... in the URL)"
+    )
+    assert not isinstance(raised.value, Unreachable)
+    assert "secret" not in text
+
+
 def _unheard_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
