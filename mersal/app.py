@@ -9,7 +9,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from types import TracebackType
@@ -553,14 +553,15 @@ class App:
     ) -> None:
         await self.stop()
 
-    async def _handle(self, delivery: Delivery) -> Outcome:
+    def _handle(self, delivery: Delivery) -> Awaitable[Outcome]:
         """Run the incoming pipeline; whatever happens, say how to settle the delivery."""
         unsent = self.settler.unsent(delivery)
         if unsent is not None:  # handled before; its retry or dead letter is what is left
-            return unsent
+            return _settled(unsent)
         context = MessageContext(self, delivery)
-        if not self.log_messages:
-            return await self._run(context)
+        return self._run_logged(context) if self.log_messages else self._run(context)
+
+    async def _run_logged(self, context: MessageContext) -> Outcome:
         started = time.perf_counter()
         outcome = await self._run(context)
         log_handled(context, outcome, started)
@@ -734,6 +735,10 @@ class _Replies:
         waiter.set_exception(DecodeError(f"the reply could not be decoded: {failure}"))
         log.error("a reply could not be decoded (%s): %s", failure, describe(envelope.headers))
         return Outcome.dead_letter(failure, 1)
+
+
+async def _settled(outcome: Outcome) -> Outcome:
+    return outcome
 
 
 @asynccontextmanager

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import importlib
+import math
 import sys
 import threading
 import time
@@ -62,6 +63,29 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
     return value
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a number of seconds, 0 or more."""
+    value = _number_of_seconds(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not 0 or more seconds")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    value = _number_of_seconds(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds > 0")
+    return value
+
+
+def _number_of_seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
 
 
 def align(rows: Sequence[Sequence[str]]) -> list[str]:

@@ -34,20 +34,11 @@ class Health:
     checks: dict[str, str] = field(default_factory=dict)
 
 
-LIVENESS = frozenset({"app", "worker", "relay"})
-"""The checks that make an app not live (the others make it only not ready)."""
-
-
 def check(app: App, max_relay_lag: float = MAX_RELAY_LAG) -> Health:
     """Run every check on `app` and sum them up."""
     alive = liveness(app)
     readiness = {**alive, **ready_checks(app, max_relay_lag)} if app.running else alive
     return Health(live=not alive, ready=not readiness, checks=readiness)
-
-
-def liveness_checks(health: Health) -> dict[str, str]:
-    """The failing checks of `health` that make the app not live."""
-    return {name: reason for name, reason in health.checks.items() if name in LIVENESS}
 
 
 def liveness(app: App) -> dict[str, str]:

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from mersal.errors import ConfigurationError
-from mersal.health import Health, liveness_checks
+from mersal.health import liveness
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -42,11 +42,11 @@ async def probes(
         raise ConfigurationError(f"--health-port needs aiohttp: {HEALTH_EXTRA}") from None
     server = web.Application()
 
-    def health() -> Health:
-        return app.health(max_relay_lag=max_relay_lag)
+    def readiness() -> dict[str, str]:
+        return app.health(max_relay_lag=max_relay_lag).checks
 
-    server.router.add_get("/livez", _answer(health, "live"))
-    server.router.add_get("/readyz", _answer(health, "ready"))
+    server.router.add_get("/livez", _answer(lambda: liveness(app), "live"))
+    server.router.add_get("/readyz", _answer(readiness, "ready"))
     if metrics is not None:
         server.router.add_get("/metrics", _metrics(metrics))
     runner = web.AppRunner(server, access_log=None, handle_signals=False)
@@ -91,18 +91,15 @@ def prometheus_metrics(app: App) -> Metrics | None:
     return render
 
 
-def _answer(health: Callable[[], Health], which: str) -> Endpoint:
+def _answer(failing: Callable[[], dict[str, str]], which: str) -> Endpoint:
+    """An endpoint answering 200 when `failing` names no check, else 503 with the reasons."""
     from aiohttp import web
 
     async def answer(request: web.Request) -> web.StreamResponse:
-        found = health()
-        if which == "live":
-            good, checks = found.live, liveness_checks(found)
-        else:
-            good, checks = found.ready, found.checks
-        body = {which: good, "checks": checks}
+        checks = failing()
+        body = {which: not checks, "checks": checks}
         return web.Response(
-            status=200 if good else 503,
+            status=503 if checks else 200,
             text=json.dumps(body, ensure_ascii=False),
             content_type="application/json",
         )

@@ -20,7 +20,7 @@ from contextlib import AsyncExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from mersal import loop
-from mersal.commands import load_app, positive_int
+from mersal.commands import load_app, positive_int, seconds
 from mersal.errors import Unreachable
 from mersal.health import MAX_RELAY_LAG
 from mersal.logs import JsonFormatter
@@ -66,7 +66,7 @@ def add_run_command(commands: argparse._SubParsersAction[Any]) -> None:
     )
     run.add_argument(
         "--wait",
-        type=_seconds,
+        type=seconds,
         default=WAIT,
         metavar="SECONDS",
         help=f"wait this long for the broker and the database to answer at start ({WAIT:g})",
@@ -83,7 +83,7 @@ def add_run_command(commands: argparse._SubParsersAction[Any]) -> None:
     run.add_argument("--health-host", default="0.0.0.0", metavar="HOST", help="(default 0.0.0.0)")
     run.add_argument(
         "--max-relay-lag",
-        type=_seconds,
+        type=seconds,
         default=MAX_RELAY_LAG,
         metavar="SECONDS",
         help=f"not ready while the outbox relay is behind for longer ({MAX_RELAY_LAG:g})",
@@ -186,17 +186,17 @@ def _on_signal(stopping: asyncio.Event, signum: int) -> None:
     os._exit(128 + signum)
 
 
-async def stop_within(app: App, seconds: float) -> bool:
-    """Stop `app`, giving up after `seconds` (a broker or database that does not answer)."""
+async def stop_within(app: App, limit: float) -> bool:
+    """Stop `app`, giving up after `limit` seconds (a broker or database that does not answer)."""
     try:
-        async with asyncio.timeout(seconds):
+        async with asyncio.timeout(limit):
             await app.stop()
     except TimeoutError:
         log.error(
             "app %r did not stop within %gs (the broker or the database does not answer); "
             "leaving it: the broker gives unacknowledged messages back",
             app.name,
-            seconds,
+            limit,
         )
         return False
     return True
@@ -299,23 +299,13 @@ async def watch(app: App, stopping: asyncio.Event) -> int:
     return 0
 
 
-async def _set_within(event: asyncio.Event, seconds: float) -> bool:
+async def _set_within(event: asyncio.Event, limit: float) -> bool:
     try:
-        async with asyncio.timeout(seconds):
+        async with asyncio.timeout(limit):
             await event.wait()
     except TimeoutError:
         return False
     return True
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not 0 or more seconds")
-    return value
 
 
 def _port(text: str) -> int:

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import os
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from mersal.app import App
-from mersal.commands import align, load_app
+from mersal.commands import align, load_app, positive_seconds
 from mersal.errors import ConfigurationError, MersalError
 from mersal.outbox import Storage, attach_storage
 from mersal.plugins import transport_from
@@ -382,23 +381,12 @@ def add_status_command(commands: argparse._SubParsersAction[Any]) -> None:
     )
     status.add_argument(
         "--timeout",
-        type=_seconds,
+        type=positive_seconds,
         default=DEFAULT_TIMEOUT,
         metavar="SECONDS",
         help=f"give up on a broker or database that does not answer ({DEFAULT_TIMEOUT:g})",
     )
     status.set_defaults(handler=run_status)
-
-
-def _seconds(text: str) -> float:
-    """An argparse type: a number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds > 0")
-    return value
 
 
 def run_status(args: argparse.Namespace) -> int:
