@@ -9,6 +9,11 @@ themselves. An object that lost its channel while the connection stayed up (a ch
 or the broker cancelling a consumer whose queue was deleted) asks its own registration for a
 restore: the same callback, the same bounded retries, then the object hears that it is lost.
 Publishing channels register nothing: a closed one is replaced when it is next needed.
+
+Failover: the address may list several nodes of a cluster, full URLs separated by `;` (as
+kombu takes them). The first that answers is used; when its connection is lost, or a
+reconnect attempt fails, the next one in the list is tried, round the list, and the restores
+run on whichever node answered. Logs name the node.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import logging
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit
 
 import aio_pika
 import aiormq
@@ -26,7 +31,7 @@ from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from aio_pika.connection import make_url
 
 from mersal.errors import ConfigurationError, MersalError, Unreachable
-from mersal.transport import mask
+from mersal.transport import mask, split_urls
 
 log = logging.getLogger("mersal.rabbitmq")
 
@@ -50,12 +55,20 @@ class Connection:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.current: AbstractRobustConnection | None = None
+        self.nodes = nodes_of(address)
+        """The URLs of the nodes to try, in order: one, or several for failover."""
+        self.current: Failover | None = None
         """The aio-pika connection while open, else None."""
         self._registrations: dict[Registration, None] = {}  # a dict keeps registration order
         self._closed = asyncio.Event()  # wakes whoever waits for a reconnect, at close()
 
-    def require(self) -> AbstractRobustConnection:
+    @property
+    def node(self) -> str:
+        """The URL (password masked) of the node connected to, or to be tried next."""
+        connection = self.current
+        return connection.node if connection is not None else mask(self.nodes[0])
+
+    def require(self) -> Failover:
         """The aio-pika connection; raises while not open."""
         if self.current is None:
             raise MersalError(
@@ -75,25 +88,26 @@ class Connection:
         return transport is not None and not transport.connection.is_closed
 
     async def open(self, heartbeat: int | None) -> AbstractRobustConnection:
-        """Connect; from now on, every reconnect runs the registered restores."""
-        options: dict[str, Any] = {}
-        if "reconnect_interval" not in parse_qs(urlsplit(self.address).query):
-            options["reconnect_interval"] = RECONNECT_INTERVAL
-        if heartbeat is not None:
-            options["heartbeat"] = heartbeat
-        try:
-            connection = await _connect(self.address, options)
-        except ValueError as error:
-            raise ConfigurationError(
-                f"{mask(self.address)} is not a usable AMQP URL ({error}): "
-                "use amqp://user:password@host:port/vhost"
-            ) from None
-        except (OSError, aiormq.exceptions.AMQPError) as error:
-            raise connect_failure(self.address, error) from None
-        connection.reconnect_callbacks.add(self._on_reconnect)
-        self.current = connection
-        self._closed = asyncio.Event()
-        return connection
+        """Connect to the first node that answers; from now on, every reconnect restores."""
+        failures: list[MersalError] = []
+        for first in range(len(self.nodes)):
+            try:
+                connection = await _connect(self.nodes, first, _options(self.nodes[0], heartbeat))
+            except ValueError as error:
+                raise ConfigurationError(
+                    f"{mask(self.nodes[first])} is not a usable AMQP URL ({error}): "
+                    "use amqp://user:password@host:port/vhost"
+                ) from None
+            except (OSError, aiormq.exceptions.AMQPError) as error:
+                failures.append(connect_failure(self.nodes[first], error))
+                if len(self.nodes) > 1:
+                    log.warning("%s; trying the next node", failures[-1])
+                continue
+            connection.reconnect_callbacks.add(self._on_reconnect)
+            self.current = connection
+            self._closed = asyncio.Event()
+            return connection
+        raise _worst(failures)
 
     async def close(self) -> None:
         """Restore nothing more, and disconnect."""
@@ -151,7 +165,7 @@ class Connection:
     def _on_reconnect(self, connection: object) -> None:
         log.info(
             "reconnected to RabbitMQ at %s; declaring the topology again and consuming again",
-            mask(self.address),
+            self.node,
         )
         for registration in list(self._registrations):
             registration.restore()
@@ -243,15 +257,113 @@ async def close_quietly(channel: AbstractChannel) -> None:
         log.debug("closing a channel failed: %s", error)
 
 
-async def _connect(address: str, options: dict[str, Any]) -> AbstractRobustConnection:
-    """`aio_pika.connect_robust`, except that a failed first connect leaves no reconnect loop."""
-    connection = aio_pika.RobustConnection(make_url(address, **options), **options)
+class Failover(aio_pika.RobustConnection):
+    """aio-pika's robust connection over a list of nodes: a failed node hands over to the next.
+
+    The reconnect loop is aio-pika's; this only moves `url` on to the next node when the
+    connection to the current one is lost or an attempt to reach it fails.
+    """
+
+    def __init__(self, nodes: Sequence[str], first: int, options: dict[str, Any]) -> None:
+        self.names = list(nodes)
+        self.nodes = [make_url(node, **options) for node in nodes]
+        self.index = first
+        super().__init__(self.nodes[first], **options)
+
+    @property
+    def node(self) -> str:
+        """The current node's URL, password masked."""
+        return mask(self.names[self.index])
+
+    def next_node(self) -> None:
+        """Try the next node of the list at the next attempt."""
+        if len(self.nodes) > 1:
+            self.index = (self.index + 1) % len(self.nodes)
+            self.url = self.nodes[self.index]
+            if self.connection_attempt:  # connected before: reconnecting, not the first connect
+                log.info("trying RabbitMQ at %s next", self.node)
+
+    # aio-pika's private hook for one connection attempt (RobustConnection.__connect_transport).
+    async def _RobustConnection__connect_transport(self) -> None:
+        try:
+            await super()._RobustConnection__connect_transport()  # type: ignore[misc]
+        except BaseException:
+            if not (self._close_called or self.is_closed):
+                self.next_node()
+            raise
+
+    async def _on_connection_close(self, closing: asyncio.Future[Any]) -> None:
+        was_up = self.connected.is_set()  # else a failed attempt, which moves on by itself
+        if was_up and not (self._close_called or self.is_closed):
+            log.warning("lost the connection to RabbitMQ at %s", self.node)
+            self.next_node()
+        await super()._on_connection_close(closing)
+
+
+async def _connect(nodes: Sequence[str], first: int, options: dict[str, Any]) -> Failover:
+    """A connected `Failover` starting at `nodes[first]`; a failed connect leaves no loop behind."""
+    connection = Failover(nodes, first, options)
     try:
         await connection.connect()
     except BaseException:
         await connection.close()
         raise
     return connection
+
+
+def nodes_of(address: str) -> list[str]:
+    """The node URLs of a transport address: one URL, or several separated by `;`."""
+    nodes = [node.strip() for node in split_urls(address) if node.strip()]
+    if not nodes:
+        raise ConfigurationError(
+            f"transport {mask(address)!r} names no broker: use amqp://user:password@host/vhost, "
+            "or several such URLs separated by ';' for a cluster"
+        )
+    queries = {urlsplit(node).query for node in nodes}
+    if len(queries) > 1:
+        raise ConfigurationError(
+            f"the URLs of {mask(address)!r} carry different query options "
+            f"({' / '.join(sorted(queries))}): give every node the same ones"
+        )
+    return nodes
+
+
+def take_option(address: str, name: str) -> tuple[str, str | None]:
+    """The address without query option `name` (in every node's URL), and its value if given."""
+    value: str | None = None
+    nodes = []
+    for node in split_urls(address):
+        parts = urlsplit(node)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        if not any(key == name for key, _ in query):
+            nodes.append(node)
+            continue
+        value = next(v for k, v in query if k == name)
+        kept = urlencode([(key, v) for key, v in query if key != name])
+        nodes.append(parts._replace(query=kept).geturl())
+    return ";".join(nodes), value
+
+
+def _options(address: str, heartbeat: int | None) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if "reconnect_interval" not in parse_qs(urlsplit(address).query):
+        options["reconnect_interval"] = RECONNECT_INTERVAL
+    if heartbeat is not None:
+        options["heartbeat"] = heartbeat
+    return options
+
+
+def _worst(failures: Sequence[MersalError]) -> MersalError:
+    """The error to raise when no node answered: a refusal before an unreachable node."""
+    for failure in failures:
+        if not isinstance(failure, Unreachable):
+            return failure
+    if len(failures) == 1:
+        return failures[0]
+    return Unreachable(
+        f"cannot connect to any of {len(failures)} RabbitMQ nodes: "
+        + "; ".join(str(failure) for failure in failures)
+    )
 
 
 def connect_failure(address: str, error: Exception) -> MersalError:

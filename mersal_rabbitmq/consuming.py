@@ -34,7 +34,7 @@ from mersal_rabbitmq.connection import (
     why,
 )
 from mersal_rabbitmq.topology import Topology
-from mersal_rabbitmq.wire import envelope_of
+from mersal_rabbitmq.wire import envelope_of, redelivered
 
 log = logging.getLogger("mersal.rabbitmq")
 
@@ -132,12 +132,19 @@ class RabbitMQConsumer:
             await self._ready.wait()
 
     async def close(self) -> None:
-        """Stop consuming and return the buffered deliveries; handed-out ones stay owed."""
+        """Stop consuming and return the buffered deliveries; handed-out ones stay owed.
+
+        Nothing is nacked or cancelled one by one: what was buffered, arrives meanwhile or is
+        returned stays unacked until the channel closes after the last settled delivery, and
+        the broker then puts it all back at the head of the queue in its order. (A quorum queue
+        puts a nacked message at its tail, and a delivery that crosses a cancel too, behind
+        later messages of the same partition key.)
+        """
         if self._closed:
             return
         await self.abandon()
-        await self._cancel_consumer()
-        await self._return_buffered()
+        self._consuming = False
+        self._buffer.clear()
         if not self._outstanding:
             await self._close_channel()
 
@@ -148,6 +155,11 @@ class RabbitMQConsumer:
         if self._registration is not None:
             await self._registration.cancel()
         await self._send_acks()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the consumer was closed (or abandoned): it takes no more deliveries."""
+        return self._closed
 
     @property
     def acked_already(self) -> bool:
@@ -201,7 +213,9 @@ class RabbitMQConsumer:
         acks = self._acks if channel is self._channel else None
         if acks is not None:
             acks.received(_tag(message))
-        if self._closed or channel is not self._channel:
+        if self._closed:
+            return  # arrived after the cancel: the channel's close returns it to its place
+        if channel is not self._channel:
             if self._ack_mode == "manual":
                 with contextlib.suppress(Exception):
                     await _nack(message, acks, requeue=True)
@@ -248,24 +262,6 @@ class RabbitMQConsumer:
 
     # Closing.
 
-    async def _cancel_consumer(self) -> None:
-        underlay, tag, channel = self._underlay, self._tag, self._channel
-        self._consuming = False
-        if underlay is None or tag is None or channel is None or channel.is_closed:
-            return
-        try:
-            await underlay.basic_cancel(tag)
-        except Exception as error:  # closing anyway; the channel's close returns everything
-            log.debug("cancelling the consumer of %r failed: %s", self.queue, error)
-
-    async def _return_buffered(self) -> None:
-        while self._buffer:
-            channel, message = self._buffer.popleft()
-            if not channel.is_closed:
-                acks = self._acks if channel is self._channel else None
-                with contextlib.suppress(Exception):
-                    await _nack(message, acks, requeue=True)
-
     async def _send_acks(self) -> None:
         channel, acks = self._channel, self._acks
         if acks is not None and channel is not None and not channel.is_closed:
@@ -295,7 +291,7 @@ class RabbitMQDelivery:
         self._settled = False
         self.envelope = envelope_of(message)
         self.queue = consumer.queue
-        self.redelivered = bool(message.redelivered)
+        self.redelivered = redelivered(message)
 
     @property
     def message(self) -> DeliveredMessage:
@@ -325,7 +321,14 @@ class RabbitMQDelivery:
         await self._settle(partial(_ack, self._message, self._acks))
 
     async def nack(self, requeue: bool = True) -> None:
-        """Return the message to its queue; `requeue=False` lets the broker drop it."""
+        """Return the message to its queue; `requeue=False` lets the broker drop it.
+
+        Returned while its consumer closes, it is left to the channel's close, which puts it
+        back where it was in the queue.
+        """
+        if requeue and self._consumer.closed:
+            await self._settle(_left_to_the_close)
+            return
         await self._settle(partial(_nack, self._message, self._acks, requeue=requeue))
 
     async def _settle(self, action: Callable[[], Awaitable[None]]) -> None:
@@ -396,6 +399,10 @@ class Consumers:
     def forget(self, consumer: RabbitMQConsumer) -> None:
         """The consumer is done (closed, every delivery settled): stop tracking it."""
         self._live.discard(consumer)
+
+
+async def _left_to_the_close() -> None:
+    """Settle nothing now: the channel's close returns the delivery to its place in the queue."""
 
 
 def _tag(message: DeliveredMessage) -> int:

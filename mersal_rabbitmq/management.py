@@ -18,6 +18,7 @@ from urllib.parse import quote, unquote, urlencode, urlsplit
 from urllib.request import Request, urlopen
 
 from mersal.commands import in_daemon_thread
+from mersal.transport import split_urls
 
 PORT = 15672
 TLS_PORT = 15671
@@ -45,7 +46,7 @@ class Management:
 
         `management` may carry a user and password; the AMQP URL's are used otherwise.
         """
-        amqp = urlsplit(amqp_url.split(";")[0].strip())
+        amqp = urlsplit(split_urls(amqp_url)[0].strip())
         vhost = unquote(amqp.path[1:]) if len(amqp.path) > 1 else "/"
         user = unquote(amqp.username or "guest")
         password = unquote(amqp.password or "guest")

@@ -7,8 +7,11 @@ fine, but with confirms it is published `mandatory` until the broker first retur
 type, which the publisher logs once. `bind(queue, topic)` binds with that exact name. Type names
 contain dots, which separate words in topic routing, but a binding key without wildcards still
 only matches itself.
-Queues are durable with `x-queue-type` = `queue_type`; a temporary queue is an exclusive,
-auto-delete, non-durable classic queue that goes away with the connection.
+Queues are durable with `x-queue-type` = `queue_type` (quorum unless the transport says
+classic): replicated on a cluster, and their wait queues dead-letter at least once. A temporary
+queue is an exclusive, auto-delete, non-durable classic queue that goes away with the
+connection. A queue that exists with the other type fails the declaration with the command that
+migrates it; a wait queue of the other type (left by an earlier version) is used as it is.
 
 Everything is declared on one channel, replaced when an error closed it (RabbitMQ closes it on
 a 406), and remembered: the topology registers with the connection and declares it all again
@@ -46,6 +49,22 @@ RECONNECT_WAIT = 10.0
 RETRY_PAUSE = 0.2
 
 
+class QueueTypeMismatch(ConfigurationError):
+    """A queue exists as classic where quorum is declared, or the other way round."""
+
+    def __init__(self, name: str, shape: QueueShape) -> None:
+        wanted = _type_of(shape)
+        super().__init__(
+            f"queue {name!r} exists as a {other_type(wanted)} queue, and this app declares "
+            f"{wanted} queues: stop the apps that consume it, then run `mersal queues migrate "
+            f"--to {wanted} --queue {name} --transport URL` (or `--app module:app`), which moves "
+            f"its messages into a new {wanted} queue; or keep it {other_type(wanted)} with "
+            f"RabbitMQTransport(url, queue_type={other_type(wanted)!r}) or "
+            f"?queue_type={other_type(wanted)} in the transport URL"
+        )
+        self.queue = name
+
+
 @dataclass(frozen=True)
 class QueueShape:
     """How a queue is declared."""
@@ -64,6 +83,11 @@ def durable_shape(queue_type: str) -> QueueShape:
 def temporary_shape() -> QueueShape:
     """A queue that goes away with the connection."""
     return QueueShape(durable=False, exclusive=True, auto_delete=True)
+
+
+def other_type(queue_type: str) -> str:
+    """Classic for quorum, quorum for classic."""
+    return "classic" if queue_type == "quorum" else "quorum"
 
 
 def wait_shape(queue_type: str, exchange: str, routing_key: str, milliseconds: int) -> QueueShape:
@@ -173,7 +197,19 @@ class Topology:
                     "or check the route"
                 )
             shape = wait_shape(self._queue_type, exchange, routing_key, milliseconds)
-            await self._declare(name, shape)
+            try:
+                await self._declare(name, shape)
+            except QueueTypeMismatch:
+                existing = other_type(self._queue_type)
+                shape = wait_shape(existing, exchange, routing_key, milliseconds)
+                await self._declare(name, shape)
+                log.warning(
+                    "wait queue %r is a %s queue, not %s; using it as it is (`mersal queues "
+                    "migrate` moves it)",
+                    name,
+                    existing,
+                    self._queue_type,
+                )
             self.queues[name] = shape
         return name
 
@@ -214,6 +250,15 @@ class Topology:
                 arguments=dict(shape.arguments),
             )
         except aiormq.exceptions.ChannelPreconditionFailed as error:
+            if await self._exists_as(name, shape, other_type(_type_of(shape))):
+                raise QueueTypeMismatch(name, shape) from None
+            if "quorum" in str(error).lower():
+                raise ConfigurationError(
+                    f"RabbitMQ refused quorum queue {name!r} ({_reply(error)}): it needs "
+                    "RabbitMQ 3.10 or later with the quorum_queue feature flag enabled; upgrade "
+                    "it, or use classic queues: RabbitMQTransport(url, queue_type='classic') or "
+                    "?queue_type=classic in the transport URL"
+                ) from None
             raise ConfigurationError(
                 f"queue {name!r} already exists with other arguments ({_reply(error)}); this "
                 f"app declares it durable={shape.durable} with {dict(shape.arguments)}: delete "
@@ -225,6 +270,25 @@ class Topology:
             ) from None
         except aiormq.exceptions.ChannelAccessRefused as error:
             raise ConfigurationError(f"may not declare queue {name!r}: {_reply(error)}") from None
+
+    async def _exists_as(self, name: str, shape: QueueShape, queue_type: str) -> bool:
+        """Whether `name` exists as `shape` would be with the other queue type."""
+        if shape.exclusive or not shape.durable:
+            return False
+        arguments = dict(shape.arguments)
+        arguments["x-queue-type"] = queue_type
+        if queue_type == "classic":  # what only quorum wait queues carry
+            arguments.pop("x-dead-letter-strategy", None)
+            arguments.pop("x-overflow", None)
+        elif "x-dead-letter-exchange" in arguments:
+            arguments.update({"x-dead-letter-strategy": "at-least-once"})
+            arguments.update({"x-overflow": "reject-publish"})
+        channel = await self._ready_channel()
+        try:
+            await channel.declare_queue(name, durable=True, arguments=arguments)
+        except aiormq.exceptions.ChannelPreconditionFailed:
+            return False
+        return True
 
     async def _bind(self, queue: str, topic: str) -> None:
         channel = await self._ready_channel()
@@ -268,6 +332,10 @@ class Topology:
         except aiormq.exceptions.ChannelLockedResource:
             return True  # an exclusive queue of another connection: it exists
         return True
+
+
+def _type_of(shape: QueueShape) -> str:
+    return str(shape.arguments.get("x-queue-type", "classic"))
 
 
 def _reply(error: BaseException) -> str:

@@ -23,7 +23,7 @@ from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from mersal.errors import ConfigurationError, MersalError
 from mersal.transport import Limits, Outgoing, first_failure, mask
 from mersal.transport.status import WAIT, QueueReport, QueueStatus
-from mersal_rabbitmq.connection import CHANNEL_ERRORS, Connection, why
+from mersal_rabbitmq.connection import CHANNEL_ERRORS, Connection, take_option, why
 from mersal_rabbitmq.consuming import ACK_MODES, RESUBSCRIBE_DELAYS, Consumers, RabbitMQConsumer
 from mersal_rabbitmq.delays import MAX_WAIT_MS, retry_wait_queues, waiting_for
 from mersal_rabbitmq.management import Management
@@ -37,8 +37,14 @@ log = logging.getLogger("mersal.rabbitmq")
 class RabbitMQTransport:
     """The `amqp://` transport: queues, topics, confirmed publishes and wait queues on RabbitMQ.
 
+    `url` is one broker's URL, or several nodes' URLs separated by `;` for failover: the
+    transport connects to the first that answers and moves on to the next when it goes down.
     URL query parameters go to aio-pika (`heartbeat`, `name`, `reconnect_interval`, which
-    defaults to 1 second here).
+    defaults to 1 second here), except `queue_type`.
+
+    Queues are quorum queues (`queue_type="quorum"`, the default; RabbitMQ 3.10 or later):
+    replicated across a cluster's nodes, with wait queues that dead-letter at least once.
+    `queue_type="classic"` (or `?queue_type=classic` in the URL) keeps classic queues.
 
     `ack_mode="manual"` (the default) acks a delivery after it was handled. `"on_receive"` acks
     it as it arrives and `"none"` consumes without acks: faster, but a crash (or a stop) loses
@@ -54,13 +60,16 @@ class RabbitMQTransport:
         self,
         url: str,
         *,
-        queue_type: str = "classic",
+        queue_type: str | None = None,
         heartbeat: int | None = None,
         publish_timeout: float = 10.0,
         channels: int = 4,
         ack_mode: str = "manual",
         fire_and_forget: bool = False,
     ) -> None:
+        url, from_url = take_option(url, "queue_type")
+        if queue_type is None:
+            queue_type = from_url or "quorum"
         if queue_type not in QUEUE_TYPES:
             raise ConfigurationError(
                 f"RabbitMQTransport(queue_type={queue_type!r}) must be 'classic' or 'quorum'"
@@ -114,6 +123,11 @@ class RabbitMQTransport:
         return self._link.connected
 
     @property
+    def node(self) -> str:
+        """The node connected to (URL, password masked): one of the `;`-separated list."""
+        return self._link.node
+
+    @property
     def _connection(self) -> AbstractRobustConnection | None:  # read by tests/soak/
         return self._link.current
 
@@ -131,7 +145,7 @@ class RabbitMQTransport:
         except BaseException:
             await self.stop()
             raise
-        log.info("connected to RabbitMQ at %s", mask(self.address))
+        log.info("connected to RabbitMQ at %s", self._link.node)
 
     async def stop(self) -> None:
         """Disconnect: unacknowledged deliveries return to their queues."""

@@ -34,8 +34,8 @@ PROPERTY_HEADERS = (
 """(AMQP property, Mersal header) pairs: the headers that travel as properties."""
 IN_PROPERTIES = frozenset(header for _, header in PROPERTY_HEADERS)
 """Headers carried by AMQP properties alone (the receiver restores them from there)."""
-DEAD_LETTER_HEADERS = ("x-death", "x-first-death-", "x-last-death-")
-"""Prefixes of the headers RabbitMQ adds when it dead-letters a message; dropped on receive."""
+BROKER_HEADERS = ("x-death", "x-first-death-", "x-last-death-", "x-delivery-count")
+"""Prefixes of the headers RabbitMQ adds (dead-lettering, quorum redelivery); dropped on receive."""
 
 
 def amqp_properties(envelope: Envelope) -> aiormq.spec.Basic.Properties:
@@ -64,7 +64,7 @@ def envelope_of(message: DeliveredMessage) -> Envelope:
     headers: dict[str, str] = {}
     for key, value in (properties.headers or {}).items():
         text = header_text(value)
-        if text is not None and not key.startswith(DEAD_LETTER_HEADERS):
+        if text is not None and not key.startswith(BROKER_HEADERS):
             headers[key] = text
     for name, header in PROPERTY_HEADERS:
         value = getattr(properties, name, None)
@@ -74,6 +74,12 @@ def envelope_of(message: DeliveredMessage) -> Envelope:
     if Header.SENT_AT not in headers and isinstance(timestamp, datetime):
         headers[Header.SENT_AT] = f"{timestamp.timestamp():.6f}"
     return Envelope(headers, message.body)
+
+
+def redelivered(message: DeliveredMessage) -> bool:
+    """Whether the broker delivered the message before (a quorum queue counts deliveries)."""
+    count = (message.header.properties.headers or {}).get("x-delivery-count")
+    return bool(message.redelivered) or (isinstance(count, int) and count > 0)
 
 
 def header_text(value: object) -> str | None:

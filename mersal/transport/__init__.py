@@ -380,8 +380,25 @@ def _shrunk(headers: dict[str, str], budget: int, keep: Sequence[str]) -> dict[s
 _QUERY_PASSWORD = re.compile(r"([?&][^=&#]*password[^=&#]*=)[^&#]*", re.IGNORECASE)
 
 
+_NEXT_URL = re.compile(r";(?=\s*[A-Za-z][A-Za-z0-9+.-]*://)")
+
+
+def split_urls(address: str) -> list[str]:
+    """The URLs of an address that lists several separated by `;` (a cluster's nodes).
+
+    Only a `;` followed by another URL's scheme separates, so a password may contain one.
+    """
+    return _NEXT_URL.split(address)
+
+
 def mask(url: str) -> str:
-    """The URL with any password (user info or query) replaced by `***`, fit for logs."""
+    """The URL with any password (user info or query) replaced by `***`, fit for logs.
+
+    Several URLs separated by `;` (a cluster's nodes) are masked each.
+    """
+    urls = split_urls(url)
+    if len(urls) > 1:
+        return ";".join(mask(part) for part in urls)
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url

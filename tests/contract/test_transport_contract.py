@@ -157,7 +157,7 @@ async def test_an_acked_message_is_gone(transport: Transport) -> None:
     await assert_nothing_delivered(fresh)
 
 
-async def test_a_nacked_message_comes_back_first_marked_redelivered(
+async def test_a_nacked_message_comes_back_marked_redelivered(
     transport: Transport,
 ) -> None:
     queue = await declared(transport)
@@ -169,15 +169,16 @@ async def test_a_nacked_message_comes_back_first_marked_redelivered(
 
     await delivery.nack(requeue=True)
 
-    again = await receive(consumer)
+    # first again on the memory transport and classic queues; behind the rest on quorum queues
+    both = []
+    for _ in range(2):
+        both.append(await receive(consumer))
+        await both[-1].ack()
+    again = next(one for one in both if one.envelope.body == sent.body)
+    behind = next(one for one in both if one.envelope.body == b"behind")
     assert again.redelivered is True
-    assert again.envelope.body == sent.body
     assert again.envelope.headers == sent.headers
-    await again.ack()
-    behind = await receive(consumer)
-    assert behind.envelope.body == b"behind"
     assert behind.redelivered is False
-    await behind.ack()
 
 
 async def test_a_message_nacked_without_requeue_is_not_delivered_again(

@@ -160,14 +160,17 @@ async def test_nothing_is_lost_when_the_broker_closes_every_connection(
     app.register(PlaceOrder, place)
     app.route(PlaceOrder, app.name)
     sent_after_close = 0
+    sent = 0
     async with app:
         closing: asyncio.Task[str] | None = None
-        for n in range(200):
-            if n == 50:
+        while sent < 200 or sent_after_close < 20:  # some sends after the close, whenever it is
+            assert sent < 2_000, "the connections never closed"
+            if sent == 50:
                 closing = asyncio.create_task(
                     asyncio.to_thread(rabbitmqctl, "close_all_connections", "-p", vhost, "test")
                 )
-            await send_until_sure(app, PlaceOrder(f"o-{n}"))
+            await send_until_sure(app, PlaceOrder(f"o-{sent}"))
+            sent += 1
             if closing is None:
                 continue
             if closing.done():
@@ -176,10 +179,9 @@ async def test_nothing_is_lost_when_the_broker_closes_every_connection(
                 await asyncio.sleep(0.01)  # keep sending while the connections close
         assert closing is not None
         await closing
-        await eventually(lambda: len(handled) == 200, "all 200 handled", timeout=30)
+        await eventually(lambda: len(handled) == sent, f"all {sent} handled", timeout=30)
 
-    assert handled == {f"o-{n}" for n in range(200)}
-    assert sent_after_close >= 20, "the connections closed too late to test anything"
+    assert handled == {f"o-{n}" for n in range(sent)}
     assert "reconnected to RabbitMQ" in caplog.text
 
 

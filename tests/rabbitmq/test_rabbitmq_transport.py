@@ -14,6 +14,7 @@ import aio_pika
 import aiormq
 import pytest
 from rabbitmq_support import Broker, rabbitmqctl
+from yarl import URL
 
 from mersal import (
     ConfigurationError,
@@ -28,7 +29,7 @@ from mersal import (
 from mersal_rabbitmq import ConsumerLost, RabbitMQTransport
 from mersal_rabbitmq.delays import wait_milliseconds, wait_queue_name
 from mersal_rabbitmq.publishing import Publisher, distinct_runs
-from tests.support import eventually
+from tests.support import eventually, rabbitmqctl_rows
 
 pytestmark = pytest.mark.integration
 
@@ -107,7 +108,8 @@ async def test_a_sent_message_carries_amqp_properties_and_string_headers(
         Header.REPLY_TO,
         Header.CONTENT_TYPE,
     }
-    assert message.headers == {k: v for k, v in sent.headers.items() if k not in in_properties}
+    carried = {k: v for k, v in message.headers.items() if k != "x-delivery-count"}  # quorum's
+    assert carried == {k: v for k, v in sent.headers.items() if k not in in_properties}
     assert json.loads(message.body) == {"x": 1}
 
     consumer = await transport.consume(queue, prefetch=1)
@@ -249,14 +251,16 @@ async def test_a_nacked_delivery_comes_back_marked_redelivered(
 async def test_declaring_a_queue_that_exists_with_other_arguments_raises(
     make_transport: Make, broker: Broker, prefix: str
 ) -> None:
-    queue = f"{prefix}.quorum"
-    await broker.declare(queue, durable=True, arguments={"x-queue-type": "quorum"})
+    queue = f"{prefix}.limited"
+    await broker.declare(
+        queue, durable=True, arguments={"x-queue-type": "quorum", "x-max-length": 5}
+    )
     transport = await started(make_transport)
 
     with pytest.raises(ConfigurationError) as caught:
         await transport.declare(queue)
     assert repr(queue) in str(caught.value)
-    assert "x-queue-type" in str(caught.value)
+    assert "x-max-length" in str(caught.value)
     # the 406 closed the declaring channel: the next declaration gets a fresh one
     await transport.declare(f"{prefix}.fine")
     await transport.send([Outgoing(f"{prefix}.fine", envelope("m-13"))])
@@ -271,8 +275,71 @@ async def test_quorum_queues_and_their_wait_queues(
     delayed = envelope("m-14", **{Header.DELIVER_AT: f"{time.time() + 0.1:.6f}"})
     await transport.send([Outgoing(queue, delayed)])
     assert (await broker.get(queue)).message_id == "m-14"
-    with pytest.raises(ConfigurationError, match="x-queue-type"):
+    with pytest.raises(ConfigurationError) as caught:
         await (await started(make_transport, queue_type="classic")).declare(queue)
+    assert "exists as a quorum queue, and this app declares classic" in str(caught.value)
+    assert f"mersal queues migrate --to classic --queue {queue}" in str(caught.value)
+
+
+async def test_queues_are_quorum_unless_the_transport_or_its_url_says_classic(
+    make_transport: Make, prefix: str, url: str, vhost: str
+) -> None:
+    await started(make_transport, f"{prefix}.default")
+    separator = "&" if "?" in url else "?"
+    classic = RabbitMQTransport(f"{url}{separator}queue_type=classic")
+    await classic.start()
+    try:
+        assert classic.queue_type == "classic"
+        await classic.declare(f"{prefix}.classic")
+    finally:
+        await classic.stop()
+    rows = await asyncio.to_thread(rabbitmqctl_rows, "list_queues", "-p", vhost, "name", "type")
+    types = {row["name"]: row["type"] for row in rows}
+    assert types[f"{prefix}.default"] == "quorum"
+    assert types[f"{prefix}.classic"] == "classic"
+
+
+async def test_a_wait_queue_left_as_classic_is_used_as_it_is(
+    make_transport: Make, broker: Broker, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue = f"{prefix}.q"
+    transport = await started(make_transport, queue)
+    waiting = wait_queue_name("", queue, wait_milliseconds(0.2))
+    await broker.declare(
+        waiting,
+        durable=True,
+        arguments={
+            "x-message-ttl": wait_milliseconds(0.2),
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": queue,
+        },
+    )
+    delayed = envelope("m-15", **{Header.DELIVER_AT: f"{time.time() + 0.2:.6f}"})
+    await transport.send([Outgoing(queue, delayed)])
+    assert (await broker.get(queue, timeout=10)).message_id == "m-15"
+    assert f"wait queue {waiting!r} is a classic queue, not quorum" in caplog.text
+
+
+async def test_deliveries_returned_by_a_closing_consumer_keep_their_place_in_the_queue(
+    make_transport: Make, prefix: str
+) -> None:
+    queue = f"{prefix}.ordered"
+    transport = await started(make_transport, queue)  # quorum: a nack would go to the tail
+    await transport.send([Outgoing(queue, envelope(f"m-{n}", str(n).encode())) for n in range(6)])
+    consumer = await transport.consume(queue, prefetch=3)
+    held = [await asyncio.wait_for(consumer.get(), 5) for _ in range(3)]
+    await held[0].ack()
+    await consumer.close()
+    for delivery in held[1:]:  # what the worker does with deliveries it did not get to
+        await delivery.nack(requeue=True)
+
+    again = await transport.consume(queue, prefetch=10)
+    bodies = []
+    for _ in range(5):
+        delivery = await asyncio.wait_for(again.get(), 5)
+        bodies.append(delivery.envelope.body)
+        await delivery.ack()
+    assert bodies == [b"1", b"2", b"3", b"4", b"5"]
 
 
 async def test_one_batch_with_a_repeated_message_id_delivers_both(
@@ -288,7 +355,7 @@ async def test_one_batch_with_a_repeated_message_id_delivers_both(
     assert [len(run) for run in distinct_runs(batch)] == [3, 3, 3]
 
 
-async def test_closing_a_consumer_returns_buffered_deliveries_and_keeps_handed_out_ones(
+async def test_closing_a_consumer_returns_buffered_deliveries_in_order_after_the_handed_out_ones(
     make_transport: Make, broker: Broker, prefix: str
 ) -> None:
     queue = f"{prefix}.in"
@@ -301,16 +368,15 @@ async def test_closing_a_consumer_returns_buffered_deliveries_and_keeps_handed_o
     )
 
     await consumer.close()
-    await eventually(lambda: broker_count_is(broker, queue, 2), "the two buffered returned")
     with pytest.raises(Exception, match="closed"):
         await consumer.get()
+    assert await broker.count(queue) == 0  # buffered ones wait for the channel's close
     await held.ack()  # still owed after close, and its channel is still open
-    # Unsettled, it would come back when its channel closes: after a stop, the queue holds the
-    # two returned and a message sent after them, and nothing else.
+    await eventually(lambda: broker_count_is(broker, queue, 2), "the two buffered returned")
     await transport.stop()
     await broker.publish(aio_pika.Message(b"{}", message_id="m-after"), queue)
     after_stop = [(await broker.get(queue)).message_id for _ in range(3)]
-    assert (sorted(after_stop[:2]), after_stop[2]) == (["m-1", "m-2"], "m-after")
+    assert after_stop == ["m-1", "m-2", "m-after"]
     assert await broker.count(queue) == 0
 
 
@@ -506,6 +572,7 @@ async def test_stop_ends_a_declaration_that_waits_for_a_reconnect(
     transport = await started(make_transport)
     connection = transport._link.require()
     connection.reconnect_interval = 60  # type: ignore[attr-defined]  # it would wait a minute
+    connection.url = URL("amqp://guest:guest@127.0.0.1:1/")  # nobody answers there
     await asyncio.to_thread(rabbitmqctl, "close_all_connections", "-p", vhost, "test")
     declaring = asyncio.create_task(transport.declare(f"{prefix}.never"))
     await asyncio.sleep(0.3)
