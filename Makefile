@@ -6,16 +6,17 @@ STAMP := $(VENV)/.installed
 # Paths that ruff looks at; ones that do not exist (yet) are left out.
 LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples)
 
-.PHONY: help run test lint format bench chaos fuzz docs clean
+.PHONY: help run test lint format bench chaos cluster-test fuzz docs clean
 
 help:
 	@echo "Targets:"
 	@echo "  make run     [ARGS=...]         run the orders example (python -m examples.orders)"
-	@echo "  make test    [PYTEST_ARGS=...]  lint, the docs build, then pytest (chaos tests excluded)"
+	@echo "  make test    [PYTEST_ARGS=...]  lint, the docs build, then pytest (chaos, cluster tests excluded)"
 	@echo "  make lint                       ruff check, ruff format --check, mypy"
 	@echo "  make format                     ruff format + ruff check --fix"
 	@echo "  make bench   [ONLY=name]        run the benchmarks (python -m bench)"
 	@echo "  make chaos   [PYTEST_ARGS=...]  run only the chaos tests"
+	@echo "  make cluster-test [PYTEST_ARGS=...]  boot a local 3-node RabbitMQ cluster, run tests/cluster"
 	@echo "  make fuzz    [PYTEST_ARGS=...]  the property tests with new random examples, 10x as many"
 	@echo "  make docs                       build the docs site into site/ (mkdocs build --strict)"
 	@echo "  make clean                      remove .venv and caches"
@@ -52,6 +53,10 @@ bench: $(STAMP)
 # addopts holds -m "not chaos"; this -m comes later on the command line and wins.
 chaos: $(STAMP)
 	$(BIN)/pytest -m chaos -p no:cacheprovider $(PYTEST_ARGS)
+
+# The nodes run beside the default one (ports 5681-5683) and are stopped when the run ends.
+cluster-test: $(STAMP)
+	$(BIN)/pytest -m cluster -p no:cacheprovider tests/cluster $(PYTEST_ARGS)
 
 # make test runs the property tests derandomized (the same examples everywhere); this explores.
 fuzz: $(STAMP)

@@ -78,6 +78,7 @@ log = logging.getLogger("mersal.app")
 
 QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}")
 MAX_PREFETCH = 65_535  # an AMQP prefetch count is 16 bits
+MAX_PARTITIONS = 256
 WAITING_PER_SLOT = 8
 STOPPED_SHORT = Failure(
     "mersal.errors.MersalError",
@@ -104,6 +105,7 @@ class App:
         handler_timeout: float | None = 300.0,
         prefetch: int | None = None,
         consume: bool = True,
+        partitions: int | None = None,
     ) -> None:
         check_queue_name(name, "App(name)")
         check_concurrency(concurrency)
@@ -124,6 +126,8 @@ class App:
         self.concurrency = concurrency
         self.consume = consume
         """False for a send-only app: no input or error queue, no worker; sends and relays."""
+        self.partitions = check_partitions(partitions, consume)
+        """How many ordered partitions the app's input is split into by partition key (0: none)."""
         self.codec: Codec = codec if codec is not None else JsonCodec()
         self.max_body_size = max_body_size
         self.grace_period = grace_period
@@ -158,6 +162,11 @@ class App:
         check_concurrency(concurrency)
         self.concurrency = concurrency
         self.prefetch = check_prefetch(None, concurrency)
+
+    @property
+    def subscriptions(self) -> list[type]:
+        """The event types the app subscribed to, in order."""
+        return list(self._subscriptions)
 
     @property
     def transport(self) -> Transport:
@@ -488,7 +497,7 @@ class App:
         await transport.start()
         try:
             if self.consume:
-                await transport.declare(self.name)
+                await self._declare_input(transport)
                 await transport.declare(self.retry.error_queue)
                 for message_type in self._subscriptions:
                     await transport.bind(self.name, self.types.name_of(message_type))
@@ -590,6 +599,21 @@ class App:
         assert outcome is not None
         log_failure(context, outcome, made)
         return outcome
+
+    async def _declare_input(self, transport: Transport) -> None:
+        """Declare the app's queue, and its partitions if it has any."""
+        if not self.partitions:
+            await transport.declare(self.name)
+            return
+        try:
+            await transport.declare(self.name, partitions=self.partitions)
+        except TypeError as error:
+            if "partitions" not in str(error):
+                raise
+            raise ConfigurationError(
+                f"App(partitions={self.partitions}) needs a transport that partitions queues; "
+                f"{mask(transport.address)} does not: use RabbitMQ, or leave partitions out"
+            ) from None
 
     def _check_configuration(self) -> None:
         longest = max(self.retry.delayed, default=0.0)
@@ -775,6 +799,22 @@ def check_concurrency(concurrency: int) -> None:
     """Fail with a `ConfigurationError` unless `concurrency` is an int >= 1."""
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ConfigurationError(f"App(concurrency={concurrency!r}) must be an int >= 1")
+
+
+def check_partitions(partitions: int | None, consume: bool) -> int:
+    """The number of partitions, 0 for none; a `ConfigurationError` for what cannot be."""
+    if partitions is None:
+        return 0
+    if isinstance(partitions, bool) or not isinstance(partitions, int):
+        raise ConfigurationError(f"App(partitions={partitions!r}) must be an int from 1 to 256")
+    if not 1 <= partitions <= MAX_PARTITIONS:
+        raise ConfigurationError(f"App(partitions={partitions!r}) must be from 1 to 256")
+    if not consume:
+        raise ConfigurationError(
+            "App(partitions=...) splits the app's own queue, and a send-only app "
+            "(consume=False) has none: leave partitions out"
+        )
+    return partitions
 
 
 def check_prefetch(prefetch: int | None, concurrency: int) -> int:

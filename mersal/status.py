@@ -27,7 +27,7 @@ from mersal.commands import align, load_app, positive_seconds
 from mersal.errors import ConfigurationError, MersalError
 from mersal.outbox import Storage, attach_storage
 from mersal.plugins import transport_from
-from mersal.transport import Transport, mask
+from mersal.transport import Transport, mask, partition_queue
 from mersal.transport.status import ERROR, INPUT, QUEUE, WAIT, QueueReport, QueueStatus
 
 DEFAULT_TIMEOUT = 10.0
@@ -311,6 +311,8 @@ def plan_for(
     named: list[tuple[str, str]] = []
     if getattr(app, "consume", True) is not False:  # a send-only app declares neither queue
         named += [(app.name, INPUT), (error_queue or app.retry.error_queue, ERROR)]
+        partitions = getattr(app, "partitions", 0)
+        named[1:1] = [(partition_queue(app.name, n), INPUT) for n in range(partitions)]
     elif error_queue is not None:
         named.append((error_queue, ERROR))
     named += [(name, QUEUE) for name in queues]

@@ -23,6 +23,7 @@ from aiormq.abc import DeliveredMessage
 
 from mersal.errors import ConsumerClosed, MersalError, Unroutable
 from mersal.messages import describe
+from mersal.transport import partition_queue
 from mersal_rabbitmq.acks import Acks
 from mersal_rabbitmq.connection import (
     CHANNEL_ERRORS,
@@ -73,7 +74,7 @@ class ConsumerHost(Protocol):
 
 
 class RabbitMQConsumer:
-    """Deliveries from one queue, on a channel of its own; consumes again after losing it."""
+    """Deliveries from a queue (and its partitions), on a channel of its own; restored."""
 
     def __init__(
         self,
@@ -83,8 +84,11 @@ class RabbitMQConsumer:
         *,
         ack_mode: str = "manual",
         delays: Sequence[float] = RESUBSCRIBE_DELAYS,
+        partitions: Sequence[str] = (),
     ) -> None:
         self.queue = queue
+        self.queues = [queue, *partitions]
+        """Every queue consumed: the queue, then its partitions (each with `prefetch`)."""
         self.prefetch = max(1, prefetch)
         self._host = host
         self._ack_mode = ack_mode
@@ -92,9 +96,9 @@ class RabbitMQConsumer:
         self._channel: AbstractChannel | None = None
         self._underlay: aiormq.abc.AbstractChannel | None = None
         self._acks: Acks | None = None
-        self._tag: str | None = None
+        self._tags: dict[str, str] = {}  # consumer tag -> queue, on the current channel
         self._consuming = False
-        self._buffer: deque[tuple[AbstractChannel, DeliveredMessage]] = deque()
+        self._buffer: deque[tuple[AbstractChannel, str, DeliveredMessage]] = deque()
         self._ready = asyncio.Event()
         self._outstanding: set[RabbitMQDelivery] = set()
         self._closed = False
@@ -120,10 +124,10 @@ class RabbitMQConsumer:
             if self._closed:
                 raise ConsumerClosed(f"consumer of {self.queue!r} is closed")
             while self._buffer:
-                channel, message = self._buffer.popleft()
+                channel, queue, message = self._buffer.popleft()
                 if not channel.is_closed:  # else its channel died: the broker delivers it again
                     acks = self._acks if channel is self._channel else None
-                    delivery = RabbitMQDelivery(self, message, acks)
+                    delivery = RabbitMQDelivery(self, message, acks, queue)
                     self._outstanding.add(delivery)
                     return delivery
             if self._failure is not None:
@@ -175,14 +179,19 @@ class RabbitMQConsumer:
     # Subscribing, and restoring after a loss.
 
     async def _subscribe(self) -> None:
+        """Consume every queue not consumed yet on the channel (a new one if it closed)."""
         channel = self._channel
         if channel is None or channel.is_closed:
             channel = await self._open()
         underlay = await channel.get_underlay_channel()
-        consuming = await underlay.basic_consume(
-            self.queue, partial(self._on_message, channel), no_ack=self._ack_mode == "none"
-        )
-        self._tag = consuming.consumer_tag
+        for queue in self.queues:
+            if queue in self._tags.values():
+                continue
+            consuming = await underlay.basic_consume(
+                queue, partial(self._on_message, channel, queue), no_ack=self._ack_mode == "none"
+            )
+            assert consuming.consumer_tag is not None
+            self._tags[consuming.consumer_tag] = queue
         self._underlay = underlay
         self._consuming = True
 
@@ -197,19 +206,23 @@ class RabbitMQConsumer:
         underlay.on_consumer_cancel_callbacks.add(self._on_cancel)
         channel.close_callbacks.add(self._on_channel_close)
         self._channel = channel
+        self._tags = {}
         self._acks = Acks(underlay) if self._ack_mode == "manual" else None
         return channel
 
     async def _restore(self) -> None:
-        """Declare the queue again and consume again, unless consuming on an open channel."""
+        """Declare the queues again and consume again, unless consuming on an open channel."""
         channel = self._channel
         if self._consuming and channel is not None and not channel.is_closed:
             return
-        await self._host.redeclare(self.queue)
+        for queue in self.queues:
+            await self._host.redeclare(queue)
         await self._subscribe()
         log.info("consuming %r again", self.queue)
 
-    async def _on_message(self, channel: AbstractChannel, message: DeliveredMessage) -> None:
+    async def _on_message(
+        self, channel: AbstractChannel, queue: str, message: DeliveredMessage
+    ) -> None:
         acks = self._acks if channel is self._channel else None
         if acks is not None:
             acks.received(_tag(message))
@@ -222,16 +235,17 @@ class RabbitMQConsumer:
             return
         if self._ack_mode == "on_receive":
             await _ack(message)
-        self._buffer.append((channel, message))
+        self._buffer.append((channel, queue, message))
         self._ready.set()
 
     def _on_cancel(self, frame: aiormq.spec.Basic.Cancel) -> None:
-        if self._closed or frame.consumer_tag != self._tag or not self._consuming:
+        queue = self._tags.pop(frame.consumer_tag or "", None)
+        if self._closed or queue is None or not self._consuming:
             return
         log.warning(
             "RabbitMQ cancelled the consumer of %r (was the queue deleted?); "
             "declaring the queue again and consuming again",
-            self.queue,
+            queue,
         )
         self._lost()
 
@@ -283,14 +297,18 @@ class RabbitMQDelivery:
     __slots__ = ("_acks", "_consumer", "_message", "_settled", "envelope", "queue", "redelivered")
 
     def __init__(
-        self, consumer: RabbitMQConsumer, message: DeliveredMessage, acks: Acks | None = None
+        self,
+        consumer: RabbitMQConsumer,
+        message: DeliveredMessage,
+        acks: Acks | None = None,
+        queue: str | None = None,
     ) -> None:
         self._consumer = consumer
         self._message = message
         self._acks = acks
         self._settled = False
         self.envelope = envelope_of(message)
-        self.queue = consumer.queue
+        self.queue = queue or consumer.queue
         self.redelivered = redelivered(message)
 
     @property
@@ -365,8 +383,16 @@ class Consumers:
     async def consume(
         self, queue: str, prefetch: int, delays: Sequence[float] = RESUBSCRIBE_DELAYS
     ) -> RabbitMQConsumer:
-        """A started consumer of an existing `queue`, at most `prefetch` unacknowledged."""
-        consumer = RabbitMQConsumer(self, queue, prefetch, ack_mode=self._ack_mode, delays=delays)
+        """A started consumer of an existing `queue` (and its partitions), `prefetch` each."""
+        count = self._topology.partitions.get(queue, 0)
+        consumer = RabbitMQConsumer(
+            self,
+            queue,
+            prefetch,
+            ack_mode=self._ack_mode,
+            delays=delays,
+            partitions=[partition_queue(queue, index) for index in range(count)],
+        )
         try:
             await consumer.start()
         except aiormq.exceptions.ChannelNotFoundEntity:

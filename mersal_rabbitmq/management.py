@@ -94,9 +94,32 @@ class Management:
             )
         return _view(items, set(names))
 
+    async def topics(self, queue: str, exchange: str) -> list[str]:
+        """The routing keys that bind `queue` to `exchange`; ManagementUnavailable if unasked."""
+        vhost, name = quote(self.vhost, safe=""), quote(queue, safe="")
+        path = f"/api/queues/{vhost}/{name}/bindings"
+        try:
+            async with asyncio.timeout(DEADLINE):
+                rows = await in_daemon_thread(self.get, path, {})
+        except TimeoutError:
+            raise ManagementUnavailable(
+                f"the RabbitMQ management API at {self.base} did not answer within "
+                f"{DEADLINE:g}s: {ENABLE}"
+            ) from None
+        if not isinstance(rows, list):
+            raise ManagementUnavailable(
+                f"the RabbitMQ management API at {self.base} answered what is not a list of "
+                f"bindings for queue {queue!r}"
+            )
+        return sorted(
+            str(row.get("routing_key", ""))
+            for row in rows
+            if isinstance(row, dict) and row.get("source") == exchange
+        )
+
     def get(self, path: str, query: dict[str, str]) -> Any:
         """GET `path` (blocking): the JSON answer, or ManagementUnavailable saying why not."""
-        request = Request(f"{self.base}{path}?{urlencode(query)}")
+        request = Request(f"{self.base}{path}?{urlencode(query)}".rstrip("?"))
         credentials = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
         request.add_header("Authorization", f"Basic {credentials}")
         try:

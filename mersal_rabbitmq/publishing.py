@@ -30,7 +30,7 @@ from mersal_rabbitmq.connection import (
     why,
 )
 from mersal_rabbitmq.delays import MAX_WAIT_MS, wait_milliseconds
-from mersal_rabbitmq.topology import EVENTS, Topology
+from mersal_rabbitmq.topology import EVENTS, Topology, partition_routing_key
 from mersal_rabbitmq.wire import amqp_properties
 
 log = logging.getLogger("mersal.rabbitmq")
@@ -314,6 +314,11 @@ class Publishing:
         exchange = EVENTS if outgoing.publish else ""
         delay = outgoing.delay
         if delay <= 0:
+            key = outgoing.envelope.partition_key
+            if key is not None and not outgoing.publish:
+                partitions = await self._topology.partitioned(outgoing.address)
+                if partitions is not None:
+                    return partitions, partition_routing_key(key), False
             return exchange, outgoing.address, False
         milliseconds = wait_milliseconds(delay)
         if milliseconds > MAX_WAIT_MS:

@@ -13,6 +13,14 @@ queue is an exclusive, auto-delete, non-durable classic queue that goes away wit
 connection. A queue that exists with the other type fails the declaration with the command that
 migrates it; a wait queue of the other type (left by an earlier version) is used as it is.
 
+A partitioned queue (`declare(queue, partitions=N)`) also has a consistent-hash exchange,
+`<queue>.partitions` (plugin rabbitmq_consistent_hash_exchange), and N queues
+`<queue>.partition.<i>` bound to it with equal weight, each with a single active consumer: a
+send with a partition key goes through the exchange, which hashes the key (the routing key) to
+one partition, so that one consumer at a time, whichever instance it is in, takes each key in
+order. A sender learns that a queue is partitioned by looking for its exchange (again after
+PARTITIONED_RECHECK seconds while it is not).
+
 Everything is declared on one channel, replaced when an error closed it (RabbitMQ closes it on
 a 406), and remembered: the topology registers with the connection and declares it all again
 after every reconnect.
@@ -21,9 +29,11 @@ after every reconnect.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import aio_pika
@@ -31,7 +41,7 @@ import aiormq
 from aio_pika.abc import AbstractChannel
 
 from mersal.errors import ConfigurationError, MersalError, Unroutable
-from mersal.transport import mask
+from mersal.transport import mask, partition_queue
 from mersal.transport.status import QueueStatus
 from mersal_rabbitmq.connection import Connection, closed_under, why
 from mersal_rabbitmq.delays import wait_queue_name
@@ -47,6 +57,20 @@ LOST = (ConnectionError, aiormq.exceptions.ChannelInvalidStateError)
 RECONNECT_WAIT = 10.0
 """Seconds a declaration waits for a lost connection to come back."""
 RETRY_PAUSE = 0.2
+PARTITIONED_RECHECK = 30.0
+"""Seconds after which a sender looks again whether a queue it found unpartitioned is now."""
+
+
+def partition_exchange(queue: str) -> str:
+    """The consistent-hash exchange that splits `queue`'s keyed sends over its partitions."""
+    return f"{queue}.partitions"
+
+
+def partition_routing_key(key: str) -> str:
+    """The routing key the exchange hashes: the key, or its digest when it is too long for one."""
+    if len(key.encode()) <= 255:
+        return key
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 class QueueTypeMismatch(ConfigurationError):
@@ -78,6 +102,11 @@ class QueueShape:
 def durable_shape(queue_type: str) -> QueueShape:
     """An ordinary queue: durable, of the configured type."""
     return QueueShape(arguments={"x-queue-type": queue_type})
+
+
+def partition_shape(queue_type: str) -> QueueShape:
+    """A partition: durable, of the configured type, one consumer active at a time."""
+    return QueueShape(arguments={"x-queue-type": queue_type, "x-single-active-consumer": True})
 
 
 def temporary_shape() -> QueueShape:
@@ -114,6 +143,9 @@ class Topology:
         self._lock = asyncio.Lock()
         self.queues: dict[str, QueueShape] = {}
         self.bindings: dict[str, set[str]] = {}
+        self.partitions: dict[str, int] = {}
+        """The partitioned queues declared here, and how many partitions each has."""
+        self._partitioned: dict[str, tuple[bool, float]] = {}  # looked up: whether, and when
 
     async def start(self) -> None:
         """Declare the topic exchange; from now on, everything again after each reconnect."""
@@ -151,6 +183,69 @@ class Topology:
 
         await self._through_reconnects(f"bind queue {queue!r} to {topic!r}", binding)
         self.bindings.setdefault(queue, set()).add(topic)
+
+    async def partition(self, queue: str, count: int) -> list[str]:
+        """Split keyed sends to `queue` over `count` partitions; the partitions' names."""
+        partitioning = partial(self._locked_partition, queue, count)
+        await self._through_reconnects(f"partition queue {queue!r}", partitioning)
+        self.partitions[queue] = count
+        return [partition_queue(queue, index) for index in range(count)]
+
+    async def partitioned(self, queue: str) -> str | None:
+        """The exchange of `queue`'s partitions if it has any, else None (looked up, cached)."""
+        if queue in self.partitions:
+            return partition_exchange(queue)
+        loop = asyncio.get_running_loop()
+        known = self._partitioned.get(queue)
+        if known is None or (not known[0] and loop.time() - known[1] > PARTITIONED_RECHECK):
+            async with self._lock:
+                exists = await self._exchange_exists(partition_exchange(queue))
+            known = self._partitioned[queue] = (exists, loop.time())
+        return partition_exchange(queue) if known[0] else None
+
+    async def _locked_partition(self, queue: str, count: int) -> None:
+        async with self._lock:
+            await self._partition(queue, count)
+
+    async def _partition(self, queue: str, count: int) -> None:
+        exchange = partition_exchange(queue)
+        channel = await self._ready_channel()
+        try:
+            await channel.declare_exchange(exchange, "x-consistent-hash", durable=True)
+        except aiormq.exceptions.ChannelPreconditionFailed as error:
+            raise ConfigurationError(
+                f"exchange {exchange!r} exists with other settings ({_reply(error)}): delete "
+                "it so that it is declared again as a durable x-consistent-hash exchange"
+            ) from None
+        except aiormq.exceptions.ConnectionCommandInvalid as error:
+            raise ConfigurationError(
+                f"RabbitMQ cannot make exchange {exchange!r} for the partitions of {queue!r} "
+                f"({_reply(error)}): enable the plugin on every node (rabbitmq-plugins enable "
+                "rabbitmq_consistent_hash_exchange)"
+            ) from None
+        for index in range(count):
+            name = partition_queue(queue, index)
+            shape = partition_shape(self._queue_type)
+            await self._declare(name, shape)
+            self.queues[name] = shape
+            amqp_queue = await (await self._ready_channel()).get_queue(name, ensure=False)
+            await amqp_queue.bind(exchange, "1")  # equal weights
+        extra = partition_queue(queue, count)
+        if await self._exists(extra):
+            raise ConfigurationError(
+                f"queue {queue!r} has more than {count} partitions ({extra} exists): fewer "
+                "partitions would strand the keys hashed to the others; keep the number, or "
+                "stop every instance, move the messages of the extra partitions into "
+                f"{queue!r} and delete those queues"
+            )
+
+    async def _exchange_exists(self, exchange: str) -> bool:
+        channel = await self._ready_channel()
+        try:
+            await channel.declare_exchange(exchange, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return False
+        return True
 
     async def _through_reconnects(
         self, what: str, declaration: Callable[[], Awaitable[None]]
@@ -230,6 +325,8 @@ class Topology:
     async def restore(self) -> None:
         """Declare everything remembered again (after a reconnect); log what fails."""
         await _logging_failure(EVENTS, self.declare_exchange())
+        for queue, count in list(self.partitions.items()):
+            await _logging_failure(partition_exchange(queue), self._locked_partition(queue, count))
         for name in list(self.queues):
             await _logging_failure(name, self.restore_queue(name))
 

@@ -152,11 +152,19 @@ class RabbitMQTransport:
         await self._consumers.abandon()
         await self._link.close()
 
-    async def declare(self, queue: str, *, temporary: bool = False) -> None:
-        """Make sure `queue` exists; a temporary one goes away with the connection."""
+    async def declare(self, queue: str, *, temporary: bool = False, partitions: int = 0) -> None:
+        """Make sure `queue` exists; a temporary one goes away with the connection.
+
+        With `partitions`, sends with a partition key to `queue` are split over that many
+        ordered partitions (see `mersal_rabbitmq.topology`), which `consume(queue)` takes too.
+        """
         self._link.require()
         shape = temporary_shape() if temporary else durable_shape(self.queue_type)
         await self._topology.declare(queue, shape)
+        if partitions:
+            if temporary:
+                raise ConfigurationError(f"temporary queue {queue!r} cannot have partitions")
+            await self._topology.partition(queue, partitions)
 
     async def bind(self, queue: str, topic: str) -> None:
         """Deliver messages published on `topic` to `queue` too."""

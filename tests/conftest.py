@@ -84,3 +84,13 @@ async def transport_factory(request: pytest.FixtureRequest) -> AsyncIterator[Mak
 async def transport(transport_factory: MakeTransport) -> Transport:
     """One started transport from the factory."""
     return await transport_factory()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The ledger line of each chaos or cluster scenario that got as far as counting."""
+    from tests.chaos.ledger import LEDGER_LINES  # imported late: it needs asyncpg
+
+    if LEDGER_LINES:
+        terminalreporter.section("chaos ledger")
+        for line in LEDGER_LINES:
+            terminalreporter.write_line(line)

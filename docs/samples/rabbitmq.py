@@ -20,7 +20,7 @@ def build_app(url: str) -> App:
     """`url` is like "amqp://user:password@rabbit.internal:5672/vhost"."""
     transport = RabbitMQTransport(
         url,
-        queue_type="quorum",  # or "classic" (the default)
+        queue_type="quorum",  # the default; or "classic"
         publish_timeout=10.0,  # seconds for a publish and its confirm
     )
     retry = RetryPolicy(error_queue="docs.pings.error")

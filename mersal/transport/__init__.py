@@ -121,8 +121,12 @@ class Transport(Protocol):
         """Disconnect; unacknowledged deliveries return to their queues."""
         ...
 
-    async def declare(self, queue: str, *, temporary: bool = False) -> None:
-        """Make sure `queue` exists (a temporary one goes away when the transport stops)."""
+    async def declare(self, queue: str, *, temporary: bool = False, partitions: int = 0) -> None:
+        """Make sure `queue` exists (a temporary one goes away when the transport stops).
+
+        `partitions` > 0 splits sends with a partition key over that many ordered partitions
+        that several consuming processes share (a transport within one process may ignore it).
+        """
         ...
 
     async def bind(self, queue: str, topic: str) -> None:
@@ -378,6 +382,11 @@ def _shrunk(headers: dict[str, str], budget: int, keep: Sequence[str]) -> dict[s
 
 # A query parameter carrying a password (asyncpg reads `password` and `sslpassword` there).
 _QUERY_PASSWORD = re.compile(r"([?&][^=&#]*password[^=&#]*=)[^&#]*", re.IGNORECASE)
+
+
+def partition_queue(queue: str, index: int) -> str:
+    """The name of partition number `index` of a partitioned queue."""
+    return f"{queue}.partition.{index}"
 
 
 _NEXT_URL = re.compile(r";(?=\s*[A-Za-z][A-Za-z0-9+.-]*://)")

@@ -287,8 +287,8 @@ class MemoryTransport:
             self.broker.delete(name)
         self._temporary.clear()
 
-    async def declare(self, queue: str, *, temporary: bool = False) -> None:
-        """Create `queue` if it does not exist."""
+    async def declare(self, queue: str, *, temporary: bool = False, partitions: int = 0) -> None:
+        """Create `queue` if it does not exist (partitions: one process keeps key order anyway)."""
         self.broker.declare(queue)
         if temporary:
             self._temporary.append(queue)

@@ -540,6 +540,10 @@ class Scenario:
 
     # Setup and teardown.
 
+    async def ctl(self, *args: str) -> str:
+        """`rabbitmqctl -q ARGS` against the scenario's broker."""
+        return await rabbitmqctl(*args)
+
     async def __aenter__(self) -> Scenario:
         self.started = time.monotonic()
         try:
@@ -579,11 +583,11 @@ class Scenario:
 
     async def _create_vhost(self) -> None:
         try:
-            await rabbitmqctl("add_vhost", self.vhost)
+            await self.ctl("add_vhost", self.vhost)
         except (OSError, RuntimeError) as error:
             pytest.skip(f"RabbitMQ is not available here: {error}")
         self._created_vhost = True
-        await rabbitmqctl("set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*")
+        await self.ctl("set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*")
 
     async def _declare_queues(self) -> None:
         """Declare the work queue as the worker app will, so the driver can send before it runs."""
@@ -614,7 +618,7 @@ class Scenario:
         if self._created_database:
             await attempt("dropping the database", self._drop_database())
         if self._created_vhost:
-            await attempt("deleting the vhost", rabbitmqctl("delete_vhost", self.vhost))
+            await attempt("deleting the vhost", self.ctl("delete_vhost", self.vhost))
         return problems
 
     async def _drop_database(self) -> None:
@@ -680,7 +684,7 @@ class Scenario:
 
     async def queue_depths(self) -> dict[str, int]:
         """Messages (ready and unacknowledged) per queue of the vhost."""
-        out = await rabbitmqctl(
+        out = await self.ctl(
             "list_queues", "-p", self.vhost, "name", "messages", "--no-table-headers"
         )
         depths: dict[str, int] = {}
@@ -766,7 +770,7 @@ class Scenario:
 
     async def close_connections(self) -> None:
         """RabbitMQ closes every connection of the vhost (`rabbitmqctl close_all_connections`)."""
-        await rabbitmqctl("close_all_connections", "-p", self.vhost, "chaos: closed by the test")
+        await self.ctl("close_all_connections", "-p", self.vhost, "chaos: closed by the test")
 
     async def restart_rabbitmq(self, down_for: float) -> None:
         """`rabbitmqctl stop_app`, wait, `start_app`, and wait until it runs again."""

@@ -211,7 +211,8 @@ async def test_always_failing_handler(size: str, tmp_path: Path) -> None:
     assert overlap["n"] > 0  # Work was effected while the burst was being retried
     assert sampler.max_wait <= burst
     assert sampler.max_doom <= burst
-    assert sampler.max_doom_listed <= burst
+    # (max_doom_listed is reported, not bounded: quorum queues publish the counts that
+    # `rabbitmqctl list_queues` shows with a lag of seconds, so that sum mixes moments.)
 
 
 class DepthSampler:
@@ -219,7 +220,8 @@ class DepthSampler:
 
     Passive declares on a connection of the test's own give each queue's ready count at once;
     `rabbitmqctl list_queues name messages` (ready and unacknowledged) takes about a second,
-    so it runs alongside, finds the wait queues and gives a second, slower measure. Only
+    so it runs alongside, finds the wait queues and gives a second, slower measure (lagging
+    for quorum queues, whose counts the broker publishes every few seconds). Only
     failing messages enter wait queues; Work ready in the input queue is at most what was
     committed by the end of the sample minus what was effected before it, so the rest of
     the input queue's messages, plus the wait queues', are Doom copies.

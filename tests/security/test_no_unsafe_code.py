@@ -257,6 +257,7 @@ def test_the_command_line_import_takes_only_the_target_given_on_the_command_line
         ["mersal/cli.py", "load_app(args.app)"],
         ["mersal/runner.py", "load_app(args.target)"],
         ["mersal/status.py", "load_app(args.app)"],
+        ["mersal_rabbitmq/migrating.py", "load_app(args.app)"],
     ]
 
 

@@ -1,0 +1,334 @@
+"""`mersal queues migrate`: move queues to the other type (classic <-> quorum), keeping messages.
+
+RabbitMQ cannot change a queue's type in place. Each queue moves through a holding queue,
+`<queue>.migrating`, of the new type: it is bound like the queue (so events keep arriving), the
+queue's messages are moved into it (each published with a confirm, then acked), the queue is
+deleted (only if empty when it is classic; a quorum queue cannot be deleted that way) and
+declared again with the new type and its bindings, the messages move back, and the holding
+queue goes. A message is in one of the two queues, for a moment in both (the receiver's inbox
+drops the copy). Run again after a crash or an interruption, it picks up where it was.
+
+The apps that consume the queue must be stopped first: a consumer would take messages mid-way
+and keep the queue in use. Moving a quorum queue to classic, stop the apps that send to it too.
+A wait queue's messages start their wait again in the new wait queue: later, never earlier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiormq
+from aio_pika.abc import AbstractChannel
+
+from mersal.app import App
+from mersal.commands import load_app
+from mersal.errors import ConfigurationError, MersalError
+from mersal.transport import mask, partition_queue
+from mersal_rabbitmq.delays import retry_wait_queues, waiting_for
+from mersal_rabbitmq.management import Management, ManagementUnavailable
+from mersal_rabbitmq.topology import (
+    EVENTS,
+    QUEUE_TYPES,
+    QueueShape,
+    durable_shape,
+    partition_shape,
+    wait_shape,
+)
+from mersal_rabbitmq.transport import RabbitMQTransport
+
+log = logging.getLogger("mersal.rabbitmq")
+
+BATCH = 200
+"""Messages moved per round: fetched, published with confirms, then acked at once."""
+HOLDING = ".migrating"
+
+
+@dataclass
+class Plan:
+    """One queue to migrate: its new shape and the topics it is bound to."""
+
+    name: str
+    shape: QueueShape
+    topics: list[str]
+
+
+def add_queue_commands(commands: argparse._SubParsersAction[Any]) -> None:
+    """`mersal queues migrate`."""
+    queues = commands.add_parser("queues", help="change RabbitMQ queues (their type)")
+    actions = queues.add_subparsers(dest="queues_command", required=True)
+    migrate = actions.add_parser(
+        "migrate",
+        help="move queues to the other type (classic <-> quorum), keeping their messages",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    migrate.add_argument(
+        "--app",
+        metavar="MODULE:APP",
+        help="migrate the app's queue, its partitions, wait queues and error queue",
+    )
+    migrate.add_argument(
+        "--queue", action="append", default=[], metavar="NAME", help="a queue to migrate"
+    )
+    migrate.add_argument(
+        "--transport", help="the broker URL (default: the --app's, else $MERSAL_TRANSPORT)"
+    )
+    migrate.add_argument(
+        "--to", choices=QUEUE_TYPES, help="the new type (default: the app's transport's, quorum)"
+    )
+    migrate.add_argument(
+        "--management", help="the management API, for bindings (default: http://<host>:15672)"
+    )
+    migrate.set_defaults(handler=run_migrate)
+
+
+def run_migrate(args: argparse.Namespace) -> int:
+    """Migrate the queues named on the command line; 0 when every one is of the new type."""
+    app = load_app(args.app) if args.app else None
+    if app is None and not args.queue:
+        raise ConfigurationError("name the queues: --app module:app and/or --queue NAME")
+    url = args.transport or (app.transport.address if app is not None else None)
+    url = url or os.environ.get("MERSAL_TRANSPORT")
+    if not url or not url.lower().startswith("amqp"):
+        raise ConfigurationError(
+            "mersal queues migrate needs a RabbitMQ URL: --transport amqp://user:password@host/"
+            "vhost, MERSAL_TRANSPORT, or --app module:app on RabbitMQ"
+        )
+    transport = RabbitMQTransport(url)
+    target = args.to or _app_queue_type(app) or transport.queue_type
+    return asyncio.run(migrate_all(transport, app, args.queue, target, args.management))
+
+
+async def migrate_all(
+    transport: RabbitMQTransport,
+    app: App | None,
+    queues: Sequence[str],
+    target: str,
+    management: str | None,
+) -> int:
+    """Migrate the app's queues and `queues` to `target`; 0 when every one is of that type."""
+    await transport.start()
+    try:
+        names = [*_queues_of(app), *queues]
+        api = Management.of(transport.address, management)
+        migrated = 0
+        for name in dict.fromkeys(names):
+            if not await _exists(transport, name) and not await _exists(transport, name + HOLDING):
+                continue
+            plan = Plan(name, shape_for(name, target), await _topics(api, app, name))
+            moved = await migrate(transport, plan)
+            if moved is None:
+                print(f"{name}: already {target}")
+            else:
+                migrated += 1
+                print(f"{name}: now {target}, {moved} message(s) moved")
+    finally:
+        await transport.stop()
+    print(f"migrated {migrated} queue(s) on {mask(transport.address)} to {target}")
+    return 0
+
+
+def shape_for(name: str, queue_type: str) -> QueueShape:
+    """How the queue `name` is declared as `queue_type`: a wait queue, a partition, or plain."""
+    waiting = waiting_for(name)
+    if waiting is not None:
+        destination, milliseconds = waiting
+        if destination.startswith(f"{EVENTS}."):
+            return wait_shape(queue_type, EVENTS, destination[len(EVENTS) + 1 :], milliseconds)
+        return wait_shape(queue_type, "", destination, milliseconds)
+    base, separator, index = name.rpartition(".partition.")
+    if separator and index.isdigit() and partition_queue(base, int(index)) == name:
+        return partition_shape(queue_type)
+    return durable_shape(queue_type)
+
+
+async def migrate(transport: RabbitMQTransport, plan: Plan) -> int | None:
+    """Move one queue to its new shape; the messages it got back, or None if it had it."""
+    holding = plan.name + HOLDING
+    resuming = await _exists(transport, holding)
+    if not resuming and await _declares(transport, plan.name, plan.shape):
+        return None
+    if await _consumers(transport, plan.name):
+        raise MersalError(
+            f"queue {plan.name!r} has consumers: stop the apps that consume it, then run this again"
+        )
+    await _declare(transport, holding, durable_shape(plan.shape.arguments["x-queue-type"]))
+    for topic in plan.topics:
+        await _bind(transport, holding, topic)
+    if not await _declares(transport, plan.name, plan.shape):
+        await _drain_and_delete(transport, plan.name, holding, plan.shape)
+        await _declare(transport, plan.name, plan.shape)
+        for topic in plan.topics:
+            await _bind(transport, plan.name, topic)
+    return await _delete_holding(transport, holding, plan.name)
+
+
+async def _drain_and_delete(
+    transport: RabbitMQTransport, name: str, holding: str, new: QueueShape
+) -> int:
+    """Move everything out of `name` and delete it; classic: only while it is empty."""
+    moved = 0
+    classic = new.arguments["x-queue-type"] == "quorum"  # the old one is the other type
+    while True:
+        moved += await _move(transport, name, holding)
+        channel = await transport.open_channel()
+        try:
+            underlay = await channel.get_underlay_channel()
+            await underlay.queue_delete(name, if_empty=classic)
+            return moved
+        except aiormq.exceptions.ChannelPreconditionFailed:  # a message came meanwhile
+            continue
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+
+
+async def _delete_holding(transport: RabbitMQTransport, holding: str, back_to: str) -> int:
+    """Move what is left to `back_to`, then delete the holding queue.
+
+    The queue is bound again by now: an event that reaches the holding queue after this last
+    move is a copy of one that reached the queue too.
+    """
+    moved = await _move(transport, holding, back_to)
+    channel = await _open(transport)
+    try:
+        underlay = await channel.get_underlay_channel()
+        await underlay.queue_delete(holding)
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+    return moved
+
+
+async def _move(transport: RabbitMQTransport, source: str, target: str) -> int:
+    """Move every message of `source` to `target`: published with confirms, then acked."""
+    moved = 0
+    channel = await transport.open_channel(confirms=True)
+    try:
+        underlay = await channel.get_underlay_channel()
+        while True:
+            batch: list[aiormq.abc.DeliveredMessage] = []
+            while len(batch) < BATCH:
+                message = await underlay.basic_get(source, no_ack=False)
+                if isinstance(message.delivery, aiormq.spec.Basic.GetEmpty):
+                    break
+                batch.append(message)
+            if not batch:
+                return moved
+            confirms = await asyncio.gather(
+                *(
+                    underlay.basic_publish(
+                        message.body,
+                        routing_key=target,
+                        properties=message.header.properties,
+                        mandatory=True,
+                    )
+                    for message in batch
+                )
+            )
+            if not all(isinstance(c, aiormq.spec.Basic.Ack) for c in confirms):
+                raise MersalError(
+                    f"RabbitMQ did not take the messages moved from {source!r} to {target!r} "
+                    f"(returned or refused); nothing was removed from {source!r}: run this again"
+                )
+            last = batch[-1].delivery_tag
+            assert last is not None
+            await underlay.basic_ack(last, multiple=True)
+            moved += len(batch)
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+
+
+async def _open(transport: RabbitMQTransport) -> AbstractChannel:
+    return await transport.open_channel()
+
+
+async def _exists(transport: RabbitMQTransport, name: str) -> bool:
+    channel = await _open(transport)
+    try:
+        await channel.declare_queue(name, passive=True)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return False
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+    return True
+
+
+async def _consumers(transport: RabbitMQTransport, name: str) -> int:
+    channel = await _open(transport)
+    try:
+        declared = await channel.declare_queue(name, passive=True)
+        return int(declared.declaration_result.consumer_count or 0)
+    finally:
+        await channel.close()
+
+
+async def _declares(transport: RabbitMQTransport, name: str, shape: QueueShape) -> bool:
+    """Whether `name` can be declared as `shape`: it is of that shape (or was missing)."""
+    channel = await _open(transport)
+    try:
+        await channel.declare_queue(name, durable=True, arguments=dict(shape.arguments))
+    except aiormq.exceptions.ChannelPreconditionFailed:
+        return False
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+    return True
+
+
+async def _declare(transport: RabbitMQTransport, name: str, shape: QueueShape) -> None:
+    if not await _declares(transport, name, shape):
+        raise MersalError(
+            f"queue {name!r} exists with other arguments than {dict(shape.arguments)}: "
+            "delete it (after moving its messages) and run this again"
+        )
+
+
+async def _bind(transport: RabbitMQTransport, name: str, topic: str) -> None:
+    channel = await _open(transport)
+    try:
+        queue = await channel.get_queue(name, ensure=False)
+        await queue.bind(EVENTS, topic)
+    finally:
+        await channel.close()
+
+
+async def _topics(api: Management, app: App | None, name: str) -> list[str]:
+    """The topics `name` is bound to: the management API's list, else the app's subscriptions."""
+    try:
+        return await api.topics(name, EVENTS)
+    except ManagementUnavailable as error:
+        if app is not None and name == app.name:
+            return sorted(app.types.name_of(t) for t in app.subscriptions)
+        if waiting_for(name) is not None or name.endswith(HOLDING):
+            return []
+        raise MersalError(
+            f"cannot tell which topics queue {name!r} is bound to ({error}); without them, "
+            "events published during the migration would be lost"
+        ) from None
+
+
+def _queues_of(app: App | None) -> list[str]:
+    """The app's queue, its partitions and retry wait queues, and its error queue."""
+    if app is None or not app.consume:
+        return []
+    partitions = [partition_queue(app.name, index) for index in range(app.partitions)]
+    waits = [
+        name
+        for queue in (app.name, *partitions)
+        for name in retry_wait_queues(queue, app.retry.delayed)
+    ]
+    return [app.name, *partitions, *waits, app.retry.error_queue]
+
+
+def _app_queue_type(app: App | None) -> str | None:
+    transport = app.transport if app is not None else None
+    return transport.queue_type if isinstance(transport, RabbitMQTransport) else None

@@ -1,0 +1,152 @@
+"""Partitions on RabbitMQ: keyed sends split over single-active-consumer queues, in order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from dataclasses import dataclass
+
+import pytest
+from rabbitmq_support import Broker
+
+from mersal import App, ConfigurationError, RetryPolicy
+from mersal_rabbitmq import RabbitMQTransport
+from tests.support import eventually, rabbitmqctl_rows
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class Step:
+    """One step of one key's sequence."""
+
+    key: str
+    seq: int
+
+
+def partitioned_app(name: str, url: str, broker: Broker, **options: object) -> App:
+    """An app on the test vhost whose queues are deleted after the test."""
+    app = App(name, transport=url, retry=RetryPolicy(error_queue=f"{name}.error"), **options)  # type: ignore[arg-type]
+    assert isinstance(app.transport, RabbitMQTransport)
+    broker.watch(app.transport)
+    return app
+
+
+async def test_a_partitioned_app_declares_a_hash_exchange_and_single_active_partitions(
+    url: str, vhost: str, broker: Broker, prefix: str
+) -> None:
+    app = partitioned_app(f"{prefix}.orders", url, broker, partitions=3)
+    app.register(Step, ignore)
+    async with app:
+        queues = await asyncio.to_thread(
+            rabbitmqctl_rows, "list_queues", "-p", vhost, "name", "type", "arguments"
+        )
+        exchanges = await asyncio.to_thread(
+            rabbitmqctl_rows, "list_exchanges", "-p", vhost, "name", "type"
+        )
+    partitions = {row["name"]: row for row in queues if ".partition." in row["name"]}
+    assert sorted(partitions) == [f"{prefix}.orders.partition.{n}" for n in range(3)]
+    for row in partitions.values():
+        assert row["type"] == "quorum"
+        assert "x-single-active-consumer" in json.dumps(row["arguments"])
+    kinds = {row["name"]: row["type"] for row in exchanges}
+    assert kinds[f"{prefix}.orders.partitions"] == "x-consistent-hash"
+
+
+async def test_keyed_sends_keep_their_order_across_instances_while_the_active_one_stops(
+    url: str, broker: Broker, prefix: str
+) -> None:
+    name = f"{prefix}.orders"
+    finished: list[tuple[str, int, str]] = []
+
+    def instance(label: str) -> App:
+        app = partitioned_app(name, url, broker, partitions=4, concurrency=8)
+
+        async def handle(step: Step) -> None:
+            await asyncio.sleep(random.uniform(0, 0.004))
+            finished.append((step.key, step.seq, label))
+
+        app.register(Step, handle)
+        return app
+
+    first, second = instance("first"), instance("second")
+    sender = partitioned_app(f"{prefix}.sender", url, broker, consume=False)
+    sender.route(Step, name)
+    keys = [f"k{n}" for n in range(20)]
+    steps = 15
+    await first.start()  # the first to consume is active on every partition; the second waits
+    async with sender, second:
+        try:
+            for seq in range(steps):
+                for key in keys:
+                    await sender.send(Step(key, seq), partition_key=key)
+                if seq == 5:
+                    await eventually(lambda: len(finished) >= 60, "some steps handled")
+                    await first.stop()  # its partitions move to the second instance
+        finally:
+            await first.stop()
+        await eventually(
+            lambda: (
+                {(key, seq) for key, seq, _ in finished}
+                >= {(k, s) for k in keys for s in range(steps)}
+            ),
+            "every step handled",
+            timeout=30,
+        )
+    for key in keys:
+        seen: list[int] = []
+        for done_key, seq, _ in finished:
+            if done_key == key and seq not in seen:
+                seen.append(seq)
+        assert seen == list(range(steps)), f"{key} handled out of order: {seen}"
+    assert {label for *_, label in finished} == {"first", "second"}
+
+
+async def test_sends_without_a_key_and_senders_unaware_of_partitions_still_arrive(
+    url: str, broker: Broker, prefix: str
+) -> None:
+    name = f"{prefix}.orders"
+    got: list[Step] = []
+    app = partitioned_app(name, url, broker, partitions=2)
+
+    async def handle(step: Step) -> None:
+        got.append(step)
+
+    app.register(Step, handle)
+    app.route(Step, name)
+    async with app:
+        await app.send(Step("none", 1))
+        await app.send(Step("keyed", 2), partition_key="keyed")
+        await app.send(Step("long", 3), partition_key="x" * 1000)  # over a routing key's 255
+        await eventually(lambda: len(got) == 3, "all three handled")
+    assert sorted(step.seq for step in got) == [1, 2, 3]
+
+
+async def test_fewer_partitions_than_the_queue_has_are_refused(
+    url: str, broker: Broker, prefix: str
+) -> None:
+    name = f"{prefix}.orders"
+    app = partitioned_app(name, url, broker, partitions=4)
+    app.register(Step, ignore)
+    async with app:
+        pass
+    fewer = partitioned_app(name, url, broker, partitions=2)
+    fewer.register(Step, ignore)
+    with pytest.raises(ConfigurationError, match="more than 2 partitions"):
+        await fewer.start()
+
+
+@pytest.mark.parametrize("partitions", [0, -1, 257, 2.5, True])
+def test_a_wrong_number_of_partitions_is_a_configuration_error(partitions: object) -> None:
+    with pytest.raises(ConfigurationError, match="partitions"):
+        App("orders", transport="memory://", partitions=partitions)  # type: ignore[arg-type]
+
+
+def test_a_send_only_app_has_no_partitions() -> None:
+    with pytest.raises(ConfigurationError, match="send-only"):
+        App("orders", transport="memory://", partitions=2, consume=False)
+
+
+async def ignore(step: Step) -> None:
+    """A handler that does nothing."""
