@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "rabbitmq": "bench.rabbitmq",
     "outbox": "bench.outbox",
     "sqlite": "bench.sqlite",
+    "scaleout": "bench.scaleout",
 }
 """Every benchmark by name: a module with `async def run() -> dict[str, float | int]`."""
 

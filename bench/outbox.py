@@ -88,7 +88,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engin
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import NullPool
 
-from bench.support import PHASE_TIMEOUT, Phase, Tally, percentile_ms, private_vhost
+from bench.support import PHASE_TIMEOUT, QUEUE_TYPE, Phase, Tally, percentile_ms, private_vhost
 from mersal import App, MessageContext, loop, message
 from mersal.app import check_prefetch
 from mersal.messages import Envelope, Header
@@ -325,7 +325,7 @@ async def relay_against_raw(
     try:
         channel = await connection.channel(publisher_confirms=True)
         queue = await channel.declare_queue(
-            sink, durable=True, arguments={"x-queue-type": "classic"}
+            sink, durable=True, arguments={"x-queue-type": QUEUE_TYPE}
         )
         async with app:
             relay = storage.relay
@@ -434,7 +434,7 @@ async def two_instances(database: str, transport: str) -> Twins:
     try:
         channel = await connection.channel()
         queue = await channel.declare_queue(
-            sink, durable=True, arguments={"x-queue-type": "classic"}
+            sink, durable=True, arguments={"x-queue-type": QUEUE_TYPE}
         )
         await queue.consume(received, no_ack=True)
         for _ in range(2):
@@ -766,9 +766,9 @@ async def raw_chain(database: str, transport: str) -> Phase:
 async def declare_raw_topology(channel: AbstractChannel) -> None:
     """The command queue, the events exchange and the billing queue bound to OrderPlaced."""
     events = await channel.declare_exchange(RAW_EVENTS, aio_pika.ExchangeType.TOPIC, durable=True)
-    await channel.declare_queue(RAW_APP, durable=True, arguments={"x-queue-type": "classic"})
+    await channel.declare_queue(RAW_APP, durable=True, arguments={"x-queue-type": QUEUE_TYPE})
     billing = await channel.declare_queue(
-        RAW_BILLING, durable=True, arguments={"x-queue-type": "classic"}
+        RAW_BILLING, durable=True, arguments={"x-queue-type": QUEUE_TYPE}
     )
     await billing.bind(events, routing_key=EVENT_TYPE)
 

@@ -34,8 +34,9 @@ import aio_pika
 import msgspec
 from aio_pika.abc import AbstractConnection, AbstractExchange, AbstractIncomingMessage
 
-from bench.support import Phase, Tally, percentile_ms, private_vhost
+from bench.support import QUEUE_TYPE, Phase, Tally, percentile_ms, private_vhost
 from mersal import App
+from mersal.app import check_prefetch
 
 MESSAGES = 10_000
 IN_FLIGHT = 128
@@ -45,7 +46,7 @@ HALF_LOAD_MESSAGES = 3_000
 NOTE = "a small note"
 
 CONCURRENCY: int = inspect.signature(App).parameters["concurrency"].default
-PREFETCH = CONCURRENCY * 2  # what App.start asks its consumer for
+PREFETCH = check_prefetch(None, CONCURRENCY)  # what App.start asks its consumer for
 
 _runs = itertools.count()
 """Runs so far in this process: odd runs measure raw aio-pika first, so order biases neither."""
@@ -165,7 +166,7 @@ class RawRoundTrip:
             consuming = await self._connection.channel()
             await consuming.set_qos(prefetch_count=PREFETCH)
             queue = await consuming.declare_queue(
-                self.queue, durable=True, arguments={"x-queue-type": "classic"}
+                self.queue, durable=True, arguments={"x-queue-type": QUEUE_TYPE}
             )
             await queue.consume(self._receive, no_ack=False)
             await full_load(self, WARM_UP)

@@ -16,6 +16,9 @@ RABBITMQ_HOST = os.environ.get("MERSAL_BENCH_RABBITMQ_HOST", "127.0.0.1")
 SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 PHASE_TIMEOUT = 120.0
 
+QUEUE_TYPE = "quorum"
+"""The queue type of raw baselines: what an App declares by default."""
+
 
 @asynccontextmanager
 async def private_vhost(prefix: str = "mersal-bench") -> AsyncIterator[str]:

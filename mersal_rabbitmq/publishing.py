@@ -75,9 +75,13 @@ class Publisher:
         except aiormq.exceptions.PublishError:
             return False
         except aiormq.exceptions.DeliveryError as error:
+            # A quorum queue refuses while it elects a leader, and a channel that published
+            # then can go on being refused after the election: the next publish takes another.
+            self.retired = True
             raise MersalError(
                 f"RabbitMQ refused {describe(envelope.headers)} ({error}): "
-                "it may be short of memory or disk, or the queue is full; send it again later"
+                "it may be short of memory or disk, the queue may be full, or a quorum queue "
+                "electing a leader; send it again later"
             ) from None
         except BaseException as error:
             lost = closed_under(error, self.channel.is_closed, "the channel closed under it")

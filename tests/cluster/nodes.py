@@ -182,10 +182,22 @@ class Cluster:
     # -- the cluster ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Boot the three nodes and join c2 and c3 to c1; reuse a cluster that is up."""
+        """Boot the three nodes and join c2 and c3 to c1; reuse a cluster that is up.
+
+        A boot that fails (seen: a node stopping while it joins at boot on a loaded machine)
+        is tried once more from scratch.
+        """
         if self.healthy():
             self.boot_seconds, self.phases = None, {}
             return
+        try:
+            self._boot()
+        except ClusterError as error:
+            print(f"[cluster] boot failed, trying again from scratch: {error}", file=sys.stderr)
+            self.teardown()
+            self._boot()
+
+    def _boot(self) -> None:
         began = time.monotonic()
         self._halt_all()
         self._prepare()

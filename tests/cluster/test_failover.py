@@ -25,14 +25,16 @@ async def test_the_node_leading_the_queue_is_killed_under_load(
     """kill -9 of the leader while the relay publishes and two workers consume."""
     intents = 600
     async with ClusterScenario(cluster, "cluster_leader_killed", intents, tmp_path) as s:
-        await s.workers(2, "--concurrency", "4", "--handler-delay", "0.01")
-        await s.driver("--rate", "60")
-        await s.until_progress(lambda p: p.effected >= intents // 5, 90, "a fifth effected")
         leader = await s.leader(WORK_QUEUE)
+        await s.workers(2, "--concurrency", "4", "--handler-delay", "0.01")
+        await s.driver("--rate", "30")
+        await s.until_progress(lambda p: p.effected >= intents // 5, 90, "a fifth effected")
         await s.kill(leader)
         at_kill = await s.progress()
         await s.until_progress(
-            lambda p: p.effected >= at_kill.effected + 60, 90, "progress after the kill"
+            lambda p: p.effected >= min(intents, at_kill.effected + 60),
+            90,
+            "progress after the kill",
         )
         await s.start_node(leader)
         await s.finish(
@@ -46,15 +48,17 @@ async def test_the_node_leading_the_queue_is_killed_under_load(
 
 async def test_a_rolling_restart_under_load(cluster: Cluster, tmp_path: Path) -> None:
     """Each node in turn stops gracefully and starts again while work flows."""
-    intents = 600
+    intents = 1200
     async with ClusterScenario(cluster, "cluster_rolling_restart", intents, tmp_path) as s:
         await s.workers(2, "--concurrency", "4", "--handler-delay", "0.01")
-        await s.driver("--rate", "40")
+        await s.driver("--rate", "20")
         marks: list[Progress] = []
         for node in NODES:
             before = await s.progress()
             await s.until_progress(
-                lambda p, b=before: p.effected >= b.effected + 40, 90, f"progress before {node}"
+                lambda p, b=before: p.effected >= min(intents, b.effected + 20),
+                90,
+                f"progress before {node}",
             )
             await s.stop_node(node)
             marks.append(await s.progress())
@@ -63,7 +67,7 @@ async def test_a_rolling_restart_under_load(cluster: Cluster, tmp_path: Path) ->
             drain_timeout=240,
             effected_at_stops=",".join(str(mark.effected) for mark in marks),
         )
-    assert marks[-1].committed < intents or marks[-1].effected < intents
+    assert marks[-1].effected < intents  # work was still flowing when the last node stopped
 
 
 async def test_delayed_retries_waiting_on_a_dead_node_are_still_delivered(

@@ -1,0 +1,101 @@
+"""Failover between nodes listed with `;`, against one real node and ports nobody listens on.
+
+The cluster itself is `make cluster-test` (tests/cluster); these run in `make test`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import pytest
+from rabbitmq_support import Broker, rabbitmqctl
+
+from mersal import App, ConfigurationError, MersalError, RetryPolicy
+from mersal.errors import Unreachable
+from mersal_rabbitmq import RabbitMQTransport
+from tests.support import eventually
+
+pytestmark = pytest.mark.integration
+
+DEAD = "amqp://guest:guest@127.0.0.1:5699"
+"""A node that does not answer (nothing listens on that port)."""
+
+
+def vhost_of(url: str) -> str:
+    """The path of a test URL: the vhost."""
+    return url.rsplit("/", 1)[1]
+
+
+async def test_the_transport_connects_to_the_first_node_that_answers(
+    url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = f"{DEAD}/{vhost_of(url)}"
+    transport = RabbitMQTransport(f"{dead};{url}")
+    await transport.start()
+    try:
+        assert transport.node.endswith(url.rpartition("@")[2])
+        assert "5699" in caplog.text and "trying the next node" in caplog.text
+    finally:
+        await transport.stop()
+
+
+async def test_no_node_answering_is_unreachable_naming_each(url: str) -> None:
+    vhost = vhost_of(url)
+    transport = RabbitMQTransport(f"{DEAD}/{vhost};amqp://guest:guest@127.0.0.1:5698/{vhost}")
+    with pytest.raises(Unreachable, match="any of 2 RabbitMQ nodes") as caught:
+        await transport.start()
+    assert "5699" in str(caught.value) and "5698" in str(caught.value)
+
+
+async def test_a_node_refusing_the_login_is_a_configuration_error_even_after_a_dead_one(
+    url: str,
+) -> None:
+    wrong = url.replace("guest:guest@", "guest:wrong@")
+    transport = RabbitMQTransport(f"{DEAD}/{vhost_of(url)};{wrong}")
+    with pytest.raises(ConfigurationError, match="refused the login") as caught:
+        await transport.start()
+    assert "wrong" not in str(caught.value)
+
+
+async def test_a_lost_connection_moves_to_the_next_node_and_the_app_goes_on(
+    url: str, vhost: str, broker: Broker, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mersal.rabbitmq")
+    # node 0 and node 2 are the one real node: after it drops, the next try is the dead one
+    app = App(
+        f"{prefix}.orders",
+        transport=f"{url};{DEAD}/{vhost};{url}",
+        retry=RetryPolicy(error_queue=f"{prefix}.orders.error"),
+    )
+    broker.watch(app.transport)
+    got: list[int] = []
+
+    async def handle(number: Number) -> None:
+        got.append(number.n)
+
+    app.register(Number, handle)
+    app.route(Number, app.name)
+    async with app:
+        await app.send(Number(1))
+        await eventually(lambda: got == [1], "the first handled")
+        await asyncio.to_thread(rabbitmqctl, "close_all_connections", "-p", vhost, "test")
+        await eventually(
+            lambda: "reconnected to RabbitMQ" in caplog.text, "reconnected", timeout=20
+        )
+        for _ in range(100):
+            try:
+                await app.send(Number(2))
+                break
+            except MersalError:  # outcome unknown while it switches: send again
+                await asyncio.sleep(0.1)
+        await eventually(lambda: got == [1, 2], "the second handled after the switch", timeout=20)
+    assert "trying RabbitMQ at amqp://guest:***@127.0.0.1:5699" in caplog.text
+
+
+@dataclass
+class Number:
+    """A message with a number."""
+
+    n: int

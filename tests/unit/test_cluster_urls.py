@@ -1,0 +1,85 @@
+"""Failover URL lists, the queue_type URL option, partition routing and migration shapes."""
+
+import pytest
+
+from mersal import ConfigurationError
+from mersal.transport import mask, partition_queue, split_urls
+from mersal_rabbitmq import RabbitMQTransport
+from mersal_rabbitmq.connection import nodes_of, take_option
+from mersal_rabbitmq.migrating import shape_for
+from mersal_rabbitmq.topology import partition_routing_key
+
+THREE = "amqp://u:p1@h1/vh;amqp://u:p2@h2/vh; amqps://u:p3@h3/vh"
+
+
+def test_urls_separated_by_semicolons_are_the_nodes_in_order() -> None:
+    assert nodes_of(THREE) == ["amqp://u:p1@h1/vh", "amqp://u:p2@h2/vh", "amqps://u:p3@h3/vh"]
+
+
+def test_a_semicolon_not_followed_by_a_url_is_part_of_the_url() -> None:
+    assert split_urls("amqp://u:pa;ss@h1/vh") == ["amqp://u:pa;ss@h1/vh"]
+    assert nodes_of("amqp://u:pa;ss@h1/vh;amqp://u:pa;ss@h2/vh") == [
+        "amqp://u:pa;ss@h1/vh",
+        "amqp://u:pa;ss@h2/vh",
+    ]
+
+
+def test_every_password_of_a_list_is_masked() -> None:
+    masked = mask("amqp://u:pa;ss@h1/vh;amqp://u:secret@h2/vh")
+
+    assert "pa;ss" not in masked and "secret" not in masked
+    assert masked == "amqp://u:***@h1/vh;amqp://u:***@h2/vh"
+
+
+def test_an_empty_list_and_different_query_options_are_refused() -> None:
+    with pytest.raises(ConfigurationError, match="names no broker"):
+        nodes_of(" ; ")
+    with pytest.raises(ConfigurationError, match="same ones"):
+        nodes_of("amqp://h1/?heartbeat=5;amqp://h2/")
+
+
+def test_a_trailing_semicolon_is_forgiven() -> None:
+    assert nodes_of("amqp://h1/vh;") == ["amqp://h1/vh"]
+    assert nodes_of("amqp://h1/vh; ") == ["amqp://h1/vh"]
+
+
+def test_queue_type_is_taken_out_of_every_url() -> None:
+    address, value = take_option(
+        "amqp://h1/vh?queue_type=classic&heartbeat=5;amqp://h2/vh?queue_type=classic&heartbeat=5",
+        "queue_type",
+    )
+
+    assert value == "classic"
+    assert address == "amqp://h1/vh?heartbeat=5;amqp://h2/vh?heartbeat=5"
+    assert take_option("amqp://h1/vh", "queue_type") == ("amqp://h1/vh", None)
+
+
+def test_queues_are_quorum_unless_asked_otherwise() -> None:
+    assert RabbitMQTransport("amqp://h1/vh").queue_type == "quorum"
+    assert RabbitMQTransport("amqp://h1/vh?queue_type=classic").queue_type == "classic"
+    assert RabbitMQTransport("amqp://h/?queue_type=quorum", queue_type="classic").queue_type == (
+        "classic"
+    )
+    with pytest.raises(ConfigurationError, match="'classic' or 'quorum'"):
+        RabbitMQTransport("amqp://h1/vh?queue_type=mirrored")
+
+
+def test_a_partition_key_routes_as_itself_or_as_a_digest_when_too_long() -> None:
+    assert partition_routing_key("order-17") == "order-17"
+    long_key = "é" * 200  # 400 bytes
+    digest = partition_routing_key(long_key)
+    assert len(digest) == 64 and digest == partition_routing_key(long_key)
+
+
+def test_migration_shapes_follow_the_queue_name() -> None:
+    wait = shape_for("orders.wait.1000", "quorum").arguments
+    assert wait["x-message-ttl"] == 1000
+    assert wait["x-dead-letter-routing-key"] == "orders"
+    assert wait["x-dead-letter-strategy"] == "at-least-once"
+    event_wait = shape_for("mersal.events.shop.Placed.wait.200", "classic").arguments
+    assert event_wait["x-dead-letter-exchange"] == "mersal.events"
+    assert event_wait["x-dead-letter-routing-key"] == "shop.Placed"
+    assert "x-dead-letter-strategy" not in event_wait
+    partition = shape_for(partition_queue("orders", 3), "quorum").arguments
+    assert partition["x-single-active-consumer"] is True
+    assert shape_for("orders.partition.x", "quorum").arguments == {"x-queue-type": "quorum"}
