@@ -73,11 +73,14 @@ class Worker:
 
     async def stop(self, grace: float) -> None:
         """Stop pulling, let in-flight work finish within `grace` seconds, return the rest."""
-        self._stopping = True
         if self._fetcher is not None:
             self._fetcher.cancel()
             await asyncio.gather(self._fetcher, return_exceptions=True)
+        # Closed first: a lane that gives its waiting deliveries back does so to a closed
+        # consumer, which returns them to their place (a nack would send them to a quorum
+        # queue's tail, behind later messages of their key).
         await self.consumer.close()
+        self._stopping = True
         if not self._tasks:
             return
         _, pending = await asyncio.wait(set(self._tasks), timeout=grace)

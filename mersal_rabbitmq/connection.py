@@ -37,6 +37,9 @@ log = logging.getLogger("mersal.rabbitmq")
 
 RECONNECT_INTERVAL = 1.0
 """Seconds between reconnection attempts unless the URL's `reconnect_interval` says otherwise."""
+CONNECT_TIMEOUT = 10.0
+"""Seconds one attempt to connect to a node may take (a node can take the TCP connection and
+never answer): then the next node is tried."""
 CHANNEL_ERRORS = (
     aiormq.exceptions.AMQPError,
     aiormq.exceptions.ChannelInvalidStateError,
@@ -304,7 +307,7 @@ async def _connect(nodes: Sequence[str], first: int, options: dict[str, Any]) ->
     """A connected `Failover` starting at `nodes[first]`; a failed connect leaves no loop behind."""
     connection = Failover(nodes, first, options)
     try:
-        await connection.connect()
+        await connection.connect(timeout=CONNECT_TIMEOUT)  # every later attempt's bound too
     except BaseException:
         await connection.close()
         raise

@@ -142,11 +142,14 @@ class RabbitMQConsumer:
         returned stays unacked until the channel closes after the last settled delivery, and
         the broker then puts it all back at the head of the queue in its order. (A quorum queue
         puts a nacked message at its tail, and a delivery that crosses a cancel too, behind
-        later messages of the same partition key.)
+        later messages of the same partition key.) Consuming without acks, the consumer is
+        cancelled: what the broker sent would be gone.
         """
         if self._closed:
             return
         await self.abandon()
+        if self._ack_mode == "none":  # the broker forgets what it sends: stop it sending
+            await self._cancel_consumers()
         self._consuming = False
         self._buffer.clear()
         if not self._outstanding:
@@ -275,6 +278,16 @@ class RabbitMQConsumer:
         self._ready.set()
 
     # Closing.
+
+    async def _cancel_consumers(self) -> None:
+        underlay, channel = self._underlay, self._channel
+        if underlay is None or channel is None or channel.is_closed:
+            return
+        for tag in list(self._tags):
+            try:
+                await underlay.basic_cancel(tag)
+            except Exception as error:  # closing anyway
+                log.debug("cancelling the consumer of %r failed: %s", self._tags[tag], error)
 
     async def _send_acks(self) -> None:
         channel, acks = self._channel, self._acks

@@ -94,10 +94,12 @@ class Management:
             )
         return _view(items, set(names))
 
-    async def topics(self, queue: str, exchange: str) -> list[str]:
-        """The routing keys that bind `queue` to `exchange`; ManagementUnavailable if unasked."""
-        vhost, name = quote(self.vhost, safe=""), quote(queue, safe="")
-        path = f"/api/queues/{vhost}/{name}/bindings"
+    async def bindings(self, queue: str) -> list[tuple[str, str]]:
+        """(exchange, routing key) of each binding of `queue` but the default exchange's.
+
+        ManagementUnavailable if the API could not be asked.
+        """
+        path = f"/api/queues/{quote(self.vhost, safe='')}/{quote(queue, safe='')}/bindings"
         try:
             async with asyncio.timeout(DEADLINE):
                 rows = await in_daemon_thread(self.get, path, {})
@@ -112,9 +114,9 @@ class Management:
                 f"bindings for queue {queue!r}"
             )
         return sorted(
-            str(row.get("routing_key", ""))
+            (str(row["source"]), str(row.get("routing_key", "")))
             for row in rows
-            if isinstance(row, dict) and row.get("source") == exchange
+            if isinstance(row, dict) and isinstance(row.get("source"), str) and row["source"]
         )
 
     def get(self, path: str, query: dict[str, str]) -> Any:
@@ -137,8 +139,7 @@ class Management:
         except (URLError, OSError, ValueError) as error:
             reason = getattr(error, "reason", error)
             raise ManagementUnavailable(
-                f"unacked counts come from the RabbitMQ management API, which did not answer at "
-                f"{self.base} ({reason}): {ENABLE}"
+                f"the RabbitMQ management API did not answer at {self.base} ({reason}): {ENABLE}"
             ) from None
 
 

@@ -9,7 +9,9 @@ queue goes. A message is in one of the two queues, for a moment in both (the rec
 drops the copy). Run again after a crash or an interruption, it picks up where it was.
 
 The apps that consume the queue must be stopped first: a consumer would take messages mid-way
-and keep the queue in use. Moving a quorum queue to classic, stop the apps that send to it too.
+and keep the queue in use. A queue's wait queues are moved before it (quorum ones dead-letter at
+least once, so they wait for it to be back). Moving a quorum queue to classic, stop the apps
+that send to it too and let its wait queues empty first.
 A wait queue's messages start their wait again in the new wait queue: later, never earlier.
 """
 
@@ -45,17 +47,19 @@ from mersal_rabbitmq.transport import RabbitMQTransport
 log = logging.getLogger("mersal.rabbitmq")
 
 BATCH = 200
-"""Messages moved per round: fetched, published with confirms, then acked at once."""
+"""Messages moved per round: received, published with confirms, then acked at once."""
+IDLE = 0.5
+"""Seconds without a message after which a queue counts as emptied."""
 HOLDING = ".migrating"
 
 
 @dataclass
 class Plan:
-    """One queue to migrate: its new shape and the topics it is bound to."""
+    """One queue to migrate: its new shape and its bindings (exchange, routing key)."""
 
     name: str
     shape: QueueShape
-    topics: list[str]
+    bindings: list[tuple[str, str]]
 
 
 def add_queue_commands(commands: argparse._SubParsersAction[Any]) -> None:
@@ -115,13 +119,13 @@ async def migrate_all(
     """Migrate the app's queues and `queues` to `target`; 0 when every one is of that type."""
     await transport.start()
     try:
-        names = [*_queues_of(app), *queues]
         api = Management.of(transport.address, management)
+        names = [*_queues_of(app), *await _with_waits(api, queues)]
         migrated = 0
         for name in dict.fromkeys(names):
             if not await _exists(transport, name) and not await _exists(transport, name + HOLDING):
                 continue
-            plan = Plan(name, shape_for(name, target), await _topics(api, app, name))
+            plan = Plan(name, shape_for(name, target), await _bindings(transport, api, app, name))
             moved = await migrate(transport, plan)
             if moved is None:
                 print(f"{name}: already {target}")
@@ -159,13 +163,13 @@ async def migrate(transport: RabbitMQTransport, plan: Plan) -> int | None:
             f"queue {plan.name!r} has consumers: stop the apps that consume it, then run this again"
         )
     await _declare(transport, holding, durable_shape(plan.shape.arguments["x-queue-type"]))
-    for topic in plan.topics:
-        await _bind(transport, holding, topic)
+    for exchange, key in plan.bindings:
+        await _bind(transport, holding, exchange, key)
     if not await _declares(transport, plan.name, plan.shape):
         await _drain_and_delete(transport, plan.name, holding, plan.shape)
         await _declare(transport, plan.name, plan.shape)
-        for topic in plan.topics:
-            await _bind(transport, plan.name, topic)
+    for exchange, key in plan.bindings:  # again after a run that stopped before binding it
+        await _bind(transport, plan.name, exchange, key)
     return await _delete_holding(transport, holding, plan.name)
 
 
@@ -207,43 +211,68 @@ async def _delete_holding(transport: RabbitMQTransport, holding: str, back_to: s
 
 
 async def _move(transport: RabbitMQTransport, source: str, target: str) -> int:
-    """Move every message of `source` to `target`: published with confirms, then acked."""
+    """Move every message of `source` to `target`: published with confirms, then acked.
+
+    A consumer, not `basic.get`, which quorum queues with a single active consumer refuse.
+    It ends when nothing arrived for IDLE seconds.
+    """
     moved = 0
     channel = await transport.open_channel(confirms=True)
     try:
+        await channel.set_qos(prefetch_count=BATCH)
         underlay = await channel.get_underlay_channel()
-        while True:
-            batch: list[aiormq.abc.DeliveredMessage] = []
-            while len(batch) < BATCH:
-                message = await underlay.basic_get(source, no_ack=False)
-                if isinstance(message.delivery, aiormq.spec.Basic.GetEmpty):
-                    break
-                batch.append(message)
-            if not batch:
-                return moved
-            confirms = await asyncio.gather(
-                *(
-                    underlay.basic_publish(
-                        message.body,
-                        routing_key=target,
-                        properties=message.header.properties,
-                        mandatory=True,
-                    )
-                    for message in batch
-                )
-            )
-            if not all(isinstance(c, aiormq.spec.Basic.Ack) for c in confirms):
-                raise MersalError(
-                    f"RabbitMQ did not take the messages moved from {source!r} to {target!r} "
-                    f"(returned or refused); nothing was removed from {source!r}: run this again"
-                )
+        arrived: asyncio.Queue[aiormq.abc.DeliveredMessage] = asyncio.Queue()
+
+        async def take(message: aiormq.abc.DeliveredMessage) -> None:
+            arrived.put_nowait(message)
+
+        await underlay.basic_consume(source, take)
+        while batch := await _batch(arrived):
+            await _publish_all(underlay, batch, source, target)
             last = batch[-1].delivery_tag
             assert last is not None
             await underlay.basic_ack(last, multiple=True)
             moved += len(batch)
+        return moved
     finally:
-        if not channel.is_closed:
+        if not channel.is_closed:  # what it holds unacked goes back to `source`
             await channel.close()
+
+
+async def _batch(arrived: asyncio.Queue[aiormq.abc.DeliveredMessage]) -> list[Any]:
+    """Up to BATCH messages, as many as arrive before IDLE seconds pass without one."""
+    batch: list[aiormq.abc.DeliveredMessage] = []
+    while len(batch) < BATCH:
+        try:
+            batch.append(await asyncio.wait_for(arrived.get(), IDLE))
+        except TimeoutError:
+            break
+    return batch
+
+
+async def _publish_all(
+    underlay: aiormq.abc.AbstractChannel,
+    batch: Sequence[aiormq.abc.DeliveredMessage],
+    source: str,
+    target: str,
+) -> None:
+    """Publish copies of `batch` to `target`, each confirmed; a MersalError if one was not."""
+    confirms = await asyncio.gather(
+        *(
+            underlay.basic_publish(
+                message.body,
+                routing_key=target,
+                properties=message.header.properties,
+                mandatory=True,
+            )
+            for message in batch
+        )
+    )
+    if not all(isinstance(confirm, aiormq.spec.Basic.Ack) for confirm in confirms):
+        raise MersalError(
+            f"RabbitMQ did not take the messages moved from {source!r} to {target!r} "
+            f"(returned or refused); they are still in {source!r}: run this again"
+        )
 
 
 async def _open(transport: RabbitMQTransport) -> AbstractChannel:
@@ -267,8 +296,11 @@ async def _consumers(transport: RabbitMQTransport, name: str) -> int:
     try:
         declared = await channel.declare_queue(name, passive=True)
         return int(declared.declaration_result.consumer_count or 0)
+    except aiormq.exceptions.ChannelNotFoundEntity:  # deleted by a run that stopped halfway
+        return 0
     finally:
-        await channel.close()
+        if not channel.is_closed:
+            await channel.close()
 
 
 async def _declares(transport: RabbitMQTransport, name: str, shape: QueueShape) -> bool:
@@ -292,32 +324,55 @@ async def _declare(transport: RabbitMQTransport, name: str, shape: QueueShape) -
         )
 
 
-async def _bind(transport: RabbitMQTransport, name: str, topic: str) -> None:
+async def _bind(transport: RabbitMQTransport, name: str, exchange: str, key: str) -> None:
     channel = await _open(transport)
     try:
         queue = await channel.get_queue(name, ensure=False)
-        await queue.bind(EVENTS, topic)
+        await queue.bind(exchange, key)
     finally:
         await channel.close()
 
 
-async def _topics(api: Management, app: App | None, name: str) -> list[str]:
-    """The topics `name` is bound to: the management API's list, else the app's subscriptions."""
+async def _bindings(
+    transport: RabbitMQTransport, api: Management, app: App | None, name: str
+) -> list[tuple[str, str]]:
+    """The bindings of `name` (and of its holding queue, after a run that stopped halfway).
+
+    From the management API; without it, what the app declares: its subscriptions and its
+    partitions' bindings.
+    """
+    found: set[tuple[str, str]] = set()
     try:
-        return await api.topics(name, EVENTS)
+        for queue in (name, name + HOLDING):
+            if await _exists(transport, queue):
+                found.update(await api.bindings(queue))
+        return sorted(found)
     except ManagementUnavailable as error:
         if app is not None and name == app.name:
-            return sorted(app.types.name_of(t) for t in app.subscriptions)
-        if waiting_for(name) is not None or name.endswith(HOLDING):
-            return []
+            return sorted((EVENTS, app.types.name_of(t)) for t in app.subscriptions)
+        if app is not None and name in _queues_of(app):
+            partitions = [partition_queue(app.name, index) for index in range(app.partitions)]
+            return [(f"{app.name}.partitions", "1")] if name in partitions else []
         raise MersalError(
-            f"cannot tell which topics queue {name!r} is bound to ({error}); without them, "
-            "events published during the migration would be lost"
+            f"cannot tell what queue {name!r} is bound to ({error}); without its bindings, "
+            "messages routed to it during the migration would be lost"
         ) from None
 
 
+async def _with_waits(api: Management, queues: Sequence[str]) -> list[str]:
+    """The queues, each after its wait queues (which dead-letter into it: they go first)."""
+    if not queues:
+        return []
+    view = await api.look([], list(queues))
+    ordered: list[str] = []
+    for queue in queues:
+        ordered += sorted(w for w in view.waits if w.rpartition(".wait.")[0] == queue)
+        ordered.append(queue)
+    return ordered
+
+
 def _queues_of(app: App | None) -> list[str]:
-    """The app's queue, its partitions and retry wait queues, and its error queue."""
+    """The app's retry wait queues, its partitions, its queue and its error queue, in order."""
     if app is None or not app.consume:
         return []
     partitions = [partition_queue(app.name, index) for index in range(app.partitions)]
@@ -326,7 +381,9 @@ def _queues_of(app: App | None) -> list[str]:
         for queue in (app.name, *partitions)
         for name in retry_wait_queues(queue, app.retry.delayed)
     ]
-    return [app.name, *partitions, *waits, app.retry.error_queue]
+    # Wait queues first: once of the new (quorum) type they dead-letter at least once, so a
+    # message whose wait ends while its queue is declared again waits for it.
+    return [*waits, *partitions, app.name, app.retry.error_queue]
 
 
 def _app_queue_type(app: App | None) -> str | None:

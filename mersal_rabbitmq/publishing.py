@@ -243,6 +243,12 @@ class Publishing:
         try:
             await self._publish(publisher, outgoing, deadline)
         except OutcomeUnknown as error:
+            gone = isinstance(error.__cause__, aiormq.exceptions.ChannelNotFoundEntity)
+            if gone and self._topology.forget_partitions(outgoing.address):
+                return OutcomeUnknown(
+                    f"the partitions of {outgoing.address!r} are gone (their exchange was "
+                    "deleted): send it again, to the queue itself"
+                )
             if refused_by_broker(error):
                 return Unsendable(
                     f"RabbitMQ refused {describe(outgoing.envelope.headers)} to "

@@ -81,8 +81,9 @@ class QueueTypeMismatch(ConfigurationError):
         super().__init__(
             f"queue {name!r} exists as a {other_type(wanted)} queue, and this app declares "
             f"{wanted} queues: stop the apps that consume it, then run `mersal queues migrate "
-            f"--to {wanted} --queue {name} --transport URL` (or `--app module:app`), which moves "
-            f"its messages into a new {wanted} queue; or keep it {other_type(wanted)} with "
+            f"--to {wanted} --app module:app` (all of the app's queues; or `--queue {name} "
+            f"--transport URL`), which moves the messages into new {wanted} queues; or keep "
+            f"them {other_type(wanted)} with "
             f"RabbitMQTransport(url, queue_type={other_type(wanted)!r}) or "
             f"?queue_type={other_type(wanted)} in the transport URL"
         )
@@ -203,6 +204,11 @@ class Topology:
             known = self._partitioned[queue] = (exists, loop.time())
         return partition_exchange(queue) if known[0] else None
 
+    def forget_partitions(self, queue: str) -> bool:
+        """Look again whether `queue` has partitions; whether it was thought to have them."""
+        known = self._partitioned.pop(queue, None)
+        return known is not None and known[0]
+
     async def _locked_partition(self, queue: str, count: int) -> None:
         async with self._lock:
             await self._partition(queue, count)
@@ -228,8 +234,7 @@ class Topology:
             shape = partition_shape(self._queue_type)
             await self._declare(name, shape)
             self.queues[name] = shape
-            amqp_queue = await (await self._ready_channel()).get_queue(name, ensure=False)
-            await amqp_queue.bind(exchange, "1")  # equal weights
+            await self._bind_partition(name, exchange)
         extra = partition_queue(queue, count)
         if await self._exists(extra):
             raise ConfigurationError(
@@ -238,6 +243,10 @@ class Topology:
                 "stop every instance, move the messages of the extra partitions into "
                 f"{queue!r} and delete those queues"
             )
+
+    async def _bind_partition(self, name: str, exchange: str) -> None:
+        amqp_queue = await (await self._ready_channel()).get_queue(name, ensure=False)
+        await amqp_queue.bind(exchange, "1")  # equal weights
 
     async def _exchange_exists(self, exchange: str) -> bool:
         channel = await self._ready_channel()
@@ -321,6 +330,9 @@ class Topology:
             await self._declare(name, shape)
             for topic in sorted(self.bindings.get(name, ())):
                 await self._bind(name, topic)
+            for queue, count in self.partitions.items():
+                if name in (partition_queue(queue, index) for index in range(count)):
+                    await self._bind_partition(name, partition_exchange(queue))
 
     async def restore(self) -> None:
         """Declare everything remembered again (after a reconnect); log what fails."""

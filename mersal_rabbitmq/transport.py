@@ -183,8 +183,23 @@ class RabbitMQTransport:
         return await self._publishing.send_each(messages, self.limits)
 
     async def consume(self, queue: str, *, prefetch: int) -> RabbitMQConsumer:
-        """Start receiving from an existing `queue`, at most `prefetch` unacknowledged."""
+        """Start receiving from an existing `queue`, at most `prefetch` unacknowledged.
+
+        A queue declared with partitions is consumed with them; one that has partitions
+        declared elsewhere is refused: keyed sends would go to partitions nobody consumes.
+        """
         self._link.require()
+        shape = self._topology.queues.get(queue)
+        temporary = shape is not None and shape.exclusive
+        if queue not in self._topology.partitions and not temporary:
+            exchange = await self._topology.partitioned(queue)
+            if exchange is not None:
+                raise ConfigurationError(
+                    f"queue {queue!r} has partitions (exchange {exchange!r}), and this app "
+                    "declares none: keyed sends would wait in partitions nobody consumes. Keep "
+                    "App(partitions=N) as it was, or stop every instance, move the messages of "
+                    f"{queue}.partition.* into {queue!r} and delete them and the exchange"
+                )
         return await self._consumers.consume(queue, prefetch, self.resubscribe_delays)
 
     # Parts for callers that work below the Transport protocol.

@@ -389,14 +389,14 @@ def partition_queue(queue: str, index: int) -> str:
     return f"{queue}.partition.{index}"
 
 
-_NEXT_URL = re.compile(r";(?=\s*(?:[A-Za-z][A-Za-z0-9+.-]*://|$))")
+_NEXT_URL = re.compile(r";(?=\s*(?:[A-Za-z][A-Za-z0-9+.-]*://|;|$))")
 
 
 def split_urls(address: str) -> list[str]:
     """The URLs of an address that lists several separated by `;` (a cluster's nodes).
 
-    Only a `;` followed by another URL's scheme (or by nothing) separates, so a password may
-    contain one.
+    Only a `;` followed by another URL's scheme (or by nothing, or another `;`) separates, so a
+    password may contain one.
     """
     return _NEXT_URL.split(address)
 

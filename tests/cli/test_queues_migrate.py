@@ -120,3 +120,61 @@ async def test_an_interrupted_migration_is_finished_by_running_it_again(
     assert sorted(await drain(amqp_url, queue)) == sorted(
         [*(f"m-{n}" for n in range(2)), *(f"m-{n}" for n in range(5))]
     )
+
+
+async def test_a_partition_keeps_its_binding_to_the_hash_exchange(
+    amqp_url: str, vhost: str, queues: Queues
+) -> None:
+    base = f"q{uuid4().hex[:8]}.orders"
+    partition = f"{base}.partition.0"
+    queues.names |= {partition, f"{partition}.migrating"}
+    await fill(
+        amqp_url,
+        partition,
+        3,
+        arguments={"x-queue-type": "classic", "x-single-active-consumer": True},
+    )
+    async with await aio_pika.connect(amqp_url) as connection:
+        channel = await connection.channel()
+        exchange = await channel.declare_exchange(
+            f"{base}.partitions", "x-consistent-hash", durable=True
+        )
+        amqp_queue = await channel.get_queue(partition, ensure=False)
+        await amqp_queue.bind(exchange, "1")
+
+    assert await mersal("queues", "migrate", "--transport", amqp_url, "--queue", partition) == 0
+
+    assert (await queue_types(vhost))[partition] == "quorum"
+    rows = await asyncio.to_thread(
+        rabbitmqctl_rows, "list_bindings", "-p", vhost, "source_name", "destination_name"
+    )
+    assert {"source_name": f"{base}.partitions", "destination_name": partition} in rows
+    assert await queues.count(partition) == 3  # (basic.get is refused on it now)
+    async with await aio_pika.connect(amqp_url) as connection:
+        channel = await connection.channel()
+        await channel.exchange_delete(f"{base}.partitions")
+
+
+async def test_a_run_stopped_after_deleting_the_queue_is_finished_with_its_bindings(
+    amqp_url: str, vhost: str, queues: Queues
+) -> None:
+    queue = f"q{uuid4().hex[:8]}.orders"
+    holding = f"{queue}.migrating"
+    topic = f"t{uuid4().hex[:8]}.Placed"
+    queues.names |= {queue, holding}
+    await fill(amqp_url, holding, 4, arguments={"x-queue-type": "quorum"})
+    async with await aio_pika.connect(amqp_url) as connection:
+        channel = await connection.channel()
+        exchange = await channel.declare_exchange(EVENTS, "topic", durable=True)
+        amqp_queue = await channel.get_queue(holding, ensure=False)
+        await amqp_queue.bind(exchange, topic)
+
+    assert await mersal("queues", "migrate", "--transport", amqp_url, "--queue", queue) == 0
+
+    types = await queue_types(vhost)
+    assert types[queue] == "quorum" and holding not in types
+    async with await aio_pika.connect(amqp_url) as connection:
+        channel = await connection.channel()
+        exchange = await channel.get_exchange(EVENTS)
+        await exchange.publish(aio_pika.Message(b"{}", message_id="event"), topic)
+    assert await drain(amqp_url, queue) == [*(f"m-{n}" for n in range(4)), "event"]

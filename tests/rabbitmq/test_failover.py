@@ -14,7 +14,7 @@ from rabbitmq_support import Broker, rabbitmqctl
 
 from mersal import App, ConfigurationError, MersalError, RetryPolicy
 from mersal.errors import Unreachable
-from mersal_rabbitmq import RabbitMQTransport
+from mersal_rabbitmq import RabbitMQTransport, connection
 from tests.support import eventually
 
 pytestmark = pytest.mark.integration
@@ -39,6 +39,30 @@ async def test_the_transport_connects_to_the_first_node_that_answers(
         assert "5699" in caplog.text and "trying the next node" in caplog.text
     finally:
         await transport.stop()
+
+
+async def test_a_node_that_takes_the_connection_and_never_answers_is_passed_over(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(connection, "CONNECT_TIMEOUT", 1.0)
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # accepted, and never a byte back
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport = RabbitMQTransport(f"amqp://guest:guest@127.0.0.1:{port}/{vhost_of(url)};{url}")
+    try:
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(transport.start(), 10)
+        assert asyncio.get_running_loop().time() - started < 5
+        assert transport.node.endswith(url.rpartition("@")[2])
+    finally:
+        await transport.stop()
+        server.close()
+        for writer in held:
+            writer.close()
 
 
 async def test_no_node_answering_is_unreachable_naming_each(url: str) -> None:

@@ -8,9 +8,9 @@ import random
 from dataclasses import dataclass
 
 import pytest
-from rabbitmq_support import Broker
+from rabbitmq_support import Broker, rabbitmqctl
 
-from mersal import App, ConfigurationError, RetryPolicy
+from mersal import App, ConfigurationError, OutcomeUnknown, RetryPolicy
 from mersal_rabbitmq import RabbitMQTransport
 from tests.support import eventually, rabbitmqctl_rows
 
@@ -135,6 +135,64 @@ async def test_fewer_partitions_than_the_queue_has_are_refused(
     fewer.register(Step, ignore)
     with pytest.raises(ConfigurationError, match="more than 2 partitions"):
         await fewer.start()
+
+
+async def test_an_app_without_the_partitions_its_queue_has_is_refused(
+    url: str, broker: Broker, prefix: str
+) -> None:
+    name = f"{prefix}.orders"
+    app = partitioned_app(name, url, broker, partitions=2)
+    app.register(Step, ignore)
+    async with app:
+        pass
+    plain = partitioned_app(name, url, broker)
+    plain.register(Step, ignore)
+    with pytest.raises(ConfigurationError, match="has partitions"):
+        await plain.start()
+
+
+async def test_a_deleted_partition_comes_back_bound_to_the_exchange(
+    url: str, vhost: str, broker: Broker, prefix: str
+) -> None:
+    name = f"{prefix}.orders"
+    app = partitioned_app(name, url, broker, partitions=2)
+    app.register(Step, ignore)
+
+    async def bound() -> bool:
+        rows = await asyncio.to_thread(
+            rabbitmqctl_rows, "list_bindings", "-p", vhost, "source_name", "destination_name"
+        )
+        return {"source_name": f"{name}.partitions", "destination_name": partition} in rows
+
+    partition = f"{name}.partition.0"
+    async with app:
+        await asyncio.to_thread(rabbitmqctl, "delete_queue", "-p", vhost, partition)
+        await eventually(bound, "the partition declared and bound again", timeout=15)
+
+
+async def test_a_sender_forgets_partitions_that_were_deleted(
+    url: str, broker: Broker, prefix: str
+) -> None:
+    name = f"{prefix}.orders"
+    receiver = partitioned_app(name, url, broker, partitions=2)
+    receiver.register(Step, ignore)
+    async with receiver:
+        pass
+    sender = partitioned_app(f"{prefix}.sender", url, broker, consume=False)
+    sender.route(Step, name)
+    async with sender:
+        await sender.send(Step("k", 1), partition_key="k")
+        channel = broker.channel
+        await channel.exchange_delete(f"{name}.partitions")
+        outcomes = []
+        for seq in (2, 3):
+            try:
+                await sender.send(Step("k", seq), partition_key="k")
+                outcomes.append("sent")
+            except OutcomeUnknown:
+                outcomes.append("unknown")
+    assert outcomes in (["unknown", "sent"], ["sent", "sent"])
+    assert (await broker.get(name)).body  # the last one went to the queue itself
 
 
 @pytest.mark.parametrize("partitions", [0, -1, 257, 2.5, True])

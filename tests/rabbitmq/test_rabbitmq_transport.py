@@ -278,7 +278,8 @@ async def test_quorum_queues_and_their_wait_queues(
     with pytest.raises(ConfigurationError) as caught:
         await (await started(make_transport, queue_type="classic")).declare(queue)
     assert "exists as a quorum queue, and this app declares classic" in str(caught.value)
-    assert f"mersal queues migrate --to classic --queue {queue}" in str(caught.value)
+    assert "mersal queues migrate --to classic --app module:app" in str(caught.value)
+    assert f"--queue {queue} --transport URL" in str(caught.value)
 
 
 async def test_queues_are_quorum_unless_the_transport_or_its_url_says_classic(

@@ -41,6 +41,7 @@ def test_an_empty_list_and_different_query_options_are_refused() -> None:
 def test_a_trailing_semicolon_is_forgiven() -> None:
     assert nodes_of("amqp://h1/vh;") == ["amqp://h1/vh"]
     assert nodes_of("amqp://h1/vh; ") == ["amqp://h1/vh"]
+    assert nodes_of("amqp://h1/vh;;amqp://h2/vh") == ["amqp://h1/vh", "amqp://h2/vh"]
 
 
 def test_queue_type_is_taken_out_of_every_url() -> None:
