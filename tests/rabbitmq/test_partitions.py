@@ -103,6 +103,50 @@ async def test_keyed_sends_keep_their_order_across_instances_while_the_active_on
     assert {label for *_, label in finished} == {"first", "second"}
 
 
+async def test_each_key_keeps_its_order_through_stops_on_a_quorum_queue(
+    url: str, broker: Broker, prefix: str
+) -> None:
+    name = f"{prefix}.orders"
+    finished: list[tuple[str, int]] = []
+
+    def instance() -> App:
+        app = partitioned_app(name, url, broker, concurrency=8, grace_period=5)
+
+        async def handle(step: Step) -> None:
+            await asyncio.sleep(random.uniform(0, 0.02))
+            finished.append((step.key, step.seq))
+
+        app.register(Step, handle)
+        app.route(Step, name)
+        return app
+
+    keys = [f"k{n}" for n in range(8)]
+    steps = 40
+    async with instance():  # declares the queue; nothing to take yet
+        pass
+    sender = partitioned_app(f"{prefix}.sender", url, broker, consume=False)
+    sender.route(Step, name)
+    async with sender:
+        for seq in range(steps):
+            for key in keys:
+                await sender.send(Step(key, seq), partition_key=key)
+    for _ in range(20):  # stop while keys have messages waiting in the worker, again and again
+        before = len(finished)
+        async with instance():
+            await eventually(
+                lambda b=before: len(finished) >= min(b + 15, len(keys) * steps), "progress"
+            )
+        if len({*finished}) == len(keys) * steps:
+            break
+    assert {*finished} == {(key, seq) for key in keys for seq in range(steps)}
+    for key in keys:
+        firsts: list[int] = []
+        for done_key, seq in finished:
+            if done_key == key and seq not in firsts:
+                firsts.append(seq)
+        assert firsts == list(range(steps)), f"{key} out of order: {firsts}"
+
+
 async def test_sends_without_a_key_and_senders_unaware_of_partitions_still_arrive(
     url: str, broker: Broker, prefix: str
 ) -> None:

@@ -343,6 +343,21 @@ async def test_deliveries_returned_by_a_closing_consumer_keep_their_place_in_the
     assert bodies == [b"1", b"2", b"3", b"4", b"5"]
 
 
+async def test_a_closed_consumer_without_acks_takes_nothing_more(
+    make_transport: Make, broker: Broker, prefix: str
+) -> None:
+    queue = f"{prefix}.noack"
+    transport = await started(make_transport, queue, ack_mode="none")
+    await transport.send([Outgoing(queue, envelope("m-0"))])
+    consumer = await transport.consume(queue, prefetch=1)
+    await asyncio.wait_for(consumer.get(), 5)
+    await consumer.close()
+
+    await transport.send([Outgoing(queue, envelope(f"m-{n}")) for n in range(1, 21)])
+
+    await eventually(lambda: broker_count_is(broker, queue, 20), "all 20 left in the queue")
+
+
 async def test_one_batch_with_a_repeated_message_id_delivers_both(
     make_transport: Make, broker: Broker, prefix: str
 ) -> None:
