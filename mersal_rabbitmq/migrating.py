@@ -21,7 +21,8 @@ import argparse
 import asyncio
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,7 +159,7 @@ async def migrate(transport: RabbitMQTransport, plan: Plan) -> int | None:
     resuming = await _exists(transport, holding)
     if not resuming and await _declares(transport, plan.name, plan.shape):
         return None
-    if await _consumers(transport, plan.name):
+    if await _consumers(transport, plan.name):  # None: deleted by a run that stopped halfway
         raise MersalError(
             f"queue {plan.name!r} has consumers: stop the apps that consume it, then run this again"
         )
@@ -181,16 +182,13 @@ async def _drain_and_delete(
     classic = new.arguments["x-queue-type"] == "quorum"  # the old one is the other type
     while True:
         moved += await _move(transport, name, holding)
-        channel = await transport.open_channel()
         try:
-            underlay = await channel.get_underlay_channel()
-            await underlay.queue_delete(name, if_empty=classic)
+            async with _channel(transport) as channel:
+                underlay = await channel.get_underlay_channel()
+                await underlay.queue_delete(name, if_empty=classic)
             return moved
         except aiormq.exceptions.ChannelPreconditionFailed:  # a message came meanwhile
             continue
-        finally:
-            if not channel.is_closed:
-                await channel.close()
 
 
 async def _delete_holding(transport: RabbitMQTransport, holding: str, back_to: str) -> int:
@@ -200,13 +198,9 @@ async def _delete_holding(transport: RabbitMQTransport, holding: str, back_to: s
     move is a copy of one that reached the queue too.
     """
     moved = await _move(transport, holding, back_to)
-    channel = await _open(transport)
-    try:
+    async with _channel(transport) as channel:
         underlay = await channel.get_underlay_channel()
         await underlay.queue_delete(holding)
-    finally:
-        if not channel.is_closed:
-            await channel.close()
     return moved
 
 
@@ -217,8 +211,7 @@ async def _move(transport: RabbitMQTransport, source: str, target: str) -> int:
     It ends when nothing arrived for IDLE seconds.
     """
     moved = 0
-    channel = await transport.open_channel(confirms=True)
-    try:
+    async with _channel(transport, confirms=True) as channel:  # its close returns the unacked
         await channel.set_qos(prefetch_count=BATCH)
         underlay = await channel.get_underlay_channel()
         arrived: asyncio.Queue[aiormq.abc.DeliveredMessage] = asyncio.Queue()
@@ -233,10 +226,7 @@ async def _move(transport: RabbitMQTransport, source: str, target: str) -> int:
             assert last is not None
             await underlay.basic_ack(last, multiple=True)
             moved += len(batch)
-        return moved
-    finally:
-        if not channel.is_closed:  # what it holds unacked goes back to `source`
-            await channel.close()
+    return moved
 
 
 async def _batch(arrived: asyncio.Queue[aiormq.abc.DeliveredMessage]) -> list[Any]:
@@ -275,45 +265,41 @@ async def _publish_all(
         )
 
 
-async def _open(transport: RabbitMQTransport) -> AbstractChannel:
-    return await transport.open_channel()
+@asynccontextmanager
+async def _channel(
+    transport: RabbitMQTransport, *, confirms: bool = False
+) -> AsyncIterator[AbstractChannel]:
+    """A channel of its own (a refusal closes it), closed after."""
+    channel = await transport.open_channel(confirms=confirms)
+    try:
+        yield channel
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+
+
+async def _consumers(transport: RabbitMQTransport, name: str) -> int | None:
+    """How many consumers `name` has; None when it does not exist."""
+    async with _channel(transport) as channel:
+        try:
+            declared = await channel.declare_queue(name, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return None
+        return int(declared.declaration_result.consumer_count or 0)
 
 
 async def _exists(transport: RabbitMQTransport, name: str) -> bool:
-    channel = await _open(transport)
-    try:
-        await channel.declare_queue(name, passive=True)
-    except aiormq.exceptions.ChannelNotFoundEntity:
-        return False
-    finally:
-        if not channel.is_closed:
-            await channel.close()
-    return True
-
-
-async def _consumers(transport: RabbitMQTransport, name: str) -> int:
-    channel = await _open(transport)
-    try:
-        declared = await channel.declare_queue(name, passive=True)
-        return int(declared.declaration_result.consumer_count or 0)
-    except aiormq.exceptions.ChannelNotFoundEntity:  # deleted by a run that stopped halfway
-        return 0
-    finally:
-        if not channel.is_closed:
-            await channel.close()
+    return await _consumers(transport, name) is not None
 
 
 async def _declares(transport: RabbitMQTransport, name: str, shape: QueueShape) -> bool:
     """Whether `name` can be declared as `shape`: it is of that shape (or was missing)."""
-    channel = await _open(transport)
-    try:
-        await channel.declare_queue(name, durable=True, arguments=dict(shape.arguments))
-    except aiormq.exceptions.ChannelPreconditionFailed:
-        return False
-    finally:
-        if not channel.is_closed:
-            await channel.close()
-    return True
+    async with _channel(transport) as channel:
+        try:
+            await channel.declare_queue(name, durable=True, arguments=dict(shape.arguments))
+        except aiormq.exceptions.ChannelPreconditionFailed:
+            return False
+        return True
 
 
 async def _declare(transport: RabbitMQTransport, name: str, shape: QueueShape) -> None:
@@ -325,12 +311,9 @@ async def _declare(transport: RabbitMQTransport, name: str, shape: QueueShape) -
 
 
 async def _bind(transport: RabbitMQTransport, name: str, exchange: str, key: str) -> None:
-    channel = await _open(transport)
-    try:
+    async with _channel(transport) as channel:
         queue = await channel.get_queue(name, ensure=False)
         await queue.bind(exchange, key)
-    finally:
-        await channel.close()
 
 
 async def _bindings(

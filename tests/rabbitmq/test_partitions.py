@@ -167,32 +167,21 @@ async def test_sends_without_a_key_and_senders_unaware_of_partitions_still_arriv
     assert sorted(step.seq for step in got) == [1, 2, 3]
 
 
-async def test_fewer_partitions_than_the_queue_has_are_refused(
-    url: str, broker: Broker, prefix: str
+@pytest.mark.parametrize(
+    ("then", "refusal"), [(2, "more than 2 partitions"), (None, "has partitions")]
+)
+async def test_fewer_partitions_than_the_queue_has_or_none_are_refused(
+    url: str, broker: Broker, prefix: str, then: int | None, refusal: str
 ) -> None:
     name = f"{prefix}.orders"
     app = partitioned_app(name, url, broker, partitions=4)
     app.register(Step, ignore)
     async with app:
         pass
-    fewer = partitioned_app(name, url, broker, partitions=2)
+    fewer = partitioned_app(name, url, broker, partitions=then)
     fewer.register(Step, ignore)
-    with pytest.raises(ConfigurationError, match="more than 2 partitions"):
+    with pytest.raises(ConfigurationError, match=refusal):
         await fewer.start()
-
-
-async def test_an_app_without_the_partitions_its_queue_has_is_refused(
-    url: str, broker: Broker, prefix: str
-) -> None:
-    name = f"{prefix}.orders"
-    app = partitioned_app(name, url, broker, partitions=2)
-    app.register(Step, ignore)
-    async with app:
-        pass
-    plain = partitioned_app(name, url, broker)
-    plain.register(Step, ignore)
-    with pytest.raises(ConfigurationError, match="has partitions"):
-        await plain.start()
 
 
 async def test_a_deleted_partition_comes_back_bound_to_the_exchange(
