@@ -15,6 +15,7 @@ import aio_pika
 import pytest
 
 from docs.samples import (
+    cluster,
     handlers,
     inbox,
     messages,
@@ -139,6 +140,26 @@ async def amqp_url(vhost: str) -> AsyncIterator[str]:
 @pytest.mark.integration
 async def test_rabbitmq(amqp_url: str) -> None:
     assert await rabbitmq.main(amqp_url) == [0, 1, 2]
+
+
+@pytest.mark.integration
+async def test_cluster(vhost: str) -> None:
+    url = f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}"
+    dead = f"amqp://guest:guest@{RABBITMQ_HOST}:5699/{vhost}"  # nothing listens there
+    try:
+        handled = await cluster.main(url, dead)
+    finally:
+        async with await aio_pika.connect(url) as connection:
+            channel = await connection.channel()
+            for queue in ("docs.shipping", *(f"docs.shipping.partition.{n}" for n in range(8))):
+                await channel.queue_delete(queue)
+            await channel.exchange_delete("docs.shipping.partitions")
+    for order_id in ("o-1", "o-2"):
+        assert [step for key, step in handled if key == order_id] == [0, 1, 2]
+    assert cluster.cluster_app("u", "p", ["h1", "h2"], "shop").transport.address == (
+        "amqp://u:p@h1/shop;amqp://u:p@h2/shop"
+    )
+    assert cluster.classic("amqp://h/shop").queue_type == "classic"
 
 
 @pytest.mark.integration
