@@ -1,5 +1,6 @@
 """Failover URL lists, the queue_type URL option, partition routing and migration shapes."""
 
+import aio_pika
 import pytest
 
 from mersal import ConfigurationError
@@ -84,3 +85,9 @@ def test_migration_shapes_follow_the_queue_name() -> None:
     partition = shape_for(partition_queue("orders", 3), "quorum").arguments
     assert partition["x-single-active-consumer"] is True
     assert shape_for("orders.partition.x", "quorum").arguments == {"x-queue-type": "quorum"}
+
+
+def test_the_aio_pika_hook_that_failover_overrides_is_still_there() -> None:
+    # Failover moves on to the next node by overriding this private method of aio-pika's
+    # RobustConnection: an aio-pika that renames it must fail here, not at a node's death.
+    assert callable(aio_pika.RobustConnection._RobustConnection__connect_transport)
