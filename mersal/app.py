@@ -806,9 +806,13 @@ def check_partitions(partitions: int | None, consume: bool) -> int:
     if partitions is None:
         return 0
     if isinstance(partitions, bool) or not isinstance(partitions, int):
-        raise ConfigurationError(f"App(partitions={partitions!r}) must be an int from 1 to 256")
+        raise ConfigurationError(
+            f"App(partitions={partitions!r}) must be an int from 1 to {MAX_PARTITIONS}"
+        )
     if not 1 <= partitions <= MAX_PARTITIONS:
-        raise ConfigurationError(f"App(partitions={partitions!r}) must be from 1 to 256")
+        raise ConfigurationError(
+            f"App(partitions={partitions!r}) must be from 1 to {MAX_PARTITIONS}"
+        )
     if not consume:
         raise ConfigurationError(
             "App(partitions=...) splits the app's own queue, and a send-only app "

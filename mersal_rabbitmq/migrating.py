@@ -229,7 +229,9 @@ async def _move(transport: RabbitMQTransport, source: str, target: str) -> int:
     return moved
 
 
-async def _batch(arrived: asyncio.Queue[aiormq.abc.DeliveredMessage]) -> list[Any]:
+async def _batch(
+    arrived: asyncio.Queue[aiormq.abc.DeliveredMessage],
+) -> list[aiormq.abc.DeliveredMessage]:
     """Up to BATCH messages, as many as arrive before IDLE seconds pass without one."""
     batch: list[aiormq.abc.DeliveredMessage] = []
     while len(batch) < BATCH:
