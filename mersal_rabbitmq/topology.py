@@ -361,13 +361,9 @@ class Topology:
         except aiormq.exceptions.ChannelPreconditionFailed as error:
             if await self._exists_as(name, shape, other_type(_type_of(shape))):
                 raise QueueTypeMismatch(name, shape) from None
-            if "quorum" in str(error).lower():
-                raise ConfigurationError(
-                    f"RabbitMQ refused quorum queue {name!r} ({_reply(error)}): it needs "
-                    "RabbitMQ 3.10 or later with the quorum_queue feature flag enabled; upgrade "
-                    "it, or use classic queues: RabbitMQTransport(url, queue_type='classic') or "
-                    "?queue_type=classic in the transport URL"
-                ) from None
+            refused = quorum_refused(name, error)
+            if refused is not None:
+                raise refused from None
             raise ConfigurationError(
                 f"queue {name!r} already exists with other arguments ({_reply(error)}); this "
                 f"app declares it durable={shape.durable} with {dict(shape.arguments)}: delete "
@@ -377,6 +373,13 @@ class Topology:
             raise ConfigurationError(
                 f"queue {name!r} is exclusive to another connection: choose another name"
             ) from None
+        except (aiormq.exceptions.ConnectionInternalError, asyncio.CancelledError) as error:
+            # a 541 closes the connection; the call in flight ends cancelled, with its text
+            task = asyncio.current_task()
+            refused = quorum_refused(name, error)
+            if refused is None or (task is not None and task.cancelling()):
+                raise
+            raise refused from None
         except aiormq.exceptions.ChannelAccessRefused as error:
             raise ConfigurationError(f"may not declare queue {name!r}: {_reply(error)}") from None
 
@@ -441,6 +444,24 @@ class Topology:
         except aiormq.exceptions.ChannelLockedResource:
             return True  # an exclusive queue of another connection: it exists
         return True
+
+
+def quorum_refused(name: str, error: BaseException) -> ConfigurationError | None:
+    """The error for a broker that cannot make quorum queues, if that is what `error` says.
+
+    RabbitMQ before 3.10, or one whose quorum_queue feature flag is off (seen on nodes that
+    clustered while booting), answers a quorum declaration with a 406 or a 541 that closes
+    the whole connection.
+    """
+    text = str(error).lower()
+    if "quorum" not in text:
+        return None
+    return ConfigurationError(
+        f"RabbitMQ cannot make quorum queue {name!r} ({_reply(error)}): quorum queues need "
+        "RabbitMQ 3.10 or later with the quorum_queue feature flag enabled (rabbitmqctl "
+        "enable_feature_flag all); or use classic queues: RabbitMQTransport(url, "
+        "queue_type='classic') or ?queue_type=classic in the transport URL"
+    )
 
 
 def _type_of(shape: QueueShape) -> str:

@@ -209,6 +209,9 @@ class Cluster:
         if strays:
             self._parallel(self._join, strays)
             wait_for("3 running nodes", lambda: self.running() == list(NODES), BOOT_TIMEOUT, 0.2)
+        # Nodes that cluster while they boot can settle on fewer feature flags than a lone
+        # node enables (seen: quorum queues disabled); turn every one on.
+        self.ctl("enable_feature_flag", "all")
         self.phases["join"] = time.monotonic() - began - self.phases["boot"]
         self.boot_seconds = time.monotonic() - began
 
@@ -219,10 +222,13 @@ class Cluster:
             shutil.rmtree(self.base, ignore_errors=True)
 
     def healthy(self) -> bool:
-        """Whether all three nodes run and the cluster counts all three running."""
+        """Whether all three nodes run, the cluster counts all three, and quorum queues work."""
         if any(self.pid(node) is None for node in NODES):
             return False
-        return self.running() == list(NODES)
+        if self.running() != list(NODES):
+            return False
+        flags = self.ctl("list_feature_flags", "name", "state", "--formatter", "json")
+        return all(flag.get("state") == "enabled" for flag in json.loads(flags or "[]"))
 
     def running(self) -> list[str]:
         """The short names of the nodes the cluster counts as running, in NODES order."""

@@ -1,6 +1,7 @@
 """Failover URL lists, the queue_type URL option, partition routing and migration shapes."""
 
 import aio_pika
+import aiormq
 import pytest
 
 from mersal import ConfigurationError
@@ -8,7 +9,7 @@ from mersal.transport import mask, partition_queue, split_urls
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_rabbitmq.connection import nodes_of, take_option
 from mersal_rabbitmq.migrating import shape_for
-from mersal_rabbitmq.topology import partition_routing_key
+from mersal_rabbitmq.topology import partition_routing_key, quorum_refused
 
 THREE = "amqp://u:p1@h1/vh;amqp://u:p2@h2/vh; amqps://u:p3@h3/vh"
 
@@ -91,3 +92,16 @@ def test_the_aio_pika_hook_that_failover_overrides_is_still_there() -> None:
     # Failover moves on to the next node by overriding this private method of aio-pika's
     # RobustConnection: an aio-pika that renames it must fail here, not at a node's death.
     assert callable(aio_pika.RobustConnection._RobustConnection__connect_transport)
+
+
+def test_a_broker_that_cannot_make_quorum_queues_gets_an_error_naming_the_option() -> None:
+    closed = aiormq.exceptions.ConnectionInternalError(
+        "INTERNAL_ERROR - Cannot declare a queue 'queue 'orders' in vhost 'shop'' of type "
+        "'rabbit_quorum_queue' on node 'rabbit@h1': the corresponding feature flag is disabled"
+    )
+
+    refused = quorum_refused("orders", closed)
+
+    assert refused is not None
+    assert "queue_type='classic'" in str(refused) and "enable_feature_flag" in str(refused)
+    assert quorum_refused("orders", aiormq.exceptions.ConnectionInternalError("other")) is None
