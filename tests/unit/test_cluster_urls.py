@@ -4,11 +4,11 @@ import aio_pika
 import aiormq
 import pytest
 
-from mersal import ConfigurationError
+from mersal import App, ConfigurationError, RetryPolicy
 from mersal.transport import mask, partition_queue, split_urls
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_rabbitmq.connection import nodes_of, take_option
-from mersal_rabbitmq.migrating import shape_for
+from mersal_rabbitmq.migrating import _queues_of, shape_for
 from mersal_rabbitmq.topology import partition_routing_key, quorum_refused
 
 THREE = "amqp://u:p1@h1/vh;amqp://u:p2@h2/vh; amqps://u:p3@h3/vh"
@@ -105,3 +105,24 @@ def test_a_broker_that_cannot_make_quorum_queues_gets_an_error_naming_the_option
     assert refused is not None
     assert "queue_type='classic'" in str(refused) and "enable_feature_flag" in str(refused)
     assert quorum_refused("orders", aiormq.exceptions.ConnectionInternalError("other")) is None
+
+
+def test_migrate_moves_an_apps_wait_queues_before_the_queues_they_feed() -> None:
+    app = App(
+        "orders",
+        transport="memory://",
+        partitions=2,
+        retry=RetryPolicy(delayed=[1.0], error_queue="orders.error"),
+    )
+
+    names = _queues_of(app)
+
+    assert names == [
+        "orders.wait.1000",
+        "orders.partition.0.wait.1000",
+        "orders.partition.1.wait.1000",
+        "orders.partition.0",
+        "orders.partition.1",
+        "orders",
+        "orders.error",
+    ]
