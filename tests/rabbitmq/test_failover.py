@@ -6,7 +6,9 @@ The cluster itself is `make cluster-test` (tests/cluster); these run in `make te
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
@@ -41,28 +43,55 @@ async def test_the_transport_connects_to_the_first_node_that_answers(
         await transport.stop()
 
 
+@contextlib.asynccontextmanager
+async def silent_node() -> AsyncIterator[int]:
+    """A port that takes TCP connections and never sends a byte back."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        for writer in held:
+            writer.close()
+
+
+async def test_a_silent_node_met_while_reconnecting_is_passed_over(
+    url: str, vhost: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mersal.rabbitmq")
+    monkeypatch.setattr(connection, "CONNECT_TIMEOUT", 1.0)
+    async with silent_node() as port:
+        silent = f"amqp://guest:guest@127.0.0.1:{port}/{vhost}"
+        transport = RabbitMQTransport(f"{url};{silent};{url}")
+        await transport.start()
+        try:
+            await asyncio.to_thread(rabbitmqctl, "close_all_connections", "-p", vhost, "test")
+            await eventually(lambda: f":{port}/" in caplog.text, "trying the silent node")
+            await eventually(lambda: transport.connected, "connected again", timeout=15)
+            assert transport.node.endswith(url.rpartition("@")[2])
+        finally:
+            await transport.stop()
+
+
 async def test_a_node_that_takes_the_connection_and_never_answers_is_passed_over(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(connection, "CONNECT_TIMEOUT", 1.0)
-    held: list[asyncio.StreamWriter] = []
-
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)  # accepted, and never a byte back
-
-    server = await asyncio.start_server(silent, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    transport = RabbitMQTransport(f"amqp://guest:guest@127.0.0.1:{port}/{vhost_of(url)};{url}")
-    try:
-        started = asyncio.get_running_loop().time()
-        await asyncio.wait_for(transport.start(), 10)
-        assert asyncio.get_running_loop().time() - started < 5
-        assert transport.node.endswith(url.rpartition("@")[2])
-    finally:
-        await transport.stop()
-        server.close()
-        for writer in held:
-            writer.close()
+    async with silent_node() as port:
+        silent = f"amqp://guest:guest@127.0.0.1:{port}/{vhost_of(url)}"
+        transport = RabbitMQTransport(f"{silent};{url}")
+        try:
+            started = asyncio.get_running_loop().time()
+            await asyncio.wait_for(transport.start(), 10)
+            assert asyncio.get_running_loop().time() - started < 5
+            assert transport.node.endswith(url.rpartition("@")[2])
+        finally:
+            await transport.stop()
 
 
 async def test_no_node_answering_is_unreachable_naming_each(url: str) -> None:
