@@ -271,6 +271,8 @@ class Failover(aio_pika.RobustConnection):
         self.names = list(nodes)
         self.nodes = [make_url(node, **options) for node in nodes]
         self.index = first
+        self.move_on = False
+        """Whether the next attempt goes to the next node (set when this one failed)."""
         super().__init__(self.nodes[first], **options)
 
     @property
@@ -287,19 +289,23 @@ class Failover(aio_pika.RobustConnection):
                 log.info("trying RabbitMQ at %s next", self.node)
 
     # aio-pika's private hook for one connection attempt (RobustConnection.__connect_transport).
+    # The move to the next node waits for the next attempt, so that aio-pika's line about a
+    # failed attempt names the node that failed.
     async def _RobustConnection__connect_transport(self) -> None:
+        if self.move_on:
+            self.move_on = False
+            self.next_node()
         try:
             await super()._RobustConnection__connect_transport()  # type: ignore[misc]
         except BaseException:
-            if not (self._close_called or self.is_closed):
-                self.next_node()
+            self.move_on = True
             raise
 
     async def _on_connection_close(self, closing: asyncio.Future[Any]) -> None:
         was_up = self.connected.is_set()  # else a failed attempt, which moves on by itself
         if was_up and not (self._close_called or self.is_closed):
             log.warning("lost the connection to RabbitMQ at %s", self.node)
-            self.next_node()
+            self.move_on = True
         await super()._on_connection_close(closing)
 
 
