@@ -49,8 +49,8 @@ log = logging.getLogger("mersal.rabbitmq")
 
 BATCH = 200
 """Messages moved per round: received, published with confirms, then acked at once."""
-IDLE = 0.5
-"""Seconds without a message after which a queue counts as emptied."""
+IDLE = 0.2
+"""Seconds without a message that end a round of moving (then the broker is asked for its count)."""
 HOLDING = ".migrating"
 
 
@@ -159,7 +159,8 @@ async def migrate(transport: RabbitMQTransport, plan: Plan) -> int | None:
     resuming = await _exists(transport, holding)
     if not resuming and await _declares(transport, plan.name, plan.shape):
         return None
-    if await _consumers(transport, plan.name):  # None: deleted by a run that stopped halfway
+    looked = await _look(transport, plan.name)  # None: deleted by a run that stopped halfway
+    if looked is not None and looked.consumers:
         raise MersalError(
             f"queue {plan.name!r} has consumers: stop the apps that consume it, then run this again"
         )
@@ -181,7 +182,7 @@ async def _drain_and_delete(
     moved = 0
     classic = new.arguments["x-queue-type"] == "quorum"  # the old one is the other type
     while True:
-        moved += await _move(transport, name, holding)
+        moved += await _empty(transport, name, holding)
         try:
             async with _channel(transport) as channel:
                 underlay = await channel.get_underlay_channel()
@@ -197,11 +198,21 @@ async def _delete_holding(transport: RabbitMQTransport, holding: str, back_to: s
     The queue is bound again by now: an event that reaches the holding queue after this last
     move is a copy of one that reached the queue too.
     """
-    moved = await _move(transport, holding, back_to)
+    moved = await _empty(transport, holding, back_to)
     async with _channel(transport) as channel:
         underlay = await channel.get_underlay_channel()
         await underlay.queue_delete(holding)
     return moved
+
+
+async def _empty(transport: RabbitMQTransport, source: str, target: str) -> int:
+    """Move messages from `source` to `target` until the broker counts none ready in it."""
+    moved = 0
+    while True:
+        moved += await _move(transport, source, target)
+        looked = await _look(transport, source)
+        if looked is None or looked.ready == 0:
+            return moved
 
 
 async def _move(transport: RabbitMQTransport, source: str, target: str) -> int:
@@ -280,18 +291,27 @@ async def _channel(
             await channel.close()
 
 
-async def _consumers(transport: RabbitMQTransport, name: str) -> int | None:
-    """How many consumers `name` has; None when it does not exist."""
+@dataclass(frozen=True)
+class Looked:
+    """A queue's ready messages and consumers, as a passive declaration tells them."""
+
+    ready: int
+    consumers: int
+
+
+async def _look(transport: RabbitMQTransport, name: str) -> Looked | None:
+    """What the broker counts in `name`; None when it does not exist."""
     async with _channel(transport) as channel:
         try:
             declared = await channel.declare_queue(name, passive=True)
         except aiormq.exceptions.ChannelNotFoundEntity:
             return None
-        return int(declared.declaration_result.consumer_count or 0)
+        counts = declared.declaration_result
+        return Looked(int(counts.message_count or 0), int(counts.consumer_count or 0))
 
 
 async def _exists(transport: RabbitMQTransport, name: str) -> bool:
-    return await _consumers(transport, name) is not None
+    return await _look(transport, name) is not None
 
 
 async def _declares(transport: RabbitMQTransport, name: str, shape: QueueShape) -> bool:

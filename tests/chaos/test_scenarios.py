@@ -333,7 +333,7 @@ async def test_slow_handler(size: str, tmp_path: Path) -> None:
     handlers holding their slots (and the prefetched deliveries waiting behind them) cause no
     redelivery or duplicate, not the behaviour at the timeout itself.
     """
-    intents, every = {REDUCED: (200, 4), FULL: (2000, 10)}[size]
+    intents, every = {REDUCED: (120, 4), FULL: (2000, 10)}[size]
     async with Scenario(name("slow_handler", size), intents, tmp_path) as s:
         await asyncio.gather(
             s.workers(2, "--concurrency", "4", "--slow", "2.0", "--slow-every", str(every)),
