@@ -322,7 +322,7 @@ async def test_a_wait_queue_left_as_classic_is_used_as_it_is(
 
 
 async def test_deliveries_returned_by_a_closing_consumer_keep_their_place_in_the_queue(
-    make_transport: Make, prefix: str
+    make_transport: Make, broker: Broker, prefix: str
 ) -> None:
     queue = f"{prefix}.ordered"
     transport = await started(make_transport, queue)  # quorum: a nack would go to the tail
@@ -333,6 +333,8 @@ async def test_deliveries_returned_by_a_closing_consumer_keep_their_place_in_the
     await consumer.close()
     for delivery in held[1:]:  # what the worker does with deliveries it did not get to
         await delivery.nack(requeue=True)
+    # the channel closes after the last one settled; then all five are back, in their places
+    await eventually(lambda: broker_count_is(broker, queue, 5), "the channel closed")
 
     again = await transport.consume(queue, prefetch=10)
     bodies = []
