@@ -29,7 +29,7 @@ from mersal_sqlalchemy import migrating
 from mersal_sqlalchemy.database import DIALECTS, database_url, is_postgresql, make_engine, reason
 from mersal_sqlalchemy.migrating import alembic_config, upgrade
 from mersal_sqlalchemy.migrations import SCRIPTS
-from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, outbox_table
+from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, DEFAULT_SAGAS, outbox_table
 
 __all__ = ["MIGRATIONS", "add_db_commands", "add_outbox_commands", "alembic_config", "upgrade"]
 
@@ -40,7 +40,7 @@ MIGRATIONS = SCRIPTS
 def add_db_commands(commands: argparse._SubParsersAction[Any]) -> None:
     """Add `db upgrade|downgrade|stamp|current|check|history` to the `mersal` command."""
     tables, offline = _tables_options(), _offline_options()
-    db = commands.add_parser("db", help="manage the outbox and inbox tables")
+    db = commands.add_parser("db", help="manage the outbox, inbox and saga tables")
     actions = db.add_subparsers(dest="db_command", required=True)
     upgrade_parser = actions.add_parser(
         "upgrade",
@@ -56,7 +56,7 @@ def add_db_commands(commands: argparse._SubParsersAction[Any]) -> None:
         "revision", help="the revision to go back to; with --sql, FROM:TO (head:base)"
     )
     downgrade_parser.add_argument(
-        "--force", action="store_true", help="drop an outbox even if it holds unsent rows"
+        "--force", action="store_true", help="drop an outbox or saga table even if it holds rows"
     )
     downgrade_parser.set_defaults(handler=run_downgrade)
     stamp_parser = actions.add_parser(
@@ -94,7 +94,10 @@ def _tables_options() -> argparse.ArgumentParser:
         "--inbox-table",
         default=DEFAULT_INBOX,
         metavar="NAME",
-        help=f"the inbox table ({DEFAULT_INBOX})",
+        help=(
+            f"the inbox table ({DEFAULT_INBOX}), which names the saga table ({DEFAULT_SAGAS} "
+            "beside the default inbox, else <inbox>_sagas)"
+        ),
     )
     return options
 
@@ -173,7 +176,7 @@ def run_check(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"mersal: {problem}", file=sys.stderr)
         return 1
-    print(f"the outbox and inbox tables in {mask(database or '')} are up to date")
+    print(f"the outbox, inbox and saga tables in {mask(database or '')} are up to date")
     return 0
 
 

@@ -14,6 +14,7 @@ from sqlalchemy import (
     Select,
     any_,
     column,
+    delete,
     event,
     func,
     insert,
@@ -33,8 +34,12 @@ from mersal_sqlalchemy.tables import (
     DEFAULT_OUTBOX,
     HEAD_REVISION,
     REVISIONS,
+    SAGAS_SUFFIX,
     Tables,
     legacy_version_table_name,
+    made_by,
+    revision_rank,
+    saga_table_name,
     version_table_name,
 )
 
@@ -261,6 +266,11 @@ class Record:
         """The recorded revisions this release does not know (a newer release wrote them)."""
         return [v for v in self.revisions if v not in REVISIONS]
 
+    @property
+    def newest(self) -> str | None:
+        """The newest recorded revision (one this release does not know is newer than ours)."""
+        return max(self.revisions, key=revision_rank, default=None)
+
     def problem(self) -> str | None:
         """Why the recorded revision does not fit this release; None when it is the head."""
         if not self.revisions:
@@ -285,6 +295,8 @@ class Schema:
     recorded (tables made by your own migrations, or not there yet).
     """
 
+    made_by: dict[str, str] = field(default_factory=dict)
+    """Each of our tables, with the revision of ours that creates it."""
     missing_tables: list[str] = field(default_factory=list)
     missing_columns: dict[str, list[str]] = field(default_factory=dict)
     record: Record | None = None
@@ -293,17 +305,57 @@ class Schema:
 
     @property
     def complete(self) -> bool:
-        """Whether both tables exist with every column this release uses."""
+        """Whether all our tables exist with every column this release uses."""
         return not self.missing_tables and not self.missing_columns
+
+    @property
+    def gone(self) -> list[str]:
+        """The missing tables that the recorded revision has (all of them when none is recorded).
+
+        The others are missing because the tables are behind: an upgrade creates them.
+        """
+        newest = self.record.newest if self.record is not None else None
+        return self.missing_at(newest) if newest is not None else list(self.missing_tables)
+
+    @property
+    def reached(self) -> str | None:
+        """The newest revision of ours whose tables all exist (None without outbox or inbox)."""
+        reached = None
+        for revision in REVISIONS:
+            if self.missing_at(revision):
+                break
+            reached = revision
+        return reached
+
+    @property
+    def creatable(self) -> bool:
+        """Whether creating the missing tables, and recording the head, gives the app its tables.
+
+        Not when a column is missing, nor when a newer release or your own Alembic project
+        records the tables.
+        """
+        if not self.missing_tables or self.missing_columns:
+            return False
+        return self.record is None or not (self.record.unknown or self.record.shared)
+
+    def missing_at(self, revision: str | None) -> list[str]:
+        """The missing tables that exist at `revision` (None: base, where there are none)."""
+        if revision is None:
+            return []
+        rank = revision_rank(revision)
+        return [n for n in self.missing_tables if revision_rank(self.made_by[n]) <= rank]
 
     def problem(self) -> str | None:
         """Why the app cannot use the tables as they are; None when it can."""
-        if self.missing_tables:
-            return f"the table(s) {', '.join(self.missing_tables)} do not exist"
+        if self.gone:
+            return f"the table(s) {', '.join(self.gone)} do not exist"
         if self.missing_columns:
             name, columns = next(iter(self.missing_columns.items()))
             return f"table {name} has no column(s) {', '.join(columns)}: it is out of date"
-        return self.record.problem() if self.record is not None else None
+        problem = self.record.problem() if self.record is not None else None
+        if problem is not None and self.missing_tables:
+            problem += f" (the table(s) {', '.join(self.missing_tables)} do not exist yet)"
+        return problem
 
     def remedy(self, database: str, tables: Tables) -> str:
         """What fixes `problem()`: the command to run, or what else to do."""
@@ -316,10 +368,11 @@ class Schema:
                 "they are migrated by your own Alembic project: run `alembic upgrade heads` "
                 "there (after `alembic merge heads`, `alembic upgrade head` does it too)"
             )
-        if self.missing_tables and record is not None and record.revisions:
+        if self.gone and record is not None and record.revisions:
             stamp = db_command("stamp base", database, tables)
             return f"{record.table} records tables that are gone: run `{stamp}`, then `{upgrade}`"
-        if self.missing_columns and not self.missing_tables and record is None:
+        owned = self.reached is not None and record is None
+        if owned and (self.missing_columns or self.alembic_project):
             return self._owned_remedy(database, tables)
         return f"run `{upgrade}`"
 
@@ -329,14 +382,20 @@ class Schema:
             return (
                 f"apply revision {HEAD_REVISION} in your Alembic project: `alembic upgrade head` "
                 "if it includes our versions (after `alembic merge heads` if it shows two "
-                "heads), else a migration of your own that adds the columns"
+                f"heads), else a migration of your own that adds the {self._lacking}"
             )
         stamp = db_command("stamp REVISION", database, tables)
         upgrade = upgrade_command(database, tables)
         return (
-            "add the columns (see mersal_sqlalchemy/migrations/versions), or record the "
+            f"add the {self._lacking} (see mersal_sqlalchemy/migrations/versions), or record the "
             f"revision the tables are at with `{stamp}` and run `{upgrade}`"
         )
+
+    @property
+    def _lacking(self) -> str:
+        """What the tables lack, in words: "columns", "table(s)", or both."""
+        lacking = ["columns"] if self.missing_columns else []
+        return " and ".join(lacking + (["table(s)"] if self.missing_tables else []))
 
     def explain(self, database: str, tables: Tables) -> str | None:
         """The problem and its remedy in one message; None when there is no problem."""
@@ -349,14 +408,16 @@ class Schema:
 async def prepare_schema(engine: AsyncEngine, tables: Tables, database: str, create: bool) -> None:
     """Check that the tables exist at our revision, or create them; a ConfigurationError if not.
 
-    A database that does not answer raises `Unreachable`; one that refuses, a `MersalError`.
+    With `create`, missing tables are created and the head recorded, also beside tables at an
+    older revision of ours (`Schema.creatable`). A database that does not answer raises
+    `Unreachable`; one that refuses, a `MersalError`.
     """
     try:
         async with engine.begin() as connection:
             schema = await connection.run_sync(read_schema, tables)
-            if create and schema.missing_tables:
+            if create and schema.creatable:
                 await connection.run_sync(create_schema, tables, schema)
-                return
+                schema = await connection.run_sync(read_schema, tables)
     except (OSError, TimeoutError) as error:
         raise Unreachable(
             f"cannot connect to the database at {mask(database)}: {type(error).__name__}: "
@@ -380,8 +441,8 @@ def read_schema(connection: Connection, tables: Tables) -> Schema:
     """Inspect the database for our tables, their columns and their recorded revision."""
     inspector = inspect(connection)
     existing = set(inspector.get_table_names())
-    schema = Schema()
-    for wanted in (tables.outbox, tables.inbox):
+    schema = Schema(made_by=tables.made_by)
+    for wanted in tables.migrated:
         if wanted.name not in existing:
             schema.missing_tables.append(wanted.name)
             continue
@@ -389,17 +450,18 @@ def read_schema(connection: Connection, tables: Tables) -> Schema:
         missing = [c.name for c in wanted.columns if c.name not in present]
         if missing:
             schema.missing_columns[wanted.name] = missing
-    schema.record = _record(connection, tables, existing, not schema.missing_tables)
+    pair = {tables.outbox.name, tables.inbox.name}
+    schema.record = _record(connection, tables, existing, pair <= existing)
     schema.alembic_project = SHARED_VERSION_TABLE in existing
     return schema
 
 
 def _record(
-    connection: Connection, tables: Tables, existing: set[str], both_exist: bool
+    connection: Connection, tables: Tables, existing: set[str], pair_exists: bool
 ) -> Record | None:
     if tables.version.name in existing:
         return Record(tables.version.name, _versions(connection, tables.version.name))
-    if not both_exist:
+    if not pair_exists:
         return None  # another version table would be about other tables, or ones now gone
     legacy = legacy_version_table_name(tables.outbox.name)
     if legacy in existing:
@@ -426,19 +488,27 @@ def _versions(connection: Connection, name: str) -> list[str]:
 def recorded_elsewhere(connection: Connection, outbox: str, inbox: str) -> dict[str, str]:
     """The tables of the pair that another pair's version table records, each with that table.
 
-    A downgrade leaves these: another pair (sharing the outbox, say) still uses them.
+    A downgrade leaves these: another pair (sharing the outbox, say) still uses them. The saga
+    table counts as recorded by a pair sharing the inbox only at a revision that creates it.
     """
     existing = set(inspect(connection).get_table_names())
     own = version_table_name(outbox, inbox)
+    sagas = saga_table_name(inbox)
     found: dict[str, str] = {}
-    for name in (outbox, inbox):
+    for name, revision in made_by(outbox, inbox).items():
         if name not in existing:
             continue
-        candidates = sorted((_version_tables_naming(name, existing) & existing) - {own})
-        recording = [v for v in candidates if _versions(connection, v)]
+        naming = _version_tables_naming_sagas if name == sagas else _version_tables_naming
+        candidates = sorted((naming(name, existing) & existing) - {own})
+        recording = [v for v in candidates if _reaches(_versions(connection, v), revision)]
         if recording:
             found[name] = recording[0]
     return found
+
+
+def _reaches(versions: list[str], revision: str) -> bool:
+    """Whether the recorded `versions` include `revision` (one of them is it or a later one)."""
+    return any(revision_rank(v) >= revision_rank(revision) for v in versions)
 
 
 def _version_tables_naming(name: str, existing: set[str]) -> set[str]:
@@ -450,17 +520,32 @@ def _version_tables_naming(name: str, existing: set[str]) -> set[str]:
     return names
 
 
+def _version_tables_naming_sagas(sagas: str, existing: set[str]) -> set[str]:
+    """The version tables that would record the saga table `sagas`: those of its inbox's pairs.
+
+    `mersal_sagas` is the saga table of the inboxes `mersal_inbox` and `mersal`.
+    """
+    inboxes = {DEFAULT_INBOX, sagas.removesuffix(SAGAS_SUFFIX)}
+    inboxes = {inbox for inbox in inboxes if saga_table_name(inbox) == sagas}
+    return {version_table_name(other, inbox) for inbox in inboxes for other in existing - {inbox}}
+
+
 def count_rows(connection: Connection, name: str) -> int:
     """How many rows the table `name` holds."""
     return int(connection.execute(select(func.count()).select_from(table(name))).scalar_one())
 
 
 def create_schema(connection: Connection, tables: Tables, schema: Schema) -> None:
-    """Create the missing tables and record them as migrated to our head revision."""
-    tables.metadata.create_all(connection, tables=[tables.outbox, tables.inbox])
+    """Create the missing tables and record them as migrated to our head revision.
+
+    An older revision in the pair's own version table is replaced; one found elsewhere (the
+    version table of earlier releases) is copied over as the head.
+    """
+    tables.metadata.create_all(connection, tables=list(tables.migrated))
     record = schema.record
     own = record if record is not None and record.table == tables.version.name else None
     if own is None:
         tables.version.create(connection)
-    if own is None or not own.revisions:
-        connection.execute(insert(tables.version).values(version_num=HEAD_REVISION))
+    elif own.revisions:
+        connection.execute(delete(tables.version))
+    connection.execute(insert(tables.version).values(version_num=HEAD_REVISION))

@@ -1,5 +1,8 @@
 """What `mersal db` does: our Alembic migrations on one pair of tables, knowing what Alembic cannot.
 
+The pair is an outbox and an inbox; the saga table follows the inbox (`saga_table_name`), so it
+is migrated, recorded and shared with it.
+
 Alembic sees only the pair's own version table. Before it runs, these functions look at the
 database as a whole: tables your own migrations made (recorded at the head, rather than created
 again, unless your Alembic project's `alembic_version` is there), a revision in the version
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -42,8 +46,10 @@ from mersal_sqlalchemy.tables import (
     DEFAULT_INBOX,
     DEFAULT_OUTBOX,
     HEAD_REVISION,
+    REVISIONS,
     Tables,
     make_tables,
+    revision_rank,
 )
 
 if TYPE_CHECKING:
@@ -128,8 +134,9 @@ def downgrade(
 ) -> str:
     """Undo the migrations down to `revision` (`base` drops the tables); returns what was done.
 
-    A table another pair's version table records is left (and said so); an outbox holding rows
-    is not dropped unless `force`. With `sql` it cannot look, and prints every drop.
+    A table another pair's version table records is left (and said so); an outbox or a saga
+    table holding rows is not dropped unless `force`. With `sql` it cannot look, and prints
+    every drop.
     """
     tables = make_tables(outbox_table, inbox_table)
     config = alembic_config(database, outbox_table, inbox_table, dialect=dialect)
@@ -140,14 +147,16 @@ def downgrade(
         return ""
     database = _online(database)
     schema = look(database, tables)
-    if schema.record is None or not schema.record.revisions:
-        owned = "" if schema.missing_tables else " (tables your own migrations made are yours)"
+    record = schema.record
+    if record is None or record.newest is None:
+        owned = "" if schema.reached is None else " (tables your own migrations made are yours)"
         raise MersalError(
             f"no revision of ours is recorded for {_pair(tables)} in {mask(database)}: there "
             f"is nothing to downgrade{owned}"
         )
-    _refuse_shared(schema.record, database, tables, "downgrade")
-    left = _before_drop(database, tables, force) if _drops(config, revision) else ""
+    _refuse_shared(record, database, tables, "downgrade")
+    dropped = _dropped(tables, record.newest, _target(config, revision, record.newest))
+    left = _before_drop(database, tables, dropped, force) if dropped else ""
     took_over = _take_over(database, tables, config, schema)
     _alembic("downgrade", database, lambda command: command.downgrade(config, revision))
     return took_over + left + _at(database, look(database, tables))
@@ -189,13 +198,13 @@ def current(
     if record is not None and record.revisions:
         where = record.table + (" (your Alembic project's)" if record.shared else "")
         return f"{', '.join(_named(v) for v in record.revisions)}, recorded in {where}"
-    if not schema.missing_tables and schema.alembic_project:
+    if schema.reached is not None and schema.alembic_project:
         return (
             f"no revision recorded; {_pair(tables)} exist (made by your Alembic project, whose "
             "alembic_version records no revision of ours by name: your own migration, or our "
             "branch merged)"
         )
-    if not schema.missing_tables:
+    if schema.reached is not None:
         return f"no revision recorded; {_pair(tables)} exist (made by your own migrations?)"
     return f"no revision recorded; the table(s) {', '.join(schema.missing_tables)} do not exist"
 
@@ -244,14 +253,15 @@ def _run(database: str, call: Callable[[Connection], T]) -> T:
 
 
 def _take_over(database: str, tables: Tables, config: Config, schema: Schema) -> str:
-    """Record both tables' revision in their own version table when it is found elsewhere.
+    """Record the tables' revision in their own version table when it is found elsewhere.
 
     Returns what was recorded, in words ('' for nothing). Refused: tables whose revision is in
     your Alembic project's `alembic_version`, tables without one beside that table (its history
-    may record them), and tables of your own that lack a column.
+    may record them), and tables of your own that lack a column. Tables of your own are
+    recorded at the newest revision whose tables all exist: the upgrade creates the others.
     """
     record = schema.record
-    if schema.missing_tables:
+    if schema.reached is None:
         return ""  # the first revision creates what is missing
     if record is not None and record.table == tables.version.name and record.revisions:
         return ""  # Alembic goes on from there
@@ -268,58 +278,88 @@ def _take_over(database: str, tables: Tables, config: Config, schema: Schema) ->
             f"`{stamp_command}`, then run this again"
         )
     elif schema.alembic_project:
-        raise MersalError(_project_tables(database, tables))
+        raise MersalError(_project_tables(database, tables, schema.reached))
     else:
-        revisions = [HEAD_REVISION]
+        revisions = [schema.reached]
         found = f"found {_pair(tables)} without a revision of ours (made by your own migration?)"
     _alembic("stamp", database, lambda command: command.stamp(config, revisions))
     return f"{found}: recorded them at {', '.join(revisions)} in {tables.version.name}\n"
 
 
-def _project_tables(database: str, tables: Tables) -> str:
+def _project_tables(database: str, tables: Tables, reached: str) -> str:
     """Why tables beside your Alembic project's `alembic_version` are not taken over silently."""
-    stamp = db_command("stamp head", database, tables)
+    if reached == HEAD_REVISION:
+        hand_over = f"run `{db_command('stamp head', database, tables)}` once"
+    else:  # the upgrade then creates what the tables lack
+        stamp = db_command(f"stamp {reached}", database, tables)
+        hand_over = f"run `{stamp}` once, then `{db_command('upgrade', database, tables)}`"
     return (
         f"{_pair(tables)} exist in {mask(database)} without a revision of ours, beside your "
         "Alembic project's alembic_version: if your own Alembic project manages these tables, "
-        "keep using `alembic upgrade head` there; if you want `mersal db` to manage them, run "
-        f"`{stamp}` once"
+        "keep using `alembic upgrade head` there; if you want `mersal db` to manage them, "
+        f"{hand_over}"
     )
 
 
-def _drops(config: Config, revision: str) -> bool:
-    """Whether downgrading to `revision` undoes our first revision (drops the tables)."""
+def _target(config: Config, revision: str, current: str) -> str | None:
+    """The revision of ours a downgrade from `current` to `revision` reaches (None for base)."""
     from alembic.script import Script, ScriptDirectory
     from alembic.util import CommandError
 
+    steps = re.fullmatch(r"-(\d+)", revision)
+    if steps:  # back from the recorded revision
+        rank = revision_rank(current) - int(steps.group(1))
+        return REVISIONS[rank] if 0 <= rank < len(REVISIONS) else None
     try:
         resolved = ScriptDirectory.from_config(config).get_revisions(revision)
     except CommandError:
-        return True  # a relative one ("-1"): as if it did; Alembic judges it next
-    return not any(isinstance(script, Script) for script in resolved)
+        return None  # another relative one ("head-1"): as if to base; Alembic judges it next
+    found = [script.revision for script in resolved if isinstance(script, Script)]
+    return max(found, key=revision_rank, default=None)
 
 
-def _before_drop(database: str, tables: Tables, force: bool) -> str:
-    """What the drops leave, in words; a MersalError for an outbox holding rows (unless `force`)."""
-    left, rows = _run(database, lambda connection: _shared_and_rows(connection, tables))
-    if rows and not force:
-        raise MersalError(
-            f"{tables.outbox.name} in {mask(database)} holds {rows} row(s), messages not sent "
-            "yet (or parked): the downgrade would drop them; pass --force to drop them anyway"
-        )
+def _dropped(tables: Tables, current: str, target: str | None) -> list[str]:
+    """The tables that the revisions after `target`, up to `current`, create: those undone."""
+    low = revision_rank(target) if target is not None else -1
+    high = revision_rank(current)
+    return [name for name, made in tables.made_by.items() if low < revision_rank(made) <= high]
+
+
+def _before_drop(database: str, tables: Tables, dropped: list[str], force: bool) -> str:
+    """What the drops leave, in words; a MersalError for rows they would lose (unless `force`)."""
+    left, rows = _run(database, lambda connection: _shared_and_rows(connection, tables, dropped))
+    for name, count in rows.items():
+        if count and not force:
+            raise MersalError(
+                f"{name} in {mask(database)} holds {count} row(s), {_held_in(tables, name)}: "
+                "the downgrade would drop them; pass --force to drop them anyway"
+            )
     return "".join(
         f"left {name}: {version} records it for another pair of tables\n"
         for name, version in left.items()
     )
 
 
-def _shared_and_rows(connection: Connection, tables: Tables) -> tuple[dict[str, str], int]:
-    """The pair's tables other pairs record, and the rows of the outbox a drop would lose."""
-    outbox = tables.outbox.name
-    left = recorded_elsewhere(connection, outbox, tables.inbox.name)
-    present = outbox in set(inspect(connection).get_table_names())
-    rows = count_rows(connection, outbox) if present and outbox not in left else 0
-    return left, rows
+def _held_in(tables: Tables, name: str) -> str:
+    """What the rows of the outbox or the saga table are, in words."""
+    if name == tables.outbox.name:
+        return "messages not sent yet (or parked)"
+    return "the state of sagas not finished yet"
+
+
+def _shared_and_rows(
+    connection: Connection, tables: Tables, dropped: list[str]
+) -> tuple[dict[str, str], dict[str, int]]:
+    """Of the tables to drop, those other pairs record, and the rows the others would lose."""
+    shared = recorded_elsewhere(connection, tables.outbox.name, tables.inbox.name)
+    left = {name: version for name, version in shared.items() if name in dropped}
+    present = set(inspect(connection).get_table_names())
+    guarded = [tables.outbox.name, tables.sagas.name]
+    return left, {
+        name: count_rows(connection, name)
+        for name in guarded
+        if name in dropped and name in present and name not in left
+    }
 
 
 def _refuse_shared(record: Record, database: str, tables: Tables, action: str) -> None:
@@ -334,9 +374,18 @@ def _refuse_shared(record: Record, database: str, tables: Tables, action: str) -
 
 
 def _check_stamp(schema: Schema, database: str, tables: Tables, revisions: tuple[str, ...]) -> None:
-    if revisions and schema.missing_tables:
+    target = max(revisions, key=revision_rank, default=None)
+    missing = schema.missing_at(target)
+    if missing and schema.reached is not None:
+        stamp = db_command(f"stamp {schema.reached}", database, tables)
         raise MersalError(
-            f"the table(s) {', '.join(schema.missing_tables)} do not exist in {mask(database)}: "
+            f"the table(s) {', '.join(missing)} do not exist in {mask(database)}, so the tables "
+            f"are not at {target}: record the revision they are at with `{stamp}`, then run "
+            f"`{db_command('upgrade', database, tables)}`"
+        )
+    if missing:
+        raise MersalError(
+            f"the table(s) {', '.join(missing)} do not exist in {mask(database)}: "
             f"create them with `{db_command('upgrade', database, tables)}` rather than record "
             "a revision for them"
         )
@@ -389,7 +438,7 @@ def _at(database: str, schema: Schema) -> str:
     record = schema.record
     revisions = record.revisions if record is not None else []
     at = ", ".join(_named(v) for v in revisions) if revisions else "base (no revision recorded)"
-    return f"the outbox and inbox tables in {mask(database)} are at {at}"
+    return f"the outbox, inbox and saga tables in {mask(database)} are at {at}"
 
 
 def _named(revision: str) -> str:

@@ -1,4 +1,4 @@
-"""The outbox and inbox tables (SQLAlchemy Core), under names you can choose."""
+"""The outbox, inbox and saga tables (SQLAlchemy Core), under names you can choose."""
 
 from __future__ import annotations
 
@@ -28,15 +28,23 @@ from mersal.errors import ConfigurationError
 
 DEFAULT_OUTBOX = "mersal_outbox"
 DEFAULT_INBOX = "mersal_inbox"
+DEFAULT_SAGAS = "mersal_sagas"
+SAGAS_SUFFIX = "_sagas"
 
-HEAD_REVISION = "mersal_0001"
+HEAD_REVISION = "mersal_0002"
 """The Alembic revision (in migrations/versions) the tables below correspond to."""
 
-REVISIONS = (HEAD_REVISION,)
+REVISIONS = ("mersal_0001", HEAD_REVISION)
 """Every revision of ours, oldest first."""
+
+PAIR_REVISION, SAGAS_REVISION = REVISIONS
+"""The revisions that create the outbox and inbox, and the saga table."""
 
 APP_LENGTH = 200
 MESSAGE_ID_LENGTH = 255
+CORRELATION_LENGTH = 255
+SAGA_NAME_LENGTH = 200
+SAGA_ID_LENGTH = 36
 
 VERSION_SUFFIX = "alembic_version"
 VERSION_NAME_LENGTH = 59
@@ -72,9 +80,41 @@ def migration_table_names(
     inbox = arguments.get("inbox_table") or options.get(INBOX_OPTION) or DEFAULT_INBOX
     check_identifier(outbox, f"-x outbox_table (or {OUTBOX_OPTION})")
     check_identifier(inbox, f"-x inbox_table (or {INBOX_OPTION})")
+    check_pair(outbox, inbox)
+    return outbox, inbox
+
+
+def check_pair(outbox: str, inbox: str) -> None:
+    """A ConfigurationError unless the outbox, the inbox and its saga table are three tables."""
     if outbox == inbox:
         raise ConfigurationError(f"the outbox and the inbox need two tables, not both {outbox!r}")
-    return outbox, inbox
+    if outbox == saga_table_name(inbox):
+        raise ConfigurationError(
+            f"the outbox {outbox!r} would be the saga table of the inbox {inbox!r}: "
+            "choose another name for one of them"
+        )
+
+
+def saga_table_name(inbox: str) -> str:
+    """The saga table of the storage whose inbox is `inbox`.
+
+    `mersal_sagas` beside the default inbox, else `<inbox>_sagas`. It follows the inbox, not a
+    name of its own, so that our revisions need no `-x` option for it and each pair's version
+    table records it with the inbox. At most 46 characters (inbox names have 40), so that its
+    index `ix_<name>_id` fits PostgreSQL's 63.
+    """
+    check_identifier(inbox, "inbox table")
+    return DEFAULT_SAGAS if inbox == DEFAULT_INBOX else f"{inbox}{SAGAS_SUFFIX}"
+
+
+def made_by(outbox: str, inbox: str) -> dict[str, str]:
+    """The pair's tables (its version table aside), each with the revision of ours creating it."""
+    return {outbox: PAIR_REVISION, inbox: PAIR_REVISION, saga_table_name(inbox): SAGAS_REVISION}
+
+
+def revision_rank(revision: str) -> int:
+    """Where `revision` comes among ours, oldest first; one we do not know comes last."""
+    return REVISIONS.index(revision) if revision in REVISIONS else len(REVISIONS)
 
 
 def version_table_name(outbox: str, inbox: str) -> str:
@@ -110,17 +150,28 @@ def legacy_version_table_name(outbox: str) -> str:
 
 @dataclass(frozen=True)
 class Tables:
-    """The outbox and inbox tables of one storage, and the table recording their migrations."""
+    """One storage's outbox, inbox and saga tables, and the table recording their migrations."""
 
     metadata: MetaData
     outbox: Table
     inbox: Table
     version: Table
+    sagas: Table
 
     @property
     def channel(self) -> str:
         """The PostgreSQL NOTIFY channel that announces new outbox rows (the outbox's name)."""
         return self.outbox.name
+
+    @property
+    def migrated(self) -> tuple[Table, Table, Table]:
+        """The tables our revisions create (the version table aside), oldest first."""
+        return (self.outbox, self.inbox, self.sagas)
+
+    @property
+    def made_by(self) -> dict[str, str]:
+        """Each table's name (the version table aside), with the revision of ours creating it."""
+        return made_by(self.outbox.name, self.inbox.name)
 
 
 def make_tables(
@@ -128,20 +179,21 @@ def make_tables(
     inbox: str = DEFAULT_INBOX,
     metadata: MetaData | None = None,
 ) -> Tables:
-    """The outbox and inbox tables on `metadata` (a new MetaData unless given).
+    """The outbox, inbox and saga tables on `metadata` (a new MetaData unless given).
 
-    The version table stays on a MetaData of its own: Alembic keeps it, not your models.
+    The saga table is named after the inbox (`saga_table_name`). The version table stays on a
+    MetaData of its own: Alembic keeps it, not your models.
     """
     check_identifier(outbox, "outbox table")
     check_identifier(inbox, "inbox table")
-    if outbox == inbox:
-        raise ConfigurationError(f"the outbox and the inbox need two tables, not both {outbox!r}")
+    check_pair(outbox, inbox)
     metadata = metadata if metadata is not None else MetaData()
     return Tables(
         metadata,
         outbox_table(outbox, metadata),
         inbox_table(inbox, metadata),
         version_table(version_table_name(outbox, inbox), MetaData()),
+        saga_table(saga_table_name(inbox), metadata),
     )
 
 
@@ -189,6 +241,30 @@ def inbox_table(name: str, metadata: MetaData) -> Table:
         PrimaryKeyConstraint("app", "message_id"),
     )
     Index(f"ix_{name}_handled_at", table.c.handled_at)
+    return table
+
+
+def saga_table(name: str, metadata: MetaData) -> Table:
+    """The sagas: one row per running saga of each app, found by its correlation or its id.
+
+    `correlation` is stored as the inbox stores message ids (a digest when too long), `id` is
+    the instance's UUID as text, `revision` counts its updates (optimistic concurrency) and
+    `data` is its state as JSON.
+    """
+    table = Table(
+        name,
+        metadata,
+        Column("app", String(APP_LENGTH), nullable=False),
+        Column("saga", String(SAGA_NAME_LENGTH), nullable=False),
+        Column("correlation", String(CORRELATION_LENGTH), nullable=False),
+        Column("id", String(SAGA_ID_LENGTH), nullable=False),
+        Column("revision", Integer, nullable=False),
+        Column("data", Text, nullable=False),
+        Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        PrimaryKeyConstraint("app", "saga", "correlation"),
+    )
+    Index(f"ix_{name}_id", table.c.id, unique=True)
     return table
 
 

@@ -11,8 +11,10 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
+from sqlalchemy import inspect
 from sqlalchemy.sql.schema import SchemaItem
 
+from mersal_sqlalchemy.database import recorded_elsewhere
 from mersal_sqlalchemy.tables import (
     DEFAULT_INBOX,
     DEFAULT_OUTBOX,
@@ -20,6 +22,7 @@ from mersal_sqlalchemy.tables import (
     OUTBOX_OPTION,
     legacy_version_table_name,
     migration_table_names,
+    saga_table_name,
     version_table_name,
 )
 
@@ -36,12 +39,12 @@ IncludeObject = Callable[[SchemaItem, str | None, str, bool, SchemaItem | None],
 def include_object_for(outbox: str = DEFAULT_OUTBOX, inbox: str = DEFAULT_INBOX) -> IncludeObject:
     """An Alembic `include_object` hook that keeps autogenerate off these tables of ours.
 
-    It hides their version tables always, and the outbox and inbox when they are in the
-    database but not on your metadata (created by our migrations); when you put them on your
-    metadata (`make_tables(metadata=...)`), they are compared like your own tables.
+    It hides their version tables always, and the outbox, inbox and saga tables when they are
+    in the database but not on your metadata (created by our migrations); when you put them on
+    your metadata (`make_tables(metadata=...)`), they are compared like your own tables.
     """
     versions = {version_table_name(outbox, inbox), legacy_version_table_name(outbox)}
-    tables = {outbox, inbox}
+    tables = {outbox, inbox, saga_table_name(inbox)}
 
     def include(
         item: SchemaItem,
@@ -70,7 +73,7 @@ def include_object(
 
     That is by `-x outbox_table=... -x inbox_table=...`, else by the `mersal_outbox_table` and
     `mersal_inbox_table` options of your `alembic.ini`, else `mersal_outbox` and
-    `mersal_inbox`; see `include_object_for`.
+    `mersal_inbox` (the saga table follows the inbox); see `include_object_for`.
     """
     return include_object_for(*table_names())(item, name, type_, reflected, compare_to)
 
@@ -86,3 +89,24 @@ def table_names() -> tuple[str, str]:
     config = context.config
     options = {name: config.get_main_option(name) for name in (OUTBOX_OPTION, INBOX_OPTION)}
     return migration_table_names(context.get_x_argument(as_dictionary=True), options)
+
+
+def existing(offline: set[str]) -> set[str]:
+    """The tables in the database (for our revision files); when printing the SQL, `offline`."""
+    from alembic import context, op
+
+    if context.is_offline_mode():
+        return offline
+    return set(inspect(op.get_bind()).get_table_names())
+
+
+def shared(outbox: str, inbox: str) -> dict[str, str]:
+    """The pair's tables that another pair's version table records (for our revision files).
+
+    A downgrade leaves them. When printing the SQL it cannot look: none.
+    """
+    from alembic import context, op
+
+    if context.is_offline_mode():
+        return {}
+    return recorded_elsewhere(op.get_bind(), outbox, inbox)

@@ -1,7 +1,8 @@
-"""The Alembic environment for Mersal's outbox and inbox tables (what `mersal db` runs).
+"""The Alembic environment for Mersal's outbox, inbox and saga tables (what `mersal db` runs).
 
 The database URL comes from `-x database=...`, then `MERSAL_DATABASE`, then `sqlalchemy.url`;
-table names from `-x outbox_table=...` and `-x inbox_table=...`. Each pair of tables records its
+table names from `-x outbox_table=...` and `-x inbox_table=...` (the saga table is named after
+the inbox). Each pair of tables records its
 migrations in a version table of its own (`mersal_sqlalchemy.tables.version_table_name`), so
 that these migrations never meet the revisions of your own Alembic project in
 `alembic_version`. Offline (`--sql`) only the dialect is needed: `-x dialect=postgresql|sqlite`,

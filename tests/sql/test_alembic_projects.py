@@ -21,6 +21,7 @@ import alembic
 import pytest
 from sqlalchemy import inspect
 
+from mersal import ConfigurationError
 from mersal.cli import main
 from mersal_sqlalchemy import make_engine
 from mersal_sqlalchemy.migrations import VERSIONS
@@ -31,6 +32,7 @@ ENV = HERE / "alembic_project" / "env.py"
 DOCS = HERE.parents[1] / "docs" / "outbox.md"
 TEMPLATE = Path(alembic.__file__).parent / "templates" / "async" / "script.py.mako"
 NO_CHANGES = "No new upgrade operations detected."
+OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas"}
 
 CUSTOMERS = '''"""Customers."""
 
@@ -72,6 +74,22 @@ class Customer(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(100))
+'''
+
+EARLIER_MERGE = '''"""include mersal"""
+
+revision = "m0001"
+down_revision = ("u0001", "mersal_0001")
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    pass
+
+
+def downgrade() -> None:
+    pass
 '''
 
 OWN_TABLES = 'make_tables("{outbox}", "{inbox}", metadata=Base.metadata)\n'
@@ -177,7 +195,7 @@ async def test_our_branch_in_your_project_upgrades_to_head_after_one_merge(
 ) -> None:
     project = write_project(tmp_path / "project", empty_database, our_branch=True)
     heads = await project.alembic("heads")
-    assert sorted(heads.out.splitlines()) == ["mersal_0001 (mersal) (head)", "u0001 (head)"]
+    assert sorted(heads.out.splitlines()) == ["mersal_0002 (mersal) (head)", "u0001 (head)"]
     refused = await project.alembic("upgrade", "head")
     assert refused.code != 0
     assert refused.out.startswith(
@@ -198,6 +216,7 @@ async def test_our_branch_in_your_project_upgrades_to_head_after_one_merge(
         "customers",
         "mersal_inbox",
         "mersal_outbox",
+        "mersal_sagas",
     }
     checked = await project.alembic("check")
     assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
@@ -216,18 +235,18 @@ async def test_without_a_merge_upgrade_heads_works_and_check_finds_nothing(
 
     assert await mersal("db", "current", "--database", empty_database) == 0
     assert capsys.readouterr().out == (
-        "mersal_0001 (head), recorded in alembic_version (your Alembic project's)\n"
+        "mersal_0002 (head), recorded in alembic_version (your Alembic project's)\n"
     )
     for action in ("upgrade", "downgrade"):
         arguments = ["base"] if action == "downgrade" else []
         assert await mersal("db", action, *arguments, "--database", empty_database) == 2
         assert capsys.readouterr().err == (
             f"mersal: the tables in {empty_database} are migrated by your own Alembic project "
-            f"(mersal_0001 in alembic_version): {action} them there (`alembic {action} ...`), "
-            f"or take them over with `mersal db stamp mersal_0001 --database '{empty_database}'` "
+            f"(mersal_0002 in alembic_version): {action} them there (`alembic {action} ...`), "
+            f"or take them over with `mersal db stamp mersal_0002 --database '{empty_database}'` "
             "first\n"
         )
-    assert {"mersal_outbox", "mersal_inbox"} <= await table_names(empty_database)
+    assert await table_names(empty_database) >= OURS
 
 
 @pytest.mark.integration
@@ -242,8 +261,8 @@ async def test_our_branch_takes_the_table_names_from_alembic_ini(
     upgraded = await project.alembic("upgrade", "head")
     assert upgraded.code == 0, upgraded.err
     tables = await table_names(empty_postgres_url)
-    assert {"orders_outbox", "orders_inbox"} <= tables
-    assert not {"mersal_outbox", "mersal_inbox"} & tables
+    assert {"orders_outbox", "orders_inbox", "orders_inbox_sagas"} <= tables
+    assert not OURS & tables
     checked = await project.alembic("check")
     assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
     options = {"outbox_table": "orders_outbox", "inbox_table": "orders_inbox"}
@@ -265,6 +284,7 @@ async def test_tables_you_own_are_refused_by_upgrade_and_recorded_by_stamp(
     written = revision.read_text()
     assert "op.create_table('mersal_outbox'" in written
     assert "op.create_table('mersal_inbox'" in written
+    assert "op.create_table('mersal_sagas'" in written
     assert (await project.alembic("upgrade", "head")).code == 0
     checked = await project.alembic("check")
     assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
@@ -276,7 +296,7 @@ async def test_tables_you_own_are_refused_by_upgrade_and_recorded_by_stamp(
     assert "mersal_outbox_alembic_version" not in await table_names(empty_database)
 
     assert await mersal("db", "stamp", "head", "--database", empty_database) == 0
-    at_head = f"the outbox and inbox tables in {empty_database} are at mersal_0001 (head)\n"
+    at_head = f"the outbox, inbox and saga tables in {empty_database} are at mersal_0002 (head)\n"
     assert capsys.readouterr().out == at_head
     assert await mersal("db", "upgrade", "--database", empty_database) == 0
     assert capsys.readouterr().out == at_head
@@ -316,6 +336,55 @@ async def test_after_the_merge_mersal_db_leaves_the_tables_to_your_project(
     )
     assert await table_names(empty_database) == tables
     assert "mersal_outbox_alembic_version" not in tables
+    checked = await project.alembic("check")
+    assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
+    assert await app_starts(empty_database, memory_url)
+
+
+async def start_error(database: str, memory_url: str) -> str:
+    """The ConfigurationError the orders app fails to start with."""
+    app = orders_app(database, memory_url, Probe(), create_tables=False)
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("merged", [True, False], ids=["merged", "not merged"])
+async def test_our_next_revision_reaches_your_project_through_alembic(
+    empty_database: str, tmp_path: Path, memory_url: str, merged: bool
+) -> None:
+    """As a project that included our branch when mersal_0001 was its head upgrades."""
+    project = write_project(tmp_path / "project", empty_database, our_branch=True)
+    if merged:  # what `alembic merge heads` wrote then (it merges only heads)
+        (project.versions / "m0001_include_mersal.py").write_text(EARLIER_MERGE)
+        upgraded = await project.alembic("upgrade", "m0001")
+    else:
+        assert (await project.alembic("upgrade", "u0001")).code == 0
+        upgraded = await project.alembic("upgrade", "mersal_0001")
+    assert upgraded.code == 0, upgraded.err
+    assert "mersal_sagas" not in await table_names(empty_database)
+
+    if merged:
+        assert await start_error(empty_database, memory_url) == (
+            f"the table(s) mersal_sagas do not exist in database {empty_database}: apply "
+            "revision mersal_0002 in your Alembic project: `alembic upgrade head` if it includes "
+            "our versions (after `alembic merge heads` if it shows two heads), else a migration "
+            "of your own that adds the table(s)"
+        )
+        heads = await project.alembic("heads")
+        assert len(heads.out.splitlines()) == 2
+        assert (await project.alembic("merge", "-m", "mersal 0002", "heads")).code == 0
+        upgraded = await project.alembic("upgrade", "head")
+    else:
+        assert await start_error(empty_database, memory_url) == (
+            "the tables are at migration mersal_0001, behind mersal_0002 (the table(s) "
+            f"mersal_sagas do not exist yet) in database {empty_database}: they are migrated by "
+            "your own Alembic project: run `alembic upgrade heads` there (after `alembic merge "
+            "heads`, `alembic upgrade head` does it too)"
+        )
+        upgraded = await project.alembic("upgrade", "heads")
+    assert upgraded.code == 0, upgraded.err
+    assert await table_names(empty_database) >= OURS
     checked = await project.alembic("check")
     assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
     assert await app_starts(empty_database, memory_url)

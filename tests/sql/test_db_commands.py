@@ -21,13 +21,15 @@ from uuid import uuid4
 import pytest
 from sqlalchemy import insert, inspect, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
 
 from mersal import ConfigurationError
 from mersal.cli import main
 from mersal_sqlalchemy import make_engine, make_tables
 from mersal_sqlalchemy.tables import version_table_name
+from tests.sql.conftest import sqlite_file
 from tests.sql.legacy import migrate_as_before
-from tests.sql.support import Probe, orders_app
+from tests.sql.support import Probe, orders_app, storage_of
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class Ran:
 
 
 Mersal = Callable[..., Awaitable[Ran]]
+
+OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas"}
 
 
 @pytest.fixture
@@ -116,19 +120,21 @@ async def test_an_empty_database_is_reported_and_stamping_it_is_refused(
     current = await mersal("db", "current", "--database", db)
     assert (current.code, current.out) == (
         0,
-        "no revision recorded; the table(s) mersal_outbox, mersal_inbox do not exist\n",
+        "no revision recorded; the table(s) mersal_outbox, mersal_inbox, mersal_sagas do not "
+        "exist\n",
     )
     check = await mersal("db", "check", "--database", db)
     assert check.code == 1
     assert check.said == (
-        f"mersal: the table(s) mersal_outbox, mersal_inbox do not exist in database {db}: "
-        f"run `mersal db upgrade --database '{db}'`"
+        "mersal: the table(s) mersal_outbox, mersal_inbox, mersal_sagas do not exist in "
+        f"database {db}: run `mersal db upgrade --database '{db}'`"
     )
     stamp = await mersal("db", "stamp", "--database", db)
     assert stamp.code == 2
     assert stamp.said == (
-        f"mersal: the table(s) mersal_outbox, mersal_inbox do not exist in {db}: create them "
-        f"with `mersal db upgrade --database '{db}'` rather than record a revision for them"
+        f"mersal: the table(s) mersal_outbox, mersal_inbox, mersal_sagas do not exist in {db}: "
+        f"create them with `mersal db upgrade --database '{db}'` rather than record a revision "
+        "for them"
     )
     assert await tables_in(db) == set()
 
@@ -138,16 +144,19 @@ async def test_upgrade_current_check_stamp_and_downgrade_in_turn(
 ) -> None:
     db = empty_database
     run = mersal
-    at_head = f"the outbox and inbox tables in {db} are at mersal_0001 (head)\n"
-    at_base = f"the outbox and inbox tables in {db} are at base (no revision recorded)\n"
+    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0002 (head)\n"
+    at_base = f"the outbox, inbox and saga tables in {db} are at base (no revision recorded)\n"
 
     upgraded = await run("db", "upgrade", "--database", db)
     assert (upgraded.code, upgraded.out) == (0, at_head)
-    assert {"mersal_outbox", "mersal_inbox", "mersal_outbox_alembic_version"} <= await tables_in(db)
+    assert await tables_in(db) == {*OURS, "mersal_outbox_alembic_version"}
     current = await run("db", "current", "--database", db)
-    assert current.out == "mersal_0001 (head), recorded in mersal_outbox_alembic_version\n"
+    assert current.out == "mersal_0002 (head), recorded in mersal_outbox_alembic_version\n"
     check = await run("db", "check", "--database", db)
-    assert (check.code, check.out) == (0, f"the outbox and inbox tables in {db} are up to date\n")
+    assert (check.code, check.out) == (
+        0,
+        f"the outbox, inbox and saga tables in {db} are up to date\n",
+    )
 
     assert (await run("db", "stamp", "base", "--database", db)).out == at_base
     check = await run("db", "check", "--database", db)
@@ -173,7 +182,8 @@ async def test_history_lists_our_revisions_without_a_database(mersal: Mersal) ->
     history = await mersal("db", "history")
     assert (history.code, history.out) == (
         0,
-        "<base> -> mersal_0001 (mersal) (head), The outbox and inbox tables.\n",
+        "mersal_0001 -> mersal_0002 (mersal) (head), The saga table.\n"
+        "<base> -> mersal_0001 (mersal), The outbox and inbox tables.\n",
     )
 
 
@@ -202,6 +212,11 @@ async def test_commands_on_a_missing_sqlite_file_do_not_create_it(
                 "WHERE parked_at IS NULL;",
                 "CREATE TABLE mersal_inbox (",
                 "INSERT INTO mersal_outbox_alembic_version (version_num) VALUES ('mersal_0001')",
+                "CREATE TABLE mersal_sagas (",
+                "PRIMARY KEY (app, saga, correlation)",
+                "CREATE UNIQUE INDEX ix_mersal_sagas_id ON mersal_sagas (id);",
+                "UPDATE mersal_outbox_alembic_version SET version_num='mersal_0002' WHERE "
+                "mersal_outbox_alembic_version.version_num = 'mersal_0001';",
                 "COMMIT;",
             ],
             id="upgrade for PostgreSQL",
@@ -226,12 +241,15 @@ async def test_commands_on_a_missing_sqlite_file_do_not_create_it(
                 "CREATE TABLE orders_outbox_orders_inbox_alembic_version (",
                 "CREATE TABLE orders_outbox (",
                 "CREATE TABLE orders_inbox (",
+                "CREATE TABLE orders_inbox_sagas (",
+                "CREATE UNIQUE INDEX ix_orders_inbox_sagas_id ON orders_inbox_sagas (id);",
             ],
             id="a URL only for its dialect, and other names",
         ),
         pytest.param(
             ["downgrade", "--sql", "head:base", "--dialect", "postgresql"],
             [
+                "DROP INDEX ix_mersal_sagas_id;\n\nDROP TABLE mersal_sagas;",
                 "DROP TABLE mersal_inbox;",
                 "DROP TABLE mersal_outbox;",
                 "DELETE FROM mersal_outbox_alembic_version WHERE "
@@ -241,7 +259,7 @@ async def test_commands_on_a_missing_sqlite_file_do_not_create_it(
         ),
         pytest.param(
             ["stamp", "--sql", "--dialect", "sqlite"],
-            ["INSERT INTO mersal_outbox_alembic_version (version_num) VALUES ('mersal_0001')"],
+            ["INSERT INTO mersal_outbox_alembic_version (version_num) VALUES ('mersal_0002')"],
             id="stamp",
         ),
     ],
@@ -256,6 +274,23 @@ async def test_sql_is_printed_without_a_database(
         assert part in ran.out
     assert "secret" not in ran.out + ran.err
     assert time.monotonic() - began < 10  # no connection was tried (192.0.2.1 never answers)
+
+
+async def test_sql_between_the_revisions_touches_only_the_saga_table(mersal: Mersal) -> None:
+    up = await mersal("db", "upgrade", "--sql", "--dialect", "sqlite", "--revision", "mersal_0001")
+    assert up.code == 0, up.err
+    assert "CREATE TABLE mersal_inbox (" in up.out
+    assert "sagas" not in up.out
+    assert "mersal_0002" not in up.out
+
+    down = await mersal("db", "downgrade", "--sql", "head:mersal_0001", "--dialect", "sqlite")
+    assert down.code == 0, down.err
+    dropped = re.findall(r"^DROP TABLE (\w+);$", down.out, re.MULTILINE)
+    assert dropped == ["mersal_sagas"]
+    assert (
+        "UPDATE mersal_outbox_alembic_version SET version_num='mersal_0001' WHERE "
+        "mersal_outbox_alembic_version.version_num = 'mersal_0002';"
+    ) in down.out
 
 
 async def test_sql_without_a_dialect_says_what_it_needs(mersal: Mersal) -> None:
@@ -283,14 +318,24 @@ async def test_a_migrated_outbox_beside_an_unmigrated_inbox_is_fixed_by_the_comm
     names = {"outbox_table": "billing_outbox", "inbox_table": "billing_inbox"}
     message = await start_error(db, memory_url, **names)
     assert message == (
-        f"the table(s) billing_inbox do not exist in database {db}: run `mersal db upgrade "
-        f"--database '{db}' --outbox-table billing_outbox --inbox-table billing_inbox`"
+        f"the table(s) billing_inbox, billing_inbox_sagas do not exist in database {db}: run "
+        f"`mersal db upgrade --database '{db}' --outbox-table billing_outbox --inbox-table "
+        "billing_inbox`"
     )
     [command] = suggested(message)
     assert (await mersal(*command)).code == 0
     assert await starts(db, memory_url, **names)
-    assert await starts(db, memory_url, outbox_table="billing_outbox")  # the first pair still
     assert "billing_outbox_billing_inbox_alembic_version" in await tables_in(db)
+    if made_by == "the release before":  # the first pair is behind, at mersal_0001
+        message = await start_error(db, memory_url, outbox_table="billing_outbox")
+        assert message == (
+            "the tables are at migration mersal_0001, behind mersal_0002 (the table(s) "
+            f"mersal_sagas do not exist yet) in database {db}: run `mersal db upgrade "
+            f"--database '{db}' --outbox-table billing_outbox`"
+        )
+        [command] = suggested(message)
+        assert (await mersal(*command)).code == 0
+    assert await starts(db, memory_url, outbox_table="billing_outbox")  # the first pair still
 
 
 @pytest.mark.parametrize("alembic_project", [False, True])
@@ -310,7 +355,7 @@ async def test_tables_of_your_own_that_lack_a_column_are_not_recorded_at_the_hea
 
     if alembic_project:
         remedy = (
-            "apply revision mersal_0001 in your Alembic project: `alembic upgrade head` if it "
+            "apply revision mersal_0002 in your Alembic project: `alembic upgrade head` if it "
             "includes our versions (after `alembic merge heads` if it shows two heads), else a "
             "migration of your own that adds the columns"
         )
@@ -335,7 +380,7 @@ async def test_tables_of_your_own_that_lack_a_column_are_not_recorded_at_the_hea
     assert (stamp.code, stamp.said) == (
         2,
         "mersal: table mersal_outbox has no column(s) parked_reason, so it is not at "
-        "mersal_0001: record the revision it is at",
+        "mersal_0002: record the revision it is at",
     )
 
 
@@ -400,10 +445,10 @@ async def test_downgrading_one_pair_leaves_the_outbox_another_pair_records(
         0,
         "left billing_outbox: billing_outbox_billing_inbox_alembic_version records it for "
         "another pair of tables\n"
-        f"the outbox and inbox tables in {db} are at base (no revision recorded)\n",
+        f"the outbox, inbox and saga tables in {db} are at base (no revision recorded)\n",
     )
-    assert {"billing_outbox", "billing_inbox"} <= await tables_in(db)
-    assert "shipping_inbox" not in await tables_in(db)
+    assert {"billing_outbox", "billing_inbox", "billing_inbox_sagas"} <= await tables_in(db)
+    assert not {"shipping_inbox", "shipping_inbox_sagas"} & await tables_in(db)
     assert await rows_in(db, "billing_outbox") == 1
     names = {"outbox_table": "billing_outbox", "inbox_table": "billing_inbox"}
     assert await starts(db, memory_url, **names)
@@ -421,13 +466,13 @@ async def test_an_outbox_holding_rows_is_dropped_only_with_force(
         f"mersal: mersal_outbox in {db} holds 1 row(s), messages not sent yet (or parked): the "
         "downgrade would drop them; pass --force to drop them anyway",
     )
-    assert {"mersal_outbox", "mersal_inbox"} <= await tables_in(db)
+    assert await tables_in(db) >= OURS
     assert await rows_in(db, "mersal_outbox") == 1
 
     forced = await mersal("db", "downgrade", "base", "--force", "--database", db)
     assert (forced.code, forced.out) == (
         0,
-        f"the outbox and inbox tables in {db} are at base (no revision recorded)\n",
+        f"the outbox, inbox and saga tables in {db} are at base (no revision recorded)\n",
     )
     assert await tables_in(db) == {"mersal_outbox_alembic_version"}
 
@@ -446,8 +491,8 @@ async def test_tables_made_without_alembic_are_taken_over_by_upgrade(
     assert (upgraded.code, upgraded.out) == (
         0,
         "found mersal_outbox and mersal_inbox without a revision of ours (made by your own "
-        "migration?): recorded them at mersal_0001 in mersal_outbox_alembic_version\n"
-        f"the outbox and inbox tables in {db} are at mersal_0001 (head)\n",
+        "migration?): recorded them at mersal_0002 in mersal_outbox_alembic_version\n"
+        f"the outbox, inbox and saga tables in {db} are at mersal_0002 (head)\n",
     )
 
 
@@ -498,7 +543,7 @@ async def test_four_upgrades_at_once_on_a_fresh_database_all_succeed(
     db = empty_postgres_url
     inboxes = [f"inbox_{n}" if shared else "billing_inbox" for n in range(4)]
     results = await upgrade_at_once(db, [pair(inbox) for inbox in inboxes])
-    at_head = f"the outbox and inbox tables in {db} are at mersal_0001 (head)\n"
+    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0002 (head)\n"
     assert [(code, out.endswith(at_head)) for code, out, _ in results] == [(0, True)] * 4, results
     for inbox in set(inboxes):
         assert await starts(db, memory_url, outbox_table="billing_outbox", inbox_table=inbox)
@@ -523,3 +568,305 @@ async def test_upgrade_without_create_rights_says_what_to_do(
         "denied for schema public; grant CREATE on the schema to this user, or have a DBA "
         "apply `mersal db upgrade --sql`",
     )
+
+
+# The saga table (mersal_0002): named after the inbox, created and dropped with its revision.
+
+
+async def indexes_of(database: str, name: str) -> list[tuple[str, list[str], bool]]:
+    """The indexes of table `name`: name, columns, unique."""
+    engine = make_engine(database)
+    try:
+        async with engine.connect() as connection:
+            found = await connection.run_sync(lambda c: inspect(c).get_indexes(name))
+    finally:
+        await engine.dispose()
+    return [(str(i["name"]), [str(c) for c in i["column_names"]], i["unique"]) for i in found]
+
+
+async def add_saga_row(database: str, inbox: str = "mersal_inbox") -> None:
+    """Write the state of one running saga into the saga table of `inbox`."""
+    engine = make_engine(database)
+    row = {
+        "app": "orders",
+        "saga": "checkout",
+        "correlation": "o-1",
+        "id": str(uuid4()),
+        "revision": 1,
+        "data": "{}",
+    }
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(insert(make_tables(inbox=inbox).sagas).values(**row))
+    finally:
+        await engine.dispose()
+
+
+async def test_upgrade_from_base_creates_the_saga_table_and_records_the_head(
+    empty_database: str, mersal: Mersal
+) -> None:
+    db = empty_database
+    assert (await mersal("db", "upgrade", "--database", db)).code == 0
+    assert await tables_in(db) == {*OURS, "mersal_outbox_alembic_version"}
+    assert await indexes_of(db, "mersal_sagas") == [("ix_mersal_sagas_id", ["id"], True)]
+    assert await rows_in(db, "mersal_outbox_alembic_version") == 1
+    current = await mersal("db", "current", "--database", db)
+    assert current.out == "mersal_0002 (head), recorded in mersal_outbox_alembic_version\n"
+    await add_saga_row(db)
+    with pytest.raises(IntegrityError):  # the same saga of the same app, correlated alike
+        await add_saga_row(db)
+
+
+async def test_tables_at_the_first_revision_fail_the_start_until_upgraded(
+    empty_database: str, memory_url: str, mersal: Mersal
+) -> None:
+    db = empty_database
+    first = await mersal("db", "upgrade", "--revision", "mersal_0001", "--database", db)
+    assert (first.code, first.out) == (
+        0,
+        f"the outbox, inbox and saga tables in {db} are at mersal_0001\n",
+    )
+    assert await tables_in(db) == {"mersal_outbox", "mersal_inbox", "mersal_outbox_alembic_version"}
+    current = await mersal("db", "current", "--database", db)
+    assert current.out == "mersal_0001, recorded in mersal_outbox_alembic_version\n"
+
+    advice = (
+        "the tables are at migration mersal_0001, behind mersal_0002 (the table(s) mersal_sagas "
+        f"do not exist yet) in database {db}: run `mersal db upgrade --database '{db}'`"
+    )
+    assert await start_error(db, memory_url) == advice
+    check = await mersal("db", "check", "--database", db)
+    assert (check.code, check.said) == (1, f"mersal: {advice}")
+    [command] = suggested(advice)
+    upgraded = await mersal(*command)
+    assert (upgraded.code, upgraded.out) == (
+        0,
+        f"the outbox, inbox and saga tables in {db} are at mersal_0002 (head)\n",
+    )
+    assert "mersal_sagas" in await tables_in(db)
+    assert await indexes_of(db, "mersal_sagas") == [("ix_mersal_sagas_id", ["id"], True)]
+    assert await starts(db, memory_url)
+
+
+async def test_downgrading_to_the_first_revision_drops_only_the_saga_table(
+    empty_database: str, memory_url: str, mersal: Mersal
+) -> None:
+    db = empty_database
+    assert (await mersal("db", "upgrade", "--database", db)).code == 0
+    await add_outbox_row(db, "mersal_outbox")  # not in the way: the outbox stays
+
+    downgraded = await mersal("db", "downgrade", "mersal_0001", "--database", db)
+    assert (downgraded.code, downgraded.out) == (
+        0,
+        f"the outbox, inbox and saga tables in {db} are at mersal_0001\n",
+    )
+    assert await tables_in(db) == {"mersal_outbox", "mersal_inbox", "mersal_outbox_alembic_version"}
+    assert await rows_in(db, "mersal_outbox") == 1
+    assert "behind mersal_0002" in await start_error(db, memory_url)
+
+    assert (await mersal("db", "upgrade", "--database", db)).code == 0
+    assert await starts(db, memory_url)
+    assert await rows_in(db, "mersal_outbox") == 1
+
+
+async def test_one_step_back_drops_only_the_saga_table(empty_database: str, mersal: Mersal) -> None:
+    db = empty_database
+    assert (await mersal("db", "upgrade", "--database", db)).code == 0
+    await add_outbox_row(db, "mersal_outbox")  # no refusal: the outbox stays
+    back = await mersal("db", "downgrade", "-1", "--database", db)
+    assert (back.code, back.out) == (
+        0,
+        f"the outbox, inbox and saga tables in {db} are at mersal_0001\n",
+    ), back.err
+    assert "mersal_sagas" not in await tables_in(db)
+    refused = await mersal("db", "downgrade", "-1", "--database", db)
+    assert (refused.code, refused.said) == (
+        2,
+        f"mersal: mersal_outbox in {db} holds 1 row(s), messages not sent yet (or parked): the "
+        "downgrade would drop them; pass --force to drop them anyway",
+    )
+
+
+async def test_a_saga_table_holding_rows_is_dropped_only_with_force(
+    empty_database: str, mersal: Mersal
+) -> None:
+    db = empty_database
+    assert (await mersal("db", "upgrade", "--database", db)).code == 0
+    await add_saga_row(db)
+    for target in ("mersal_0001", "base"):
+        refused = await mersal("db", "downgrade", target, "--database", db)
+        assert (refused.code, refused.said) == (
+            2,
+            f"mersal: mersal_sagas in {db} holds 1 row(s), the state of sagas not finished yet: "
+            "the downgrade would drop them; pass --force to drop them anyway",
+        )
+    assert "mersal_sagas" in await tables_in(db)
+
+    forced = await mersal("db", "downgrade", "mersal_0001", "--force", "--database", db)
+    assert (forced.code, forced.out) == (
+        0,
+        f"the outbox, inbox and saga tables in {db} are at mersal_0001\n",
+    )
+    assert "mersal_sagas" not in await tables_in(db)
+
+
+async def test_the_saga_table_of_other_table_names_is_named_after_the_inbox(
+    empty_database: str, memory_url: str, mersal: Mersal
+) -> None:
+    db = empty_database
+    upgraded = await mersal("db", "upgrade", "--database", db, *pair("billing_inbox"))
+    assert upgraded.code == 0, upgraded.err
+    assert await tables_in(db) == {
+        "billing_outbox",
+        "billing_inbox",
+        "billing_inbox_sagas",
+        "billing_outbox_billing_inbox_alembic_version",
+    }
+    indexes = await indexes_of(db, "billing_inbox_sagas")
+    assert indexes == [("ix_billing_inbox_sagas_id", ["id"], True)]
+    names = {"outbox_table": "billing_outbox", "inbox_table": "billing_inbox"}
+    async with orders_app(db, memory_url, Probe(), create_tables=False, **names) as app:
+        assert storage_of(app).tables.sagas.name == "billing_inbox_sagas"
+
+    down = await mersal("db", "downgrade", "mersal_0001", "--database", db, *pair("billing_inbox"))
+    assert down.code == 0, down.err
+    assert "billing_inbox_sagas" not in await tables_in(db)
+    assert {"billing_outbox", "billing_inbox"} <= await tables_in(db)
+
+
+async def test_pairs_sharing_an_inbox_share_its_saga_table_and_downgrades_leave_it(
+    empty_database: str, memory_url: str, mersal: Mersal
+) -> None:
+    db = empty_database
+    billing = ["--outbox-table", "billing_outbox", "--inbox-table", "shared_inbox"]
+    shipping = ["--outbox-table", "shipping_outbox", "--inbox-table", "shared_inbox"]
+    for tables in (billing, shipping):
+        assert (await mersal("db", "upgrade", "--database", db, *tables)).code == 0
+
+    down = await mersal("db", "downgrade", "mersal_0001", "--database", db, *billing)
+    assert (down.code, down.out) == (
+        0,
+        "left shared_inbox_sagas: shipping_outbox_shared_inbox_alembic_version records it for "
+        "another pair of tables\n"
+        f"the outbox, inbox and saga tables in {db} are at mersal_0001\n",
+    )
+    assert "shared_inbox_sagas" in await tables_in(db)
+
+    down = await mersal("db", "downgrade", "base", "--database", db, *shipping)
+    assert (down.code, down.out) == (
+        0,
+        "left shared_inbox: billing_outbox_shared_inbox_alembic_version records it for another "
+        "pair of tables\n"
+        f"the outbox, inbox and saga tables in {db} are at base (no revision recorded)\n",
+    ), down.err  # the billing pair, at mersal_0001, has no saga table: it went
+    assert not {"shipping_outbox", "shared_inbox_sagas"} & await tables_in(db)
+    assert {"billing_outbox", "shared_inbox"} <= await tables_in(db)
+
+    names = {"outbox_table": "billing_outbox", "inbox_table": "shared_inbox"}
+    [command] = suggested(await start_error(db, memory_url, **names))
+    assert (await mersal(*command)).code == 0
+    assert await starts(db, memory_url, **names)
+
+
+async def test_the_start_brings_tables_at_the_first_revision_to_the_head_when_creating(
+    empty_database: str, memory_url: str, mersal: Mersal
+) -> None:
+    """On SQLite by default (create_tables=None); elsewhere with create_tables=True."""
+    db = empty_database
+    first = await mersal("db", "upgrade", "--revision", "mersal_0001", "--database", db)
+    assert first.code == 0, first.err
+    await add_outbox_row(db, "mersal_outbox")
+    creating = {} if db.startswith("sqlite") else {"create_tables": True}
+    async with orders_app(db, memory_url, Probe(), **creating) as app:
+        assert app.running
+    assert await tables_in(db) == {*OURS, "mersal_outbox_alembic_version"}
+    assert await indexes_of(db, "mersal_sagas") == [("ix_mersal_sagas_id", ["id"], True)]
+    assert await rows_in(db, "mersal_outbox") == 1
+    current = await mersal("db", "current", "--database", db)
+    assert current.out == "mersal_0002 (head), recorded in mersal_outbox_alembic_version\n"
+    down = await mersal("db", "downgrade", "mersal_0001", "--database", db)
+    assert down.code == 0, down.err  # what the start made, the revision undoes
+    assert "mersal_sagas" not in await tables_in(db)
+
+
+async def test_the_start_does_not_create_the_saga_table_beside_an_outbox_lacking_a_column(
+    tmp_path: Path, memory_url: str, mersal: Mersal
+) -> None:
+    db = sqlite_file(tmp_path)
+    assert (await mersal("db", "upgrade", "--revision", "mersal_0001", "--database", db)).code == 0
+    await execute(db, "ALTER TABLE mersal_outbox DROP COLUMN parked_reason")
+    app = orders_app(db, memory_url, Probe())  # create_tables: SQLite's default
+    with pytest.raises(ConfigurationError, match=r"has no column\(s\) parked_reason"):
+        await app.start()
+    assert "mersal_sagas" not in await tables_in(db)
+
+
+@pytest.mark.parametrize("alembic_project", [False, True])
+async def test_tables_of_your_own_without_the_saga_table_are_upgraded_from_the_first_revision(
+    tmp_path: Path, memory_url: str, mersal: Mersal, alembic_project: bool
+) -> None:
+    db = sqlite_file(tmp_path)
+    tables = make_tables()
+    engine = make_engine(db)
+    async with engine.begin() as connection:  # as an earlier release's make_tables made them
+        await connection.run_sync(tables.metadata.create_all, tables=[tables.outbox, tables.inbox])
+        if alembic_project:
+            await connection.execute(text("CREATE TABLE alembic_version (version_num TEXT)"))
+            await connection.execute(text("INSERT INTO alembic_version VALUES ('abc123')"))
+    await engine.dispose()
+
+    check = await mersal("db", "check", "--database", db)
+    upgrade = await mersal("db", "upgrade", "--database", db)
+    if alembic_project:
+        assert check.said == (
+            f"mersal: the table(s) mersal_sagas do not exist in database {db}: apply revision "
+            "mersal_0002 in your Alembic project: `alembic upgrade head` if it includes our "
+            "versions (after `alembic merge heads` if it shows two heads), else a migration of "
+            "your own that adds the table(s)"
+        )
+        assert (upgrade.code, upgrade.said) == (
+            2,
+            f"mersal: mersal_outbox and mersal_inbox exist in {db} without a revision of ours, "
+            "beside your Alembic project's alembic_version: if your own Alembic project manages "
+            "these tables, keep using `alembic upgrade head` there; if you want `mersal db` to "
+            f"manage them, run `mersal db stamp mersal_0001 --database '{db}'` once, then "
+            f"`mersal db upgrade --database '{db}'`",
+        )
+        head = await mersal("db", "stamp", "head", "--database", db)
+        assert (head.code, head.said) == (
+            2,
+            f"mersal: the table(s) mersal_sagas do not exist in {db}, so the tables are not at "
+            f"mersal_0002: record the revision they are at with `mersal db stamp mersal_0001 "
+            f"--database '{db}'`, then run `mersal db upgrade --database '{db}'`",
+        )
+        for command in suggested(head.said):
+            ran = await mersal(*command)
+            assert ran.code == 0, ran.err
+        assert ran.out == f"the outbox, inbox and saga tables in {db} are at mersal_0002 (head)\n"
+    else:
+        assert check.said == (
+            f"mersal: the table(s) mersal_sagas do not exist in database {db}: run "
+            f"`mersal db upgrade --database '{db}'`"
+        )
+        assert (upgrade.code, upgrade.out) == (
+            0,
+            "found mersal_outbox and mersal_inbox without a revision of ours (made by your own "
+            "migration?): recorded them at mersal_0001 in mersal_outbox_alembic_version\n"
+            f"the outbox, inbox and saga tables in {db} are at mersal_0002 (head)\n",
+        )
+    assert "mersal_sagas" in await tables_in(db)
+    assert await starts(db, memory_url)
+
+
+async def test_an_inbox_named_mersal_shares_mersal_sagas_with_the_default_inbox(
+    tmp_path: Path, mersal: Mersal
+) -> None:
+    db = sqlite_file(tmp_path)
+    other = ["--outbox-table", "other_outbox", "--inbox-table", "mersal"]
+    assert (await mersal("db", "upgrade", "--database", db)).code == 0
+    assert (await mersal("db", "upgrade", "--database", db, *other)).code == 0
+    down = await mersal("db", "downgrade", "base", "--database", db, *other)
+    assert down.out.startswith(
+        "left mersal_sagas: mersal_outbox_alembic_version records it for another pair of tables\n"
+    ), down.err
+    assert await tables_in(db) >= OURS

@@ -14,7 +14,13 @@ from mersal import App, ConfigurationError
 from mersal.cli import main
 from mersal_sqlalchemy import HEAD_REVISION, attach, make_engine, make_tables
 from mersal_sqlalchemy.cli import alembic_config, upgrade
-from mersal_sqlalchemy.tables import version_table_name
+from mersal_sqlalchemy.migrations import include_object_for
+from mersal_sqlalchemy.tables import (
+    REVISIONS,
+    migration_table_names,
+    saga_table_name,
+    version_table_name,
+)
 from tests.sql.conftest import sqlite_file
 from tests.sql.legacy import migrate_as_before
 from tests.sql.support import (
@@ -59,6 +65,9 @@ async def schema_of(database: str) -> dict[str, Any]:
         await engine.dispose()
 
 
+OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas"}
+
+
 def with_password(url: str, password: str) -> str:
     """The same database URL with a password in it."""
     return make_url(url).set(password=password).render_as_string(hide_password=False)
@@ -70,10 +79,23 @@ async def test_db_upgrade_on_an_empty_database_creates_the_tables(
 ) -> None:
     assert await asyncio.to_thread(main, ["db", "upgrade", "--database", empty_postgres_url]) == 0
     schema = await schema_of(empty_postgres_url)
-    assert {"mersal_outbox", "mersal_inbox", "mersal_outbox_alembic_version"} <= set(schema)
+    assert set(schema) == {*OURS, "mersal_outbox_alembic_version"}
     assert ("ix_mersal_outbox_claim", ("app", "id"), False) in schema["mersal_outbox"]["indexes"]
     assert schema["mersal_inbox"]["primary_key"] == ("app", "message_id")
-    said = f"the outbox and inbox tables in {empty_postgres_url} are at mersal_0001 (head)\n"
+    sagas = schema["mersal_sagas"]
+    assert sagas["primary_key"] == ("app", "saga", "correlation")
+    assert sagas["indexes"] == [("ix_mersal_sagas_id", ("id",), True)]
+    assert [(name, type_, nullable) for name, type_, nullable, _ in sagas["columns"]] == [
+        ("app", "VARCHAR(200)", False),
+        ("saga", "VARCHAR(200)", False),
+        ("correlation", "VARCHAR(255)", False),
+        ("id", "VARCHAR(36)", False),
+        ("revision", "INTEGER", False),
+        ("data", "TEXT", False),
+        ("created_at", "TIMESTAMP", False),
+        ("updated_at", "TIMESTAMP", False),
+    ]
+    said = f"the outbox, inbox and saga tables in {empty_postgres_url} are at mersal_0002 (head)\n"
     assert capsys.readouterr().out == said
     # a second run finds nothing to do
     assert await asyncio.to_thread(main, ["db", "upgrade", "--database", empty_postgres_url]) == 0
@@ -130,7 +152,7 @@ async def test_an_embedded_sqlite_app_creates_its_tables(tmp_path: Path, memory_
             storage = storage_of(app)
             assert await count(storage.engine, storage.tables.outbox) == 0
     schema = await schema_of(database)
-    assert {"mersal_outbox", "mersal_inbox", "mersal_outbox_alembic_version"} <= set(schema)
+    assert set(schema) == {*OURS, "mersal_outbox_alembic_version"}
 
 
 async def test_the_migrations_create_the_tables_the_code_describes(
@@ -179,6 +201,65 @@ def test_the_head_revision_in_the_code_is_the_head_of_the_migrations() -> None:
 
     scripts = ScriptDirectory.from_config(alembic_config("sqlite:///unused.db", "a", "b"))
     assert scripts.get_heads() == [HEAD_REVISION]
+    walked = [script.revision for script in scripts.walk_revisions()]
+    assert walked == list(reversed(REVISIONS)) == ["mersal_0002", "mersal_0001"]
+
+
+@pytest.mark.parametrize(
+    ("inbox", "sagas"),
+    [
+        ("mersal_inbox", "mersal_sagas"),
+        ("billing_inbox", "billing_inbox_sagas"),
+        ("Orders", "Orders_sagas"),
+        ("i" * 40, "i" * 40 + "_sagas"),
+    ],
+)
+def test_the_saga_table_is_named_after_the_inbox(inbox: str, sagas: str) -> None:
+    assert saga_table_name(inbox) == sagas
+    tables = make_tables("some_outbox", inbox)
+    assert tables.sagas.name == sagas
+    names = [sagas, f"ix_{sagas}_id", f"{sagas}_pkey"]
+    assert all(len(name) <= 63 for name in names)  # PostgreSQL's identifiers
+
+
+def test_the_saga_table_has_the_columns_the_saga_store_uses() -> None:
+    sagas = make_tables().sagas
+    assert [column.name for column in sagas.columns] == [
+        "app",
+        "saga",
+        "correlation",
+        "id",
+        "revision",
+        "data",
+        "created_at",
+        "updated_at",
+    ]
+    assert not any(column.nullable for column in sagas.columns)
+    assert [column.name for column in sagas.primary_key] == ["app", "saga", "correlation"]
+    [index] = sagas.indexes
+    assert (index.name, [c.name for c in index.columns], index.unique) == (
+        "ix_mersal_sagas_id",
+        ["id"],
+        True,
+    )
+
+
+@pytest.mark.parametrize(("outbox", "inbox"), [("orders_sagas", "orders"), ("x", "x")])
+def test_an_outbox_named_like_the_inbox_or_its_saga_table_is_refused(
+    outbox: str, inbox: str
+) -> None:
+    with pytest.raises(ConfigurationError, match="the outbox"):
+        make_tables(outbox, inbox)
+    with pytest.raises(ConfigurationError, match="the outbox"):
+        migration_table_names({"outbox_table": outbox, "inbox_table": inbox})
+
+
+def test_include_object_hides_the_saga_table_our_migrations_made() -> None:
+    include = include_object_for("billing_outbox", "billing_inbox")
+    sagas = make_tables("billing_outbox", "billing_inbox").sagas
+    assert not include(sagas, "billing_inbox_sagas", "table", True, None)
+    assert include(sagas, "billing_inbox_sagas", "table", True, sagas)  # on your metadata
+    assert include(sagas, "mersal_sagas", "table", True, None)  # another pair's
 
 
 @pytest.mark.parametrize(
@@ -342,7 +423,7 @@ async def test_an_engine_with_an_isolation_level_that_keeps_transactions_is_take
         ),
     ],
 )
-async def test_a_database_the_release_before_migrated_keeps_working_and_upgrades(
+async def test_a_database_the_release_before_migrated_is_behind_until_upgraded(
     empty_postgres_url: str,
     memory_url: str,
     capsys: pytest.CaptureFixture[str],
@@ -354,6 +435,7 @@ async def test_a_database_the_release_before_migrated_keeps_working_and_upgrades
     await migrate_as_before(db, migrated)
     flags = [part for k, v in names.items() for part in (f"--{k.replace('_', '-')}", v)]
     outbox = names.get("outbox_table", "mersal_outbox")
+    sagas = saga_table_name(names.get("inbox_table", "mersal_inbox"))
     engine = make_engine(db)
     async with engine.begin() as connection:
         await connection.execute(
@@ -363,16 +445,20 @@ async def test_a_database_the_release_before_migrated_keeps_working_and_upgrades
             )
         )
     await engine.dispose()
-    async with orders_app(db, memory_url, Probe(), create_tables=False, **names) as app:
-        assert app.running
+    behind = orders_app(db, memory_url, Probe(), create_tables=False, **names)
+    with pytest.raises(ConfigurationError) as raised:
+        await behind.start()
+    upgrade_command = " ".join(["mersal db upgrade --database", f"'{db}'", *flags])
+    assert str(raised.value) == (
+        "the tables are at migration mersal_0001, behind mersal_0002 (the table(s) "
+        f"{sagas} do not exist yet) in database {db}: run `{upgrade_command}`"
+    )
 
     capsys.readouterr()
     assert await asyncio.to_thread(main, ["db", "current", "--database", db, *flags]) == 0
-    assert capsys.readouterr().out == (
-        f"mersal_0001 (head), recorded in {outbox}_alembic_version\n"
-    )
+    assert capsys.readouterr().out == f"mersal_0001, recorded in {outbox}_alembic_version\n"
     assert await asyncio.to_thread(main, ["db", "upgrade", "--database", db, *flags]) == 0
-    at_head = f"the outbox and inbox tables in {db} are at mersal_0001 (head)\n"
+    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0002 (head)\n"
     assert capsys.readouterr().out == found + at_head
     assert await asyncio.to_thread(main, ["db", "upgrade", "--database", db, *flags]) == 0
     assert capsys.readouterr().out == at_head

@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-from alembic import context, op
+from alembic import op
 
-from mersal_sqlalchemy.database import recorded_elsewhere
-from mersal_sqlalchemy.migrations import table_names
+from mersal_sqlalchemy.migrations import existing, shared, table_names
 
 revision: str = "mersal_0001"
 down_revision: str | None = None
@@ -47,20 +46,6 @@ def downgrade() -> None:
     if outbox in present:
         op.drop_index(f"ix_{outbox}_claim", table_name=outbox)
         op.drop_table(outbox)
-
-
-def shared(outbox: str, inbox: str) -> dict[str, str]:
-    """The tables another pair's version table records (none when printing the SQL)."""
-    if context.is_offline_mode():
-        return {}
-    return recorded_elsewhere(op.get_bind(), outbox, inbox)
-
-
-def existing(offline: set[str]) -> set[str]:
-    """The tables in the database; when printing the SQL (`--sql`), `offline`."""
-    if context.is_offline_mode():
-        return offline
-    return set(sa.inspect(op.get_bind()).get_table_names())
 
 
 def create_outbox(outbox: str) -> None:
