@@ -42,6 +42,15 @@ from mersal.pipeline import (
 )
 from mersal.plugins import transport_from
 from mersal.retry import RetryPolicy, RetryStep, after_failure, attempts_made, log_failure
+from mersal.sagas import (
+    MemorySagaStore,
+    Saga,
+    SagaRunner,
+    SagaSpec,
+    SagaStore,
+    saga_data,
+    saga_spec,
+)
 from mersal.serialization import Codec, JsonCodec
 from mersal.settle import (
     ACK,
@@ -73,6 +82,7 @@ if TYPE_CHECKING:
     from mersal.telemetry import Telemetry
 
 R = TypeVar("R")
+D = TypeVar("D")
 
 log = logging.getLogger("mersal.app")
 
@@ -143,6 +153,8 @@ class App:
         )
         self._routes: dict[type, str] = {}
         self._subscriptions: list[type] = []
+        self._sagas: list[SagaSpec] = []
+        self._memory_sagas = MemorySagaStore()
         self._worker: Worker | None = None
         self._running = False
         self._stopping: asyncio.Future[None] | None = None
@@ -208,6 +220,64 @@ class App:
         if message_type not in self._subscriptions:
             self._subscriptions.append(message_type)
 
+    def register_saga(self, saga: type[Saga[Any]], *, pessimistic: bool = False) -> None:
+        """Run a saga: each message type it takes finds (or starts) its saga instance.
+
+        Optimistic by default (a revision check at save; a conflict reruns the message at
+        once); `pessimistic` locks the saga's row while the message is handled (FOR UPDATE).
+        """
+        self._check_not_running("register sagas")
+        spec = saga_spec(saga, self.codec, pessimistic=pessimistic)
+        for other in self._sagas:
+            if other.name == spec.name:
+                raise ConfigurationError(
+                    f"{saga.__qualname__} and {other.cls.__qualname__} are both saga "
+                    f"{spec.name!r}: give one another name (`class ...(Saga[D], name='...')`)"
+                )
+        for message_type in spec.methods:
+            check_message_class(message_type, self.codec, "register_saga")
+        runner = SagaRunner(spec, self.handlers.builder(saga), self.saga_store, self.codec)
+
+        async def run(message: Any, context: MessageContext) -> None:
+            await runner(message, context)
+
+        run.__qualname__ = saga.__qualname__
+        for message_type in spec.methods:
+            self.types.add(message_type)
+            self.handlers.add(message_type, run)
+        self._sagas.append(spec)
+
+    @property
+    def sagas(self) -> list[type[Saga[Any]]]:
+        """The saga classes registered with `register_saga`."""
+        return [spec.cls for spec in self._sagas]
+
+    def saga_spec(self, saga: type[Saga[Any]]) -> SagaSpec:
+        """The registration of a saga class; a ConfigurationError if it is not registered."""
+        for spec in self._sagas:
+            if spec.cls is saga:
+                return spec
+        raise ConfigurationError(
+            f"{getattr(saga, '__qualname__', saga)} is not a saga of app {self.name!r}: "
+            "app.register_saga(...) it first"
+        )
+
+    def saga_store(self) -> SagaStore:
+        """Where this app's sagas live: its database's saga table, or this process's memory."""
+        if self.storage is None:
+            return self._memory_sagas
+        store: SagaStore | None = getattr(self.storage, "sagas", None)
+        if store is None:
+            raise ConfigurationError(
+                f"the storage of app {self.name!r} ({type(self.storage).__qualname__}) keeps no "
+                "sagas: use mersal_sqlalchemy's, or drop the register_saga calls"
+            )
+        return store
+
+    async def saga_data(self, saga: type[Saga[D]], correlation: object) -> D | None:
+        """The committed data of the saga with this correlation value, or None if none runs."""
+        return await saga_data(self, saga, correlation)
+
     def use_storage(self, storage: Storage) -> None:
         """Plug in an outbox and inbox (a storage adapter calls this): its steps join `incoming`."""
         self._check_not_running("attach a storage")
@@ -259,8 +329,12 @@ class App:
         *,
         headers: Mapping[str, str] | None = None,
         partition_key: str | None = None,
+        to_self: bool = False,
     ) -> str:
-        """Send a message to its route (or this app) to be delivered after `delay`."""
+        """Send a message to its route (or this app) to be delivered after `delay`.
+
+        `to_self`: to this app's own queue whatever the type's route (a saga's timeout).
+        """
         seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
         limit = self.limits.max_delay
         if not math.isfinite(seconds) or seconds > limit:
@@ -270,9 +344,9 @@ class App:
             )
         merged = check_headers(headers)
         merged[Header.DELIVER_AT] = f"{time.time() + max(0.0, seconds):.6f}"
-        queue = self._routes_get(type(message))
+        queue = None if to_self else self._routes_get(type(message))
         if queue is None:
-            self._check_own_queue(f"defer() a {type(message).__qualname__} that has no route")
+            self._check_own_queue(f"defer() a {type(message).__qualname__} to itself")
             queue = self.name
         return await self._emit(message, queue, False, merged, partition_key)
 
@@ -639,6 +713,8 @@ class App:
                 "step that awaits context.transaction.commit()"
             )
         self.handlers.check()
+        if self._sagas:
+            self.saga_store()
 
     def _check_own_queue(self, what: str) -> None:
         """Refuse `what` (a send to the app's own queue) in a send-only app, which has none."""
@@ -669,6 +745,7 @@ class App:
     def _warn_undelivered(self) -> None:
         """Warn of handled types that no route to this app's queue or subscription brings."""
         home = [t for t, queue in self._routes.items() if queue == self.name]
+        home += [t for spec in self._sagas for t in spec.timeouts]
         for handled in self.handlers.message_types:
             if any(issubclass(t, handled) for t in self._subscriptions) or any(
                 issubclass(t, handled) or issubclass(handled, t) for t in home

@@ -47,5 +47,9 @@ class NotRunning(MersalError):
     """The app must be started (`await app.start()` or `async with app`) for this call."""
 
 
+class ConcurrencyConflict(MersalError):
+    """Another message changed shared state (a saga) first: the attempt runs again at once."""
+
+
 class ConsumerClosed(MersalError):
     """The consumer was closed (or lost for good) while waiting for a delivery."""

@@ -56,6 +56,7 @@ class Handlers:
         self.container = container if container is not None else Container()
         self.scoped: dict[type, Provider] = {}
         self._registrations: list[_Registration] = []
+        self._built: list[type] = []
         self._by_type: dict[type, list[_Registration]] = {}
 
     def provide(self, dependency: type, provider: Provider) -> None:
@@ -75,6 +76,11 @@ class Handlers:
         self._registrations.append(_Registration(message_type, handler, build))
         self._by_type.clear()
 
+    def builder(self, cls: type) -> Callable[[MessageContext], object]:
+        """Build instances of `cls` per message like handler classes (a saga, say)."""
+        self._built.append(cls)
+        return self._class_builder(cls, _parameters(cls))
+
     @property
     def message_types(self) -> list[type]:
         """Every type a handler was registered for."""
@@ -86,10 +92,10 @@ class Handlers:
 
     def check(self) -> None:
         """Fail with a `ConfigurationError` if a handler needs something nobody provides."""
-        for registration in self._registrations:
-            if inspect.isclass(registration.handler):
-                for name, dependency in _parameters(registration.handler):
-                    self._check_resolvable(registration.handler, name, dependency, ())
+        classes = [r.handler for r in self._registrations if inspect.isclass(r.handler)]
+        for cls in (*classes, *self._built):
+            for name, dependency in _parameters(cls):
+                self._check_resolvable(cls, name, dependency, ())
 
     def activate(self, message_type: type, context: MessageContext) -> list[Handle]:
         """Build every handler for the message's type, in registration order."""
@@ -121,10 +127,10 @@ class Handlers:
 
     def _class_builder(
         self, cls: type, parameters: list[tuple[str, Any]]
-    ) -> Callable[[MessageContext], Handle]:
+    ) -> Callable[[MessageContext], Any]:
         scoped = self.scoped
 
-        def build(context: MessageContext) -> Handle:
+        def build(context: MessageContext) -> Any:
             kwargs: dict[str, object] = {}
             for name, dependency in parameters:
                 provider = scoped.get(dependency)
@@ -132,8 +138,7 @@ class Handlers:
                     kwargs[name] = provider(context)
                 else:
                     kwargs[name] = self._resolve(dependency, context)
-            handler: Handle = cls(**kwargs)
-            return handler
+            return cls(**kwargs)
 
         return build
 

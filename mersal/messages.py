@@ -35,6 +35,10 @@ class Header:
     ERROR_ATTEMPTS = "error-attempts"
     ERROR_QUEUE = "error-source-queue"
     FAILED_AT = "failed-at"
+    SAGA_ID = "saga-id"
+    """On a saga's timeout: the id of the saga instance it goes back to."""
+    SAGA_TYPE = "saga-type"
+    """On a saga's timeout: the name of the saga type it goes back to."""
     TEMPORARY_REPLY_TO = "temporary-reply-to"
     """"true" on a request whose reply-to queue goes away with the requester, and on its reply."""
 

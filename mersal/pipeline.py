@@ -38,6 +38,7 @@ class MessageContext:
     __slots__ = (
         "app",
         "attempt",
+        "conflicts",
         "delivery",
         "envelope",
         "handlers",
@@ -55,6 +56,8 @@ class MessageContext:
         self.message: Any = None
         self.message_type: type | None = None
         self.attempt = 1
+        self.conflicts = 0
+        """How often this attempt ran again after losing a race for shared state (a saga)."""
         self.outcome: Outcome | None = None
         self.transaction = Transaction(app.send_committed, app, self.envelope, app.message_ids)
         self.items: dict[str, Any] = {}

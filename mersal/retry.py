@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mersal.errors import ConfigurationError, DecodeError
+from mersal.errors import ConcurrencyConflict, ConfigurationError, DecodeError
 from mersal.logs import message_fields
 from mersal.messages import Envelope, Header, describe
 from mersal.pipeline import MessageContext, Next, current_message
@@ -23,6 +24,9 @@ from mersal.transaction import current_transaction
 log = logging.getLogger("mersal.retry")
 
 MAX_ATTEMPTS = 1_000
+
+MAX_CONFLICTS = 1_000
+"""Reruns after a concurrency conflict before the conflict counts as an attempt's failure."""
 
 
 @dataclass(frozen=True)
@@ -109,8 +113,10 @@ class RetryStep:
         `TransactionClosed`.
         """
         made = attempts_made(context.envelope)
+        conflicts = 0
         while True:
             context.begin_attempt(made + 1)
+            context.conflicts = conflicts
             transaction = context.transaction
             message_token = current_message.set(context)
             transaction_token = current_transaction.set(transaction)
@@ -128,12 +134,22 @@ class RetryStep:
                 transaction.rollback()
                 current_transaction.reset(transaction_token)
                 current_message.reset(message_token)
+            if isinstance(error, ConcurrencyConflict) and conflicts < MAX_CONFLICTS:
+                conflicts += 1
+                log.debug("%s: %s; running it again", describe(context.headers), error)
+                await asyncio.sleep(conflict_pause(conflicts))
+                continue
             made += 1
             outcome = after_failure(self.policy, error, made)
             log_failure(context, outcome, made, Failure.of(error) if outcome is None else None)
             if outcome is not None:
                 context.outcome = outcome
                 return
+
+
+def conflict_pause(conflicts: int) -> float:
+    """A short random pause before rerunning after the `conflicts`-th conflict in a row."""
+    return random.uniform(0.0, min(0.001 * 2 ** min(conflicts, 6), 0.05))
 
 
 def after_failure(

@@ -11,10 +11,12 @@ from typing import Any, TypeVar
 from mersal.app import App
 from mersal.errors import ConfigurationError, MersalError
 from mersal.messages import Envelope, Header
+from mersal.sagas import Saga
 from mersal.transport import Outgoing, delay_of
 from mersal.transport.memory import MemoryBroker, MemoryTransport
 
 T = TypeVar("T")
+D = TypeVar("D")
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,20 @@ class Harness:
                 )
                 calm = calm + 1 if quiet else 0
                 await asyncio.sleep(0 if calm else 0.001)
+
+    def deliver_delayed(self, within: float | None = None) -> int:
+        """Deliver deferred messages and timeouts due within `within` seconds now (None: all)."""
+        return self.broker.deliver_delayed(within)
+
+    async def saga_data(self, saga: type[Saga[D]], correlation: object) -> D | None:
+        """The committed data of the saga with this correlation value, in whichever app runs it."""
+        for app in self.apps:
+            if saga in app.sagas:
+                return await app.saga_data(saga, correlation)
+        raise ConfigurationError(
+            f"no app of this Harness runs saga {getattr(saga, '__qualname__', saga)}: "
+            "app.register_saga(...) it"
+        )
 
     async def _outboxes_empty(self) -> bool:
         for app in self.apps:

@@ -47,6 +47,7 @@ class Transaction:
 
     __slots__ = (
         "_after_commit",
+        "_before_commit",
         "_commit",
         "_done",
         "_doomed",
@@ -73,6 +74,7 @@ class Transaction:
         self.session = session
         self._commit = commit
         self._after_commit: list[Hook] = []
+        self._before_commit: list[Hook] = []
         self._done = False
         self._doomed: str | None = None
         self._source = source
@@ -117,6 +119,10 @@ class Transaction:
         """Hand the buffered messages to `commit` instead (an outbox writes them as rows)."""
         self._commit = commit
 
+    def before_commit(self, hook: Hook) -> None:
+        """Run `hook` at commit, before the messages are handed on; if it raises, none are."""
+        self._before_commit.append(hook)
+
     def after_commit(self, hook: Hook) -> None:
         """Run `hook` once the transaction has committed (for example, wake the outbox relay)."""
         self._after_commit.append(hook)
@@ -134,6 +140,8 @@ class Transaction:
         if self._doomed is not None:
             self.outgoing.clear()
             raise MersalError(self._doomed)
+        for hook in self._before_commit:
+            await hook()
         await self._commit(self.outgoing)
         for hook in self._after_commit:
             await hook()

@@ -34,6 +34,7 @@ from mersal_sqlalchemy.database import (
 from mersal_sqlalchemy.inbox import Inbox
 from mersal_sqlalchemy.listener import Listener
 from mersal_sqlalchemy.outbox import Executor, SqlOutboxStore, write_outbox
+from mersal_sqlalchemy.sagas import SqlSagaStore
 from mersal_sqlalchemy.status import outbox_counts, storage_status
 from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, Tables, make_tables
 
@@ -222,7 +223,7 @@ def attach(
 
 
 class SqlStorage:
-    """The SQL outbox and inbox of one app.
+    """The SQL outbox, inbox and saga store of one app.
 
     Each incoming message is handled in a session and transaction of its own, which commits
     the handlers' writes, the outbox rows for what they sent and the inbox row together. The
@@ -260,6 +261,7 @@ class SqlStorage:
         self.inbox = Inbox(
             engine, tables.inbox, app.name, retention=retention, cleanup_batch=cleanup_batch
         )
+        self.sagas = SqlSagaStore(engine, tables.sagas, app.name, self.session_of)
         self.cleanup_interval = cleanup_interval
         self.relay_batch = relay_batch
         self.poll_interval = poll_interval

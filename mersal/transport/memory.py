@@ -73,6 +73,7 @@ class MemoryBroker:
         self.bindings: dict[str, list[str]] = {}
         self.delayed = 0
         self.observers: list[Callable[[Outgoing], None]] = []
+        self._later: dict[asyncio.TimerHandle, tuple[str, Envelope]] = {}
 
     def declare(self, name: str) -> MemoryQueue:
         """The queue of that name, created if missing."""
@@ -124,10 +125,33 @@ class MemoryBroker:
             queue.put(envelope)
             return
         self.delayed += 1
-        asyncio.get_running_loop().call_later(delay, self._deliver_later, queue.name, envelope)
+        handle: asyncio.TimerHandle | None = None
 
-    def _deliver_later(self, name: str, envelope: Envelope) -> None:
+        def due() -> None:
+            assert handle is not None
+            self._deliver_later(handle)
+
+        handle = asyncio.get_running_loop().call_later(delay, due)
+        self._later[handle] = (queue.name, envelope)
+
+    def deliver_delayed(self, within: float | None = None) -> int:
+        """Deliver now what waits to be delivered within `within` seconds (None: everything).
+
+        Returns how many messages were delivered early.
+        """
+        horizon = None if within is None else asyncio.get_running_loop().time() + within
+        due = [h for h in self._later if horizon is None or h.when() <= horizon]
+        for handle in sorted(due, key=lambda h: h.when()):
+            handle.cancel()
+            self._deliver_later(handle)
+        return len(due)
+
+    def _deliver_later(self, handle: asyncio.TimerHandle) -> None:
+        later = self._later.pop(handle, None)
+        if later is None:
+            return
         self.delayed -= 1
+        name, envelope = later
         queue = self.queues.get(name)
         if queue is not None:
             queue.put(envelope)

@@ -1,0 +1,577 @@
+"""Sagas: long-running processes whose data lives between the messages that concern them.
+
+A saga class names the messages that start it (`started_by`), how each message finds its saga
+(`correlation`: an attribute or a function of the message), and one `async def` method per
+message type, found by the type annotation of its parameter. Each message loads the saga's
+data in the message's transaction, runs the method, and saves the data (or deletes it once the
+saga is complete) in the same transaction as the handler's other writes, its outbox rows and
+its inbox row. Two messages that change one saga at once conflict: the loser runs again at
+once, without spending its retry budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import types
+import typing
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+
+from mersal.errors import ConcurrencyConflict, ConfigurationError, DecodeError, MersalError
+from mersal.messages import Header, describe
+from mersal.pipeline import MessageContext, current_message
+
+if TYPE_CHECKING:
+    from mersal.app import App
+    from mersal.serialization import Codec
+
+log = logging.getLogger("mersal.sagas")
+
+D = TypeVar("D")
+
+CORRELATION_LENGTH = 255
+"""Correlation values up to this many characters are stored as they are; longer ones hashed."""
+
+SAGA_NAME_LENGTH = 200
+"""The longest saga name a saga store must hold."""
+
+SAGA_ID_LENGTH = 36
+"""A saga id is a UUID as text; a timeout naming a longer one names no saga."""
+
+Correlation = str | Callable[[Any], object]
+"""How a message finds its saga: the name of one of its attributes, or a function of it."""
+
+
+class InvalidCorrelation(DecodeError):
+    """A message's correlation value is missing or empty: no saga can be found for it."""
+
+
+class Saga(Generic[D]):
+    """A long-running process: subclass it as `class Fulfilment(Saga[OrderData])`.
+
+    The class is built per message like a handler class (lagom resolves its constructor), then
+    given `data` (the saga's state, an instance of D) and `saga_id` before its method runs.
+    """
+
+    started_by: ClassVar[tuple[type, ...]] = ()
+    """The message types that create the saga when none is found for their correlation value."""
+    correlation: ClassVar[Mapping[type, Correlation]] = {}
+    """Per message type: the attribute name, or function, giving the saga's correlation value."""
+    saga_name: ClassVar[str]
+    """The saga type's stored name (`name=` in the class statement; default module.QualName)."""
+
+    data: D
+    saga_id: str
+    _completed: bool = False
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.saga_name = name or f"{cls.__module__}.{cls.__qualname__}"
+
+    def new_data(self, message: Any) -> D:
+        """The data of a saga a start message creates: by default, D made without arguments."""
+        data_type: type[D] = data_type_of(type(self))
+        try:
+            return data_type()
+        except TypeError as error:
+            raise ConfigurationError(
+                f"{type(self).__qualname__} cannot make a new {data_type.__qualname__} without "
+                f"arguments ({error}): give every field a default, or override "
+                "`def new_data(self, message)`"
+            ) from None
+
+    def mark_complete(self) -> None:
+        """End the saga: its data goes when the message commits; later timeouts are ignored."""
+        self._completed = True
+
+    @property
+    def completed(self) -> bool:
+        """Whether `mark_complete()` was called while handling this message."""
+        return self._completed
+
+    async def request_timeout(
+        self,
+        delay: float | timedelta,
+        message: object,
+        *,
+        headers: Mapping[str, str] | None = None,
+    ) -> str:
+        """Have `message` delivered to this saga after `delay` (sent with the message's commit).
+
+        The timeout comes back to this saga instance by its id, whatever its correlation; it is
+        ignored if the saga has completed by then. Returns the timeout message's id.
+        """
+        context = current_message.get()
+        spec: SagaSpec | None = getattr(self, "_spec", None)
+        if context is None or spec is None:
+            raise MersalError(
+                "request_timeout() works only inside a saga's handler, while a message is handled"
+            )
+        if spec.method_for(type(message)) is None:
+            name = type(message).__qualname__
+            raise ConfigurationError(
+                f"{spec.cls.__qualname__} has no method for {name}, so its timeout would reach "
+                f"nobody: add `async def ...(self, timeout: {name})` to the saga"
+            )
+        marked = {**(headers or {}), Header.SAGA_ID: self.saga_id, Header.SAGA_TYPE: spec.name}
+        return await context.app.defer(delay, message, headers=marked, to_self=True)
+
+    async def not_found(self, message: Any) -> None:
+        """Called for a message whose saga does not exist and which does not start one.
+
+        By default the message is acknowledged and logged; override to raise (the message is
+        then retried and dead-lettered) or to answer the sender.
+        """
+        log.info(
+            "no %s saga for %s: ignored",
+            type(self).__qualname__,
+            type(message).__qualname__,
+        )
+
+
+def _plausible_id(saga_id: str) -> bool:
+    """Whether a header's saga id could name a saga (a longer one, or one with NUL, cannot)."""
+    return 0 < len(saga_id) <= SAGA_ID_LENGTH and "\x00" not in saga_id
+
+
+def data_type_of(cls: type) -> type:
+    """The D of a `Saga[D]` subclass; a ConfigurationError if it declares none."""
+    for klass in cls.__mro__:
+        for base in getattr(klass, "__orig_bases__", ()):
+            if typing.get_origin(base) is Saga:
+                (argument,) = typing.get_args(base)
+                if isinstance(argument, type):
+                    return argument
+    raise ConfigurationError(
+        f"{cls.__qualname__} does not say what its data is: declare it as "
+        f"`class {cls.__name__}(Saga[YourData])`, YourData a dataclass, pydantic model or "
+        "msgspec Struct"
+    )
+
+
+@dataclass(slots=True)
+class StoredSaga:
+    """One saga's row: its id, correlation value, revision (0: not stored yet) and data."""
+
+    id: str
+    correlation: str
+    revision: int = 0
+    data: bytes | None = None
+
+
+class SagaStore(Protocol):
+    """Where sagas' data lives: loaded and saved in the transaction of the message at hand.
+
+    `insert`, `update` and `delete` raise `ConcurrencyConflict` when another message created,
+    changed or deleted the saga since it was loaded (at once, or when the message commits).
+    """
+
+    async def find(
+        self,
+        context: MessageContext,
+        saga: str,
+        *,
+        correlation: str | None = None,
+        saga_id: str | None = None,
+        lock: bool = False,
+    ) -> StoredSaga | None:
+        """The saga of type `saga` with the correlation value or id; `lock`: FOR UPDATE."""
+        ...
+
+    async def insert(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
+        """Create the saga (revision 1)."""
+        ...
+
+    async def update(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
+        """Save new data over the revision `stored` was loaded at; the revision goes up by one."""
+        ...
+
+    async def delete(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
+        """Delete the saga, if it is still at the revision `stored` was loaded at."""
+        ...
+
+    async def read(self, saga: str, correlation: str) -> StoredSaga | None:
+        """The saga as last committed, outside any message (for tests and tools)."""
+        ...
+
+
+def correlation_key(value: object, saga: SagaSpec, message_type: type) -> str:
+    """The stored form of a correlation value: its text, or a digest past 255 characters."""
+    text = "" if value is None else value.hex() if isinstance(value, bytes) else str(value)
+    if not text:
+        raise InvalidCorrelation(
+            f"the correlation value of {message_type.__qualname__} for saga "
+            f"{saga.cls.__qualname__} is {value!r}: no saga can be found by it"
+        )
+    if len(text) <= CORRELATION_LENGTH and "\x00" not in text:
+        return text
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@dataclass(frozen=True)
+class SagaSpec:
+    """A registered saga class: what starts it, how messages find it, which method takes each."""
+
+    cls: type[Saga[Any]]
+    name: str
+    data_type: type
+    started_by: tuple[type, ...]
+    correlation: Mapping[type, Callable[[Any], object]]
+    methods: Mapping[type, str]
+    pessimistic: bool
+
+    def method_for(self, message_type: type) -> str | None:
+        """The method taking `message_type` (or its nearest base)."""
+        return _nearest(self.methods, message_type)
+
+    def correlate(self, message_type: type) -> Callable[[Any], object] | None:
+        """How `message_type` (or its nearest base) finds its saga; None: only by saga id."""
+        return _nearest(self.correlation, message_type)
+
+    def starts(self, message_type: type) -> bool:
+        """Whether a message of `message_type` creates the saga when none is found."""
+        return any(issubclass(message_type, started) for started in self.started_by)
+
+    @property
+    def timeouts(self) -> list[type]:
+        """The message types found only by saga id: the saga's timeouts."""
+        return [t for t in self.methods if t not in self.correlation]
+
+
+T = TypeVar("T")
+
+
+def _nearest(table: Mapping[type, T], message_type: type) -> T | None:
+    for cls in message_type.__mro__:
+        found = table.get(cls)
+        if found is not None:
+            return found
+    return None
+
+
+def saga_spec(cls: object, codec: Codec, *, pessimistic: bool = False) -> SagaSpec:
+    """Read and check a saga class; a ConfigurationError says what to change."""
+    if not (isinstance(cls, type) and issubclass(cls, Saga)):
+        raise ConfigurationError(
+            f"register_saga() takes a subclass of mersal.sagas.Saga, not {cls!r:.80}"
+        )
+    name = cls.__qualname__
+    data_type = data_type_of(cls)
+    accepts: Callable[[type], bool] | None = getattr(codec, "accepts", None)
+    if accepts is not None and not accepts(data_type):
+        raise ConfigurationError(
+            f"{name}'s data {data_type.__qualname__} cannot be stored: make it a dataclass, a "
+            "pydantic model or a msgspec Struct"
+        )
+    methods = dict(_methods(cls))
+    if not methods:
+        raise ConfigurationError(
+            f"{name} handles nothing: add `async def placed(self, event: OrderPlaced)`-style "
+            "methods, one per message type"
+        )
+    correlation = {t: _correlator(cls, t, how) for t, how in _mapping(cls).items()}
+    for message_type in correlation:
+        if message_type not in methods:
+            raise ConfigurationError(
+                f"{name}.correlation names {message_type.__qualname__}, which no method of "
+                f"{name} takes: add `async def ...(self, message: {message_type.__qualname__})`"
+            )
+    started_by = tuple(_started_by(cls))
+    if not started_by:
+        raise ConfigurationError(
+            f"{name} has no start message: set `started_by = (SomeMessage,)`, the types that "
+            "create a saga when none is found"
+        )
+    for started in started_by:
+        if started not in correlation:
+            raise ConfigurationError(
+                f"{name} is started by {started.__qualname__}, which needs a correlation: add "
+                f"`{started.__qualname__}: 'attribute'` to {name}.correlation"
+            )
+    if len(cls.saga_name) > SAGA_NAME_LENGTH:
+        raise ConfigurationError(
+            f"{name}'s saga name is {len(cls.saga_name)} characters long, over the "
+            f"{SAGA_NAME_LENGTH} the saga table holds: give it a shorter one "
+            f"(`class {cls.__name__}(Saga[...], name='...')`)"
+        )
+    if not isinstance(pessimistic, bool):
+        raise ConfigurationError(f"register_saga(pessimistic={pessimistic!r}) takes True or False")
+    return SagaSpec(cls, cls.saga_name, data_type, started_by, correlation, methods, pessimistic)
+
+
+def _methods(cls: type) -> Iterator[tuple[type, str]]:
+    """Each message type a public `async def` method of the saga takes, with the method's name."""
+    seen: dict[type, str] = {}
+    for attribute in dir(cls):
+        if attribute.startswith("_") or hasattr(Saga, attribute):
+            continue
+        method = getattr(cls, attribute)
+        if not inspect.iscoroutinefunction(method):
+            continue
+        for message_type in _taken_types(cls, attribute, method):
+            if message_type in seen:
+                raise ConfigurationError(
+                    f"{cls.__qualname__}.{seen[message_type]} and .{attribute} both take "
+                    f"{message_type.__qualname__}: one method per message type"
+                )
+            seen[message_type] = attribute
+            yield message_type, attribute
+
+
+def _taken_types(cls: type, attribute: str, method: Any) -> list[type]:
+    parameters = [p for p in inspect.signature(method).parameters.values() if p.name != "self"]
+    where = f"{cls.__qualname__}.{attribute}"
+    if len(parameters) != 1:
+        raise ConfigurationError(
+            f"{where} must take exactly one message, `async def {attribute}(self, message: "
+            "SomeMessage)`; make helpers private (`_name`)"
+        )
+    try:
+        hint = typing.get_type_hints(method).get(parameters[0].name)
+    except Exception as error:
+        raise ConfigurationError(
+            f"cannot read the type hints of {where} ({error}): import the annotated types at "
+            "module level"
+        ) from None
+    candidates = typing.get_args(hint) if _is_union(hint) else (hint,)
+    taken = [t for t in candidates if isinstance(t, type)]
+    if not taken or len(taken) != len(candidates):
+        raise ConfigurationError(
+            f"{where}'s parameter needs the message class as its annotation, e.g. "
+            f"`(self, message: SomeMessage)`, not {hint!r}"
+        )
+    return taken
+
+
+def _is_union(hint: object) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _mapping(cls: type[Saga[Any]]) -> Mapping[type, Correlation]:
+    mapping = cls.correlation
+    if not isinstance(mapping, Mapping) or not all(isinstance(t, type) for t in mapping):
+        raise ConfigurationError(
+            f"{cls.__qualname__}.correlation must map message classes to an attribute name or "
+            "a function, e.g. `{OrderPlaced: 'order_id'}`"
+        )
+    return mapping
+
+
+def _started_by(cls: type[Saga[Any]]) -> Iterator[type]:
+    started = cls.started_by
+    if isinstance(started, type):
+        started = (started,)
+    for message_type in started:
+        if not isinstance(message_type, type):
+            raise ConfigurationError(
+                f"{cls.__qualname__}.started_by must list message classes, not {message_type!r}"
+            )
+        yield message_type
+
+
+def _correlator(cls: type, message_type: type, how: object) -> Callable[[Any], object]:
+    if isinstance(how, str) and how:
+        return lambda message: getattr(message, how, None)
+    if callable(how):
+        return how
+    raise ConfigurationError(
+        f"{cls.__qualname__}.correlation[{message_type.__qualname__}] must be an attribute name "
+        f"or a function of the message, not {how!r}"
+    )
+
+
+class SagaRunner:
+    """What runs for each message a saga takes: load, run the saga's method, save or delete."""
+
+    def __init__(
+        self,
+        spec: SagaSpec,
+        build: Callable[[MessageContext], object],
+        store: Callable[[], SagaStore],
+        codec: Codec,
+    ) -> None:
+        self.spec = spec
+        self.build = build
+        self.store = store
+        self.codec = codec
+
+    async def __call__(self, message: Any, context: MessageContext) -> None:
+        """Handle one message for the saga it correlates to (once, if several types match)."""
+        spec, store = self.spec, self.store()
+        ran = f"mersal.saga:{spec.name}"
+        if ran in context.items:  # registered for a message's class and a base of it
+            return
+        context.items[ran] = True
+        stored = await self._find(store, message, context)
+        if stored is None:
+            return
+        saga = self._activate(context, stored)
+        if stored.data is None:
+            saga.data = saga.new_data(message)
+        method = spec.method_for(type(message))
+        assert method is not None
+        await getattr(saga, method)(message)
+        if saga.completed:
+            if stored.revision:
+                await store.delete(context, spec.name, stored)
+            return
+        saved = replace(stored, data=self.codec.encode(saga.data))
+        if stored.revision:
+            await store.update(context, spec.name, saved)
+        else:
+            await store.insert(context, spec.name, saved)
+
+    async def _find(
+        self, store: SagaStore, message: Any, context: MessageContext
+    ) -> StoredSaga | None:
+        """The message's saga, a new one for a start message, or None (the message is done).
+
+        A timeout (it names its saga type and id in headers) goes only to the saga instance
+        that requested it: another saga type ignores it, and so does a saga that completed or
+        was started anew under the same correlation value since.
+        """
+        spec, headers = self.spec, context.headers
+        lock = spec.pessimistic or context.conflicts > 0  # a rerun waits its turn, not races
+        target = headers.get(Header.SAGA_TYPE)
+        if target is not None and target != spec.name:
+            log.debug(
+                "%s is a timeout of saga %r: not for %s", describe(headers), target, spec.name
+            )
+            return None
+        saga_id = headers.get(Header.SAGA_ID) if target is not None else None
+        message_type = type(message)
+        correlate = spec.correlate(message_type)
+        if saga_id is not None:
+            if correlate is None and _plausible_id(saga_id):
+                found = await store.find(context, spec.name, saga_id=saga_id, lock=lock)
+            elif correlate is not None:
+                key = correlation_key(correlate(message), spec, message_type)
+                found = await store.find(context, spec.name, correlation=key, lock=lock)
+            else:
+                found = None
+            if found is None or found.id != saga_id:
+                log.info(
+                    "%s for %s saga %s, which has completed: ignored",
+                    describe(headers),
+                    spec.cls.__qualname__,
+                    saga_id[:SAGA_ID_LENGTH],
+                )
+                return None
+            return found
+        if correlate is not None:
+            key = correlation_key(correlate(message), spec, message_type)
+            found = await store.find(context, spec.name, correlation=key, lock=lock)
+            if found is not None:
+                return found
+            if spec.starts(message_type):
+                return StoredSaga(str(uuid.uuid4()), key)
+        await self._activate(context, StoredSaga("", "")).not_found(message)
+        return None
+
+    def _activate(self, context: MessageContext, stored: StoredSaga) -> Saga[Any]:
+        saga = self.build(context)
+        assert isinstance(saga, Saga)
+        saga.saga_id = stored.id
+        saga._completed = False
+        saga._spec = self.spec  # type: ignore[attr-defined]
+        if stored.data is not None:
+            saga.data = self._decode(stored)
+        return saga
+
+    def _decode(self, stored: StoredSaga) -> Any:
+        assert stored.data is not None
+        try:
+            return self.codec.decode(stored.data, self.spec.data_type)
+        except DecodeError as error:
+            raise MersalError(
+                f"the stored data of {self.spec.cls.__qualname__} saga {stored.id} does not "
+                f"decode as {self.spec.data_type.__qualname__} ({error}): migrate the stored "
+                "data, or make the class accept it (defaults for new fields)"
+            ) from None
+
+
+class MemorySagaStore:
+    """Sagas in this process's memory (an app without a database, and the test harness).
+
+    Changes wait in the message's transaction and apply, checked against the revision they
+    were loaded at, when it commits.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str], StoredSaga] = {}
+        self.ids: dict[str, tuple[str, str]] = {}
+
+    async def find(
+        self,
+        context: MessageContext,
+        saga: str,
+        *,
+        correlation: str | None = None,
+        saga_id: str | None = None,
+        lock: bool = False,
+    ) -> StoredSaga | None:
+        """The saga as last committed (`lock` changes nothing: commits check revisions)."""
+        if saga_id is not None:
+            key = self.ids.get(saga_id)
+            if key is None or key[0] != saga:
+                return None
+        else:
+            assert correlation is not None
+            key = (saga, correlation)
+        found = self.rows.get(key)
+        return None if found is None else replace(found)
+
+    async def insert(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
+        """Create the saga when the message commits (a conflict if one exists by then)."""
+        self._at_commit(context, saga, stored, stored.revision + 1)
+
+    async def update(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
+        """Save the data when the message commits (a conflict if the saga changed meanwhile)."""
+        self._at_commit(context, saga, stored, stored.revision + 1)
+
+    async def delete(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
+        """Delete the saga when the message commits (a conflict if it changed meanwhile)."""
+        self._at_commit(context, saga, stored, None)
+
+    async def read(self, saga: str, correlation: str) -> StoredSaga | None:
+        """The saga as last committed."""
+        found = self.rows.get((saga, correlation))
+        return None if found is None else replace(found)
+
+    def _at_commit(
+        self, context: MessageContext, saga: str, stored: StoredSaga, revision: int | None
+    ) -> None:
+        key = (saga, stored.correlation)
+
+        async def apply() -> None:
+            current = self.rows.get(key)
+            if (current.revision if current else 0) != stored.revision or (
+                current is not None and current.id != stored.id
+            ):
+                raise ConcurrencyConflict(
+                    f"saga {saga} {stored.correlation!r} changed since it was loaded"
+                )
+            if revision is None:
+                del self.rows[key]
+                self.ids.pop(stored.id, None)
+                return
+            self.rows[key] = replace(stored, revision=revision)
+            self.ids[stored.id] = key
+
+        context.transaction.before_commit(apply)
+
+
+async def saga_data(app: App, saga: type[Saga[D]], correlation: object) -> D | None:
+    """The committed data of the `saga` whose correlation value is `correlation`, or None."""
+    spec = app.saga_spec(saga)
+    key = correlation_key(correlation, spec, type(correlation))
+    stored = await app.saga_store().read(spec.name, key)
+    if stored is None or stored.data is None:
+        return None
+    decoded: D = app.codec.decode(stored.data, spec.data_type)
+    return decoded

@@ -1,0 +1,166 @@
+"""The SQL saga store: one row per running saga, read and written in the message's session."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
+
+from sqlalchemy import CursorResult, Select, Table, delete, func, insert, select, update
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+
+from mersal.errors import ConcurrencyConflict
+from mersal.pipeline import MessageContext
+from mersal.sagas import StoredSaga
+from mersal_sqlalchemy.database import is_postgresql
+
+T = TypeVar("T")
+
+BINARY = "base64:"
+"""Marks data stored in base64: bytes that are not UTF-8, or text that starts so itself."""
+
+LOST_RACE = ("40001", "40P01")
+"""PostgreSQL's serialization failure and deadlock: another transaction got there first."""
+
+
+class SqlSagaStore:
+    """One app's sagas in the saga table, in the transaction of the message being handled.
+
+    A start inserts the row; the table's key (app, saga type, correlation value) lets only one
+    of two concurrent starts commit. A save updates the row only at the revision it was loaded
+    at, and a pessimistic load locks it (`FOR UPDATE`, on PostgreSQL; SQLite has one writer).
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        table: Table,
+        app: str,
+        session_of: Callable[[MessageContext], AsyncSession],
+    ) -> None:
+        self.engine = engine
+        self.table = table
+        self.app = app
+        self.session_of = session_of
+        self.locks = is_postgresql(engine)
+
+    async def find(
+        self,
+        context: MessageContext,
+        saga: str,
+        *,
+        correlation: str | None = None,
+        saga_id: str | None = None,
+        lock: bool = False,
+    ) -> StoredSaga | None:
+        """The saga by correlation value or id, as the message's transaction sees it."""
+        query = self._select(saga, correlation, saga_id)
+        if lock and self.locks:
+            query = query.with_for_update()
+        result = await _raced(self.session_of(context).execute(query))
+        return _stored(result.first())
+
+    async def insert(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
+        """Create the saga at revision 1; a conflict if another message created it first."""
+        assert stored.data is not None
+        statement = insert(self.table).values(
+            app=self.app,
+            saga=saga,
+            correlation=stored.correlation,
+            id=stored.id,
+            revision=1,
+            data=as_text(stored.data),
+        )
+        session = self.session_of(context)
+        await session.flush()  # the handler's own rows: their errors are the handler's
+        try:
+            await _raced(session.execute(statement))
+        except IntegrityError:
+            raise ConcurrencyConflict(
+                f"saga {saga} {stored.correlation!r} was started by another message meanwhile"
+            ) from None
+
+    async def update(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
+        """Save the data if the row is still at the revision it was loaded at."""
+        assert stored.data is not None
+        table = self.table
+        statement = (
+            update(table)
+            .where(*self._row(saga, stored))
+            .values(revision=stored.revision + 1, data=as_text(stored.data), updated_at=func.now())
+        )
+        await self._one_row(context, statement, saga, stored)
+
+    async def delete(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
+        """Delete the saga if it is still at the revision it was loaded at."""
+        statement = delete(self.table).where(*self._row(saga, stored))
+        await self._one_row(context, statement, saga, stored)
+
+    async def read(self, saga: str, correlation: str) -> StoredSaga | None:
+        """The saga as last committed, on a connection of its own."""
+        async with self.engine.connect() as connection:
+            result = await connection.execute(self._select(saga, correlation, None))
+            return _stored(result.first())
+
+    def _select(self, saga: str, correlation: str | None, saga_id: str | None) -> Select[Any]:
+        table = self.table
+        columns = (table.c.id, table.c.correlation, table.c.revision, table.c.data)
+        query = select(*columns).where(table.c.app == self.app, table.c.saga == saga)
+        if saga_id is not None:
+            return query.where(table.c.id == saga_id)
+        return query.where(table.c.correlation == correlation)
+
+    def _row(self, saga: str, stored: StoredSaga) -> tuple[Any, ...]:
+        table = self.table
+        return (
+            table.c.app == self.app,
+            table.c.saga == saga,
+            table.c.correlation == stored.correlation,
+            table.c.id == stored.id,
+            table.c.revision == stored.revision,
+        )
+
+    async def _one_row(
+        self, context: MessageContext, statement: Any, saga: str, stored: StoredSaga
+    ) -> None:
+        result = await _raced(self.session_of(context).execute(statement))
+        if cast(CursorResult[Any], result).rowcount != 1:
+            raise ConcurrencyConflict(
+                f"saga {saga} {stored.correlation!r} changed since it was loaded at revision "
+                f"{stored.revision}"
+            )
+
+
+async def _raced(work: Awaitable[T]) -> T:
+    """`work`, with PostgreSQL's lost races (deadlock, serialization) as conflicts."""
+    try:
+        return await work
+    except DBAPIError as error:
+        if getattr(error.orig, "sqlstate", None) in LOST_RACE:
+            raise ConcurrencyConflict(f"lost a race for a saga's row: {error.orig}") from None
+        raise
+
+
+def as_text(data: bytes) -> str:
+    """Encoded saga data as the text column holds it: UTF-8 as it is, other bytes in base64."""
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        text = BINARY
+    if text.startswith(BINARY):
+        return BINARY + base64.b64encode(data).decode()
+    return text
+
+
+def as_bytes(text: str) -> bytes:
+    """The encoded saga data a text column holds (see `as_text`)."""
+    if text.startswith(BINARY):
+        return base64.b64decode(text[len(BINARY) :])
+    return text.encode()
+
+
+def _stored(row: Any) -> StoredSaga | None:
+    if row is None:
+        return None
+    return StoredSaga(row.id, row.correlation, row.revision, as_bytes(row.data))

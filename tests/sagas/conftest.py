@@ -1,0 +1,118 @@
+"""Fixtures for the saga tests: a PostgreSQL database or SQLite file, RabbitMQ on a vhost.
+
+The databases come from tests/sql/conftest.py (a database per test, dropped afterwards, migrated
+with `mersal db upgrade`); the RabbitMQ tests use the session's vhost (tests/conftest.py) and
+delete every queue their apps declared once the test ends.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aio_pika
+import pytest
+
+from mersal import App
+from mersal_rabbitmq import RabbitMQTransport
+from tests.sql.conftest import BACKENDS, postgres_database, sqlite_file
+
+HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
+
+
+class Rabbit:
+    """A raw connection to the test vhost: count and publish, and delete the apps' queues."""
+
+    def __init__(self, url: str, connection: aio_pika.abc.AbstractConnection) -> None:
+        self.url = url
+        self.connection = connection
+        self.transports: list[RabbitMQTransport] = []
+
+    def watch(self, app: App) -> App:
+        """Delete the queues `app` declares (wait queues included) after the test."""
+        transport = app.transport
+        assert isinstance(transport, RabbitMQTransport)
+        self.transports.append(transport)
+        return app
+
+    async def count(self, queue: str) -> int:
+        """How many messages are ready in `queue` (0 if it does not exist)."""
+        channel = await self.connection.channel()
+        try:
+            declared = await channel.declare_queue(queue, passive=True)
+            return int(declared.declaration_result.message_count or 0)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return 0
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+
+    async def publish(self, queue: str, message: aio_pika.Message) -> None:
+        """Publish a raw message to `queue` through the default exchange."""
+        channel = await self.connection.channel()
+        try:
+            await channel.default_exchange.publish(message, routing_key=queue)
+        finally:
+            await channel.close()
+
+    async def cleanup(self) -> None:
+        """Delete every queue the watched transports declared."""
+        names = {name for transport in self.transports for name in transport.queues}
+        channel = await self.connection.channel()
+        try:
+            for name in sorted(names):
+                await channel.queue_delete(name)
+        finally:
+            await channel.close()
+
+
+@pytest.fixture
+async def rabbit(vhost: str) -> AsyncIterator[Rabbit]:
+    """The test vhost's URL and a raw connection; the watched apps' queues go afterwards."""
+    url = f"amqp://guest:guest@{HOST}/{vhost}"
+    connection = await aio_pika.connect(url)
+    helper = Rabbit(url, connection)
+    try:
+        yield helper
+    finally:
+        try:
+            await helper.cleanup()
+        finally:
+            await connection.close()
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A prefix that makes this test's app (queue) names unique on the shared vhost."""
+    return f"saga{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def postgres_url() -> AsyncIterator[str]:
+    """A PostgreSQL database of this test's own, migrated with `mersal db upgrade`."""
+    async with postgres_database(migrate=True) as url:
+        yield url
+
+
+@pytest.fixture(params=BACKENDS)
+async def database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """A SQLite file, or a migrated PostgreSQL database (integration), of this test's own."""
+    if request.param == "sqlite":
+        yield sqlite_file(tmp_path)
+        return
+    async with postgres_database(migrate=True) as url:
+        yield url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """A SQLite file of this test's own (the app creates its tables at start)."""
+    return sqlite_file(tmp_path)
+
+
+@pytest.fixture
+def memory_url() -> str:
+    """A memory transport URL whose broker no other test shares."""
+    return f"memory://sagas-{uuid.uuid4().hex}"
