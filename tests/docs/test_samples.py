@@ -25,6 +25,7 @@ from docs.samples import (
     rabbitmq,
     repositories,
     retries,
+    sagas,
     sharing_engine,
     testing,
     transactions,
@@ -110,6 +111,28 @@ async def test_inbox(sqlite: str) -> None:
 
 async def test_testing() -> None:
     await testing.test_a_declined_order_is_dead_lettered_after_three_attempts()
+
+
+async def test_sagas() -> None:
+    await sagas.test_an_unpaid_invoice_is_reminded_three_times_then_overdue()
+    part_paid, dead = await sagas.main()
+    assert part_paid == sagas.Invoice("i-1", "ada@example.org", 50.0, paid=20.0)
+    [unmatched] = dead  # the second payment of i-3, after its saga completed
+    assert unmatched.message == sagas.PaymentReceived("INV-i-3", 50.0)
+    assert unmatched.error_type.endswith("UnmatchedPayment")
+    assert unmatched.attempts == 3
+
+
+@pytest.mark.parametrize("on", ["memory", "sqlite"])
+async def test_a_hot_saga_counts_every_row_once(on: str, sqlite: str) -> None:
+    finished = await sagas.import_batch(60, sqlite if on == "sqlite" else None)
+    assert finished == [sagas.BatchImported("b-1", 60)]
+
+
+@pytest.mark.integration
+async def test_a_hot_saga_counts_every_row_once_on_postgresql() -> None:
+    async with postgres_database(migrate=True) as database:  # rows wait on FOR UPDATE
+        assert await sagas.import_batch(60, database) == [sagas.BatchImported("b-1", 60)]
 
 
 async def test_repositories(sqlite: str) -> None:
