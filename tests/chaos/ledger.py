@@ -14,6 +14,10 @@ terminated), waits until everything drained, and counts:
 - handler_reruns: handler runs beyond one per message id (allowed: a run that did not commit);
 - unexpected: effects whose intent was never committed.
 
+With sagas (`saga_figures`), each saga's committed data is compared with what the committed
+intents say it must hold: every intent of its key exactly once, and a revision that went up
+once per message it took.
+
 At the end it kills every process it started, starts RabbitMQ and PostgreSQL again if it stopped
 them, drops the database and deletes the vhost, whatever happened.
 """
@@ -22,13 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -105,6 +111,9 @@ SELECT
      ON i.id = e.intent_id AND i.kind = 'work') AS effected,
   (SELECT count(*) FROM mersal_outbox WHERE parked_at IS NULL) AS outbox
 """
+
+SAGA_TABLE = "mersal_sagas"
+"""The saga table of the default table names (`<inbox>_sagas`)."""
 
 CONNECTION_TROUBLE = (
     OSError,
@@ -466,6 +475,26 @@ class Figures:
 
 
 @dataclass
+class SagaFigures:
+    """One saga type's committed rows against the committed intents: all zero but `sagas`,
+    `saga_ids` and `conflict_reruns` when they agree."""
+
+    sagas: int = 0
+    saga_ids: int = 0
+    saga_mismatches: int = 0
+    saga_missing_ids: int = 0
+    saga_duplicate_ids: int = 0
+    saga_foreign_ids: int = 0
+    saga_revision_mismatches: int = 0
+    conflict_reruns: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def fields(self) -> dict[str, object]:
+        """The figures for the ledger line (the problems left out)."""
+        return {k: v for k, v in vars(self).items() if k != "problems"}
+
+
+@dataclass
 class Progress:
     """Where a run stands: Work intents committed, of them effected, outbox rows waiting."""
 
@@ -485,15 +514,24 @@ class Database:
 
     async def fetchrow(self, query: str, *args: object, patience: float = 180.0) -> asyncpg.Record:
         """One row; through PostgreSQL restarts and terminated backends, for `patience` s."""
+        rows = await self.fetch(query, *args, patience=patience)
+        assert rows, query
+        return rows[0]
+
+    async def fetch(
+        self, query: str, *args: object, patience: float = 180.0
+    ) -> list[asyncpg.Record]:
+        """Every row; through PostgreSQL restarts and terminated backends, for `patience` s."""
         deadline = time.monotonic() + patience
         while True:
             try:
                 async with self._lock:
                     if self._connection is None or self._connection.is_closed():
                         self._connection = await asyncpg.connect(self.dsn, timeout=10)
-                    row = await self._connection.fetchrow(query, *args, timeout=60)
-                assert row is not None
-                return row
+                    rows: list[asyncpg.Record] = await self._connection.fetch(
+                        query, *args, timeout=60
+                    )
+                return rows
             except CONNECTION_TROUBLE:
                 await self.close()
                 if time.monotonic() > deadline:
@@ -824,14 +862,81 @@ class Scenario:
             extra=dict(extra),
         )
 
-    async def finish(self, drain_timeout: float, **extra: object) -> Figures:
+    async def saga_figures(self, app: str, saga: str, key_of: Callable[[str], str]) -> SagaFigures:
+        """Compare the rows of saga type `saga` of `app` with the committed Work intents.
+
+        Each saga whose data lists intent ids (`{"key": ..., "ids": [...]}`) must list exactly
+        the committed intents whose key (`key_of(intent)`) is its correlation value, each once,
+        and be at revision len(ids): one save per message it took. `conflict_reruns`: attempts
+        the workers logged as ended by a ConcurrencyConflict (stage "conflict").
+        """
+        intents = await self.db.fetch("SELECT id FROM intents WHERE kind = 'work'")
+        expected: dict[str, set[str]] = {}
+        for row in intents:
+            expected.setdefault(key_of(row["id"]), set()).add(row["id"])
+        rows = await self.db.fetch(
+            f"SELECT correlation, id, revision, data FROM {SAGA_TABLE} "
+            "WHERE app = $1 AND saga = $2 ORDER BY correlation",
+            app,
+            saga,
+        )
+        conflicts = await self.db.fetchrow(
+            "SELECT count(*) AS n FROM deliveries WHERE stage = 'conflict'"
+        )
+        found = SagaFigures(sagas=len(rows), conflict_reruns=conflicts["n"])
+        stored = {row["correlation"]: row for row in rows}
+        for key in sorted(expected.keys() | stored.keys()):
+            want = expected.get(key, set())
+            row = stored.get(key)
+            if row is None:
+                found.saga_mismatches += 1
+                found.saga_missing_ids += len(want)
+                found.problems.append(f"{key}: no saga row ({len(want)} intents)")
+                continue
+            data = json.loads(row["data"])
+            ids: list[str] = data.get("ids", [])
+            counts = Counter(ids)
+            missing = sorted(want - counts.keys())
+            duplicates = sorted(i for i, n in counts.items() if n > 1)
+            foreign = sorted(counts.keys() - want)
+            found.saga_ids += len(ids)
+            found.saga_missing_ids += len(missing)
+            found.saga_duplicate_ids += sum(counts[i] - 1 for i in duplicates)
+            found.saga_foreign_ids += len(foreign)
+            wrong: list[str] = []
+            if missing:
+                wrong.append(f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            if duplicates:
+                wrong.append(f"twice or more {duplicates[:5]}")
+            if foreign:
+                wrong.append(f"not its own {foreign[:5]}")
+            if data.get("key") != key:
+                wrong.append(f"data key {data.get('key')!r}")
+            if row["revision"] != len(ids):
+                found.saga_revision_mismatches += 1
+                wrong.append(f"revision {row['revision']} for {len(ids)} ids")
+            if wrong:
+                found.saga_mismatches += 1
+                found.problems.append(f"{key} (saga {row['id']}): " + ", ".join(wrong))
+        return found
+
+    async def finish(
+        self,
+        drain_timeout: float,
+        *,
+        more: Callable[[], Awaitable[Mapping[str, object]]] | None = None,
+        **extra: object,
+    ) -> Figures:
         """Drain, check the sessions, stop everything, count, print, and check the invariants.
 
         lost = 0, duplicated_effects = 0, unexpected = 0, no session idle in transaction.
+        `more`: further figures for the line, counted once every process stopped.
         """
         await self.wait_drained(drain_timeout)
         idle = await self.idle_in_transaction()
         await self.stop_all()
+        if more is not None:
+            extra.update(await more())
         kills = {fleet.role: fleet.kills for fleet in self.fleets if fleet.kills}
         for role, count in kills.items():
             extra.setdefault(f"{role}_kills", count)

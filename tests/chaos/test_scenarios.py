@@ -3,7 +3,8 @@
 Each scenario runs at two sizes: `reduced` (a few hundred intents, part of `make test`) and
 `full` (thousands, marked `chaos`: `make chaos`). The workers and the driver are separate OS
 processes (`tests/chaos/worker.py`); the ledger (`tests/chaos/ledger.py`) prints one line per
-scenario and checks lost = 0, duplicated_effects = 0 and unexpected = 0 in `finish`.
+scenario and checks lost = 0, duplicated_effects = 0 and unexpected = 0 in `finish`. The saga
+scenario runs optimistic at both sizes and pessimistic in `make chaos` only.
 """
 
 from __future__ import annotations
@@ -18,8 +19,17 @@ import pytest
 
 from mersal import Header
 from mersal_rabbitmq.delays import wait_milliseconds, wait_queue_name
-from tests.chaos.ledger import Proc, Progress, Scenario
-from tests.chaos.worker import DOOM_TYPE, ERROR_QUEUE, WORK_QUEUE
+from tests.chaos.ledger import Proc, Progress, SagaFigures, Scenario
+from tests.chaos.worker import (
+    DOOM_TYPE,
+    ERROR_QUEUE,
+    OPTIMISTIC,
+    PESSIMISTIC,
+    SAGA_KEYS,
+    SAGA_NAME,
+    WORK_QUEUE,
+    saga_key,
+)
 from tests.support import eventually
 
 pytestmark = pytest.mark.integration
@@ -49,6 +59,59 @@ async def test_worker_killed_inside_the_handler(size: str, tmp_path: Path) -> No
         figures = await s.finish(drain_timeout=120 if size == REDUCED else 600)
     assert workers.kills == faults
     assert figures.handler_reruns >= workers.kills  # each killed run ran again elsewhere
+
+
+SAGA_RUNS = [
+    pytest.param(REDUCED, OPTIMISTIC, marks=pytest.mark.timeout(300)),
+    pytest.param(FULL, OPTIMISTIC, marks=[pytest.mark.chaos, pytest.mark.timeout(900)]),
+    # pessimistic only in `make chaos`: make test's time goes to the optimistic run's races
+    pytest.param(REDUCED, PESSIMISTIC, marks=[pytest.mark.chaos, pytest.mark.timeout(300)]),
+    pytest.param(FULL, PESSIMISTIC, marks=[pytest.mark.chaos, pytest.mark.timeout(900)]),
+]
+
+
+@pytest.mark.parametrize(("size", "mode"), SAGA_RUNS)
+async def test_worker_killed_during_saga_handling(size: str, mode: str, tmp_path: Path) -> None:
+    """kill -9 while a saga handles a message, again and again, while 2 workers x 16 handlers
+    fight over SAGA_KEYS sagas: one worker's faulty processes die inside the saga's method (its
+    data changed, the effect written), the other's just before the commit (the saga's row
+    written and locked too); nothing committed.
+
+    Every saga ends holding each intent of its key exactly once, at one revision per intent;
+    no intent is lost or applied twice. Optimistic: lost races (ConcurrencyConflict) rerun at
+    once, and happen; pessimistic: the row lock serializes, only concurrent starts conflict.
+    """
+    intents, at, faults = {REDUCED: (300, 40, 2), FULL: (4000, 300, 4)}[size]
+    label = name(f"worker_killed_in_saga_{mode}", size)
+    options = ("--saga", mode, "--concurrency", "16")
+    async with Scenario(label, intents, tmp_path) as s:
+        checked: list[SagaFigures] = []
+
+        async def sagas() -> dict[str, object]:
+            checked.append(await s.saga_figures(WORK_QUEUE, SAGA_NAME, saga_key))
+            return {
+                **checked[-1].fields(),
+                "worker_kills": in_saga.kills + before_commit.kills,
+                "kills_in_saga": in_saga.kills,
+                "kills_before_commit": before_commit.kills,
+            }
+
+        in_saga, before_commit, _ = await asyncio.gather(
+            s.workers(1, *options, faulty=["--die-in-handler-at", str(at)], faults=faults),
+            s.workers(1, *options, faulty=["--die-before-commit-at", str(at)], faults=faults),
+            s.driver(),
+        )
+        figures = await s.finish(drain_timeout=120 if size == REDUCED else 600, more=sagas)
+    (found,) = checked
+    assert found.problems == [], "\n".join(found.problems)
+    assert found.sagas == SAGA_KEYS
+    assert found.saga_ids == intents
+    assert found.saga_mismatches == 0
+    assert (in_saga.kills, before_commit.kills) == (faults, faults)
+    # each killed run and each run that lost a race ran again
+    assert figures.handler_reruns >= 2 * faults + found.conflict_reruns
+    if mode == OPTIMISTIC:
+        assert found.conflict_reruns > 0  # the load made messages of one saga race
 
 
 @pytest.mark.parametrize("size", SIZES)

@@ -20,6 +20,8 @@ when the process that started them goes away. Faults come from options:
     --die-in-handler-at K      SIGKILL itself inside the handler of its K-th Work message,
                                after the effect row was written and before the commit
     --die-after-commit-at K    SIGKILL itself after the K-th Work message committed, before its ack
+    --die-before-commit-at K   SIGKILL itself when the K-th Work message is about to commit: every
+                               handler ran and wrote (a saga's row too), nothing committed
     --die-before-send-at K     (drive) SIGKILL itself when the relay is about to publish the
                                batch that reaches K messages: committed, leased, not published
     --die-after-send-at K      (drive) SIGKILL itself once K messages were confirmed by the
@@ -29,6 +31,12 @@ when the process that started them goes away. Faults come from options:
     --slow S --slow-every K    the handler of every K-th intent sleeps S seconds instead
     --doom D                   (drive) first commit a burst of D `Doom` messages, in one
                                transaction; the worker's Doom handler always fails
+    --saga MODE                Work goes to the saga `Tally` (MODE: optimistic or pessimistic)
+                               instead of the Work handler: one saga per key (the intent's
+                               number mod SAGA_KEYS), whose data lists the intents it took; its
+                               method writes the effect as the handler does (and dies as it
+                               does with --die-in-handler-at). Each attempt that ends in a
+                               ConcurrencyConflict (rerun at once) is logged as stage "conflict"
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
@@ -53,8 +61,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from mersal import App, Header, MessageContext, Outgoing, RetryPolicy, message
+from mersal.errors import ConcurrencyConflict
 from mersal.pipeline import Next
 from mersal.runner import serve
+from mersal.sagas import Saga
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy import attach, make_engine
 from tests.support import DelegatingTransport
@@ -66,6 +76,11 @@ DRIVER_QUEUE = "chaos.driver"
 ERROR_QUEUE = "chaos.error"
 WORK_TYPE = "chaos.Work.v1"
 DOOM_TYPE = "chaos.Doom.v1"
+SAGA_NAME = "chaos.Tally"
+SAGA_KEYS = 12
+"""How many Tally sagas a run has: intent number n goes to the saga of key n mod SAGA_KEYS."""
+OPTIMISTIC = "optimistic"
+PESSIMISTIC = "pessimistic"
 
 
 @message(WORK_TYPE)
@@ -91,6 +106,11 @@ class Doomed(Exception):
 def intent_id(number: int) -> str:
     """The id of the intent numbered `number`."""
     return f"i-{number:06d}"
+
+
+def saga_key(intent: str) -> str:
+    """The correlation value of the Tally saga that takes the intent `intent` ("i-000123")."""
+    return f"tally-{int(intent[2:]) % SAGA_KEYS:02d}"
 
 
 def die(why: str) -> None:
@@ -205,11 +225,13 @@ class Chaos:
         self.raw = raw
         self.die_in_handler_at: int = args.die_in_handler_at
         self.die_after_commit_at: int = args.die_after_commit_at
+        self.die_before_commit_at: int = args.die_before_commit_at
         self.handler_delay: float = args.handler_delay
         self.slow: float = args.slow
         self.slow_every: int = args.slow_every
         self.sleep_in_database: bool = args.sleep_in_database
         self.handled = 0
+        self.committing = 0
         self.committed = 0
 
     def delay_for(self, intent: str) -> float:
@@ -229,6 +251,31 @@ class Chaos:
             context.delivery.redelivered,
             headers.get(Header.ATTEMPT),
         )
+        await next(context)
+
+    async def log_conflict(self, context: MessageContext, next: Next[MessageContext]) -> None:
+        """Inside the retry loop, per attempt: an attempt that lost a race goes to the raw log."""
+        try:
+            await next(context)
+        except ConcurrencyConflict:
+            headers = context.headers
+            await self.raw.append(
+                context.message_id,
+                intent_of(context.envelope.body),
+                kind_of(headers.get(Header.TYPE)),
+                "conflict",
+                context.delivery.redelivered,
+                headers.get(Header.ATTEMPT),
+            )
+            raise
+
+    async def before_commit(self, context: MessageContext, next: Next[MessageContext]) -> None:
+        """A step between the handlers and the commit: the place to die with every write made
+        (effect, saga row, inbox row) and none committed, the saga's row locked."""
+        if context.message_type is Work:
+            self.committing += 1
+            if self.committing == self.die_before_commit_at:
+                die(f"message {self.committing} handled and written, about to commit")
         await next(context)
 
     async def after_commit(self, context: MessageContext, next: Next[MessageContext]) -> None:
@@ -276,6 +323,51 @@ class WorkHandler:
             await asyncio.sleep(delay)
 
 
+@dataclass
+class TallyData:
+    """A Tally saga's data: its key, and every intent it took, in commit order."""
+
+    key: str = ""
+    ids: list[str] = field(default_factory=list)
+
+
+class Tally(Saga[TallyData], name=SAGA_NAME):
+    """One saga per key, started and found by Work: the intents of its key, each once.
+
+    Its method does what the Work handler does (raw log, effect row, maybe die), after adding
+    the intent to the saga's data, so a kill there leaves changed data and an effect row
+    written, neither committed.
+    """
+
+    started_by = (Work,)
+    correlation = {Work: lambda work: saga_key(work.id)}
+
+    def __init__(self, session: AsyncSession, context: MessageContext, chaos: Chaos) -> None:
+        self.session = session
+        self.context = context
+        self.chaos = chaos
+
+    async def tally(self, work: Work) -> None:
+        """Log the run, add the intent to the data, write the effect, maybe die or dawdle."""
+        chaos, context = self.chaos, self.context
+        await chaos.raw.append(
+            context.message_id, work.id, "work", "handled", context.delivery.redelivered, None
+        )
+        self.data.key = saga_key(work.id)
+        self.data.ids.append(work.id)
+        await self.session.execute(
+            EFFECT,
+            {"message_id": context.message_id, "intent_id": work.id, "pid": chaos.raw.pid},
+        )
+        chaos.handled += 1
+        if chaos.handled == chaos.die_in_handler_at:
+            await self.session.flush()
+            die(f"inside the saga of message {chaos.handled}, data changed, effect written")
+        delay = chaos.delay_for(work.id)
+        if delay:
+            await asyncio.sleep(delay)
+
+
 class DoomHandler:
     """Fails, every time."""
 
@@ -309,9 +401,14 @@ def worker_app(args: argparse.Namespace, chaos: Chaos) -> App:
         poll_interval=1.0,
         engine_options={"pool_size": args.concurrency + 2, "max_overflow": 4},
     )
-    app.register(Work, WorkHandler)
+    if args.saga:
+        app.register_saga(Tally, pessimistic=args.saga == PESSIMISTIC)
+        app.incoming.insert_after("retry", "chaos_conflicts", chaos.log_conflict)
+    else:
+        app.register(Work, WorkHandler)
     app.register(Doom, DoomHandler)
     app.incoming.insert_before("retry", "chaos_raw_log", chaos.log_delivery)
+    app.incoming.insert_before("commit", "chaos_before_commit", chaos.before_commit)
     app.incoming.insert_after("commit", "chaos_after_commit", chaos.after_commit)
     return app
 
@@ -496,10 +593,12 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     work_.add_argument("--die-in-handler-at", type=int, default=0)
     work_.add_argument("--die-after-commit-at", type=int, default=0)
+    work_.add_argument("--die-before-commit-at", type=int, default=0)
     work_.add_argument("--handler-delay", type=float, default=0.0)
     work_.add_argument("--slow", type=float, default=0.0)
     work_.add_argument("--slow-every", type=int, default=0)
     work_.add_argument("--sleep-in-database", action="store_true")
+    work_.add_argument("--saga", choices=(OPTIMISTIC, PESSIMISTIC), default=None)
     drive_ = commands.choices["drive"]
     drive_.add_argument("--intents", type=int, required=True)
     drive_.add_argument("--doom", type=int, default=0)
