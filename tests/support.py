@@ -8,8 +8,10 @@ import json
 import os
 import shutil
 import subprocess
+import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar, overload
 
 from mersal.transport import Consumer, Limits, Outgoing, Transport, first_failure
@@ -76,6 +78,23 @@ def rabbitmqctl(*args: str) -> str:
     if result.returncode:
         raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {result.stderr or result.stdout}")
     return result.stdout
+
+
+@contextmanager
+def own_vhost(prefix: str, host: str) -> Iterator[str]:
+    """The AMQP URL of a new RabbitMQ vhost on `host`, deleted afterwards (skips without one)."""
+    import pytest
+
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    try:
+        rabbitmqctl("add_vhost", name)
+    except (OSError, RuntimeError) as error:
+        pytest.skip(f"RabbitMQ is not available here: {error}")
+    try:
+        rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
+        yield f"amqp://guest:guest@{host}/{name}"
+    finally:
+        rabbitmqctl("delete_vhost", name)
 
 
 def rabbitmqctl_rows(*args: str) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ from mersal_sqlalchemy.database import make_engine, sql_time
 from mersal_sqlalchemy.tables import make_tables
 from tests.cli.conftest import RABBITMQ_HOST, mersal
 from tests.sql.conftest import BACKENDS, postgres_database, sqlite_file
-from tests.support import eventually, rabbitmqctl, rabbitmqctl_rows
+from tests.support import eventually, own_vhost, rabbitmqctl_rows
 
 UNACKED_WAIT = 30.0
 """Seconds to wait for the management API's counts (it refreshes them every 5 s)."""
@@ -97,19 +97,11 @@ def status(capsys: pytest.CaptureFixture[str]) -> Status:
     return run
 
 
-@pytest.fixture
-def own_vhost() -> Iterator[str]:
+@pytest.fixture(name="own_vhost")
+def own_vhost_url() -> Iterator[str]:
     """The AMQP URL of a RabbitMQ vhost of this test's own, deleted afterwards."""
-    name = f"mersal-status-{uuid4().hex[:8]}"
-    try:
-        rabbitmqctl("add_vhost", name)
-    except (OSError, RuntimeError) as error:
-        pytest.skip(f"RabbitMQ is not available here: {error}")
-    try:
-        rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
-        yield f"amqp://guest:guest@{RABBITMQ_HOST}/{name}"
-    finally:
-        rabbitmqctl("delete_vhost", name)
+    with own_vhost("mersal-status", RABBITMQ_HOST) as url:
+        yield url
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ from mersal import App
 from mersal.testing import Harness
 from tests.conftest import RABBITMQ_HOST
 from tests.sql.conftest import postgres_database
-from tests.support import rabbitmqctl
+from tests.support import own_vhost
 
 ROOT = Path(__file__).parents[2]
 
@@ -188,19 +188,11 @@ async def test_the_command_on_memory_and_sqlite() -> None:
     assert figures["sagas_left"] == "0"
 
 
-@pytest.fixture
-def own_vhost() -> Iterator[str]:
+@pytest.fixture(name="own_vhost")
+def own_vhost_url() -> Iterator[str]:
     """The AMQP URL of a RabbitMQ vhost of this test's own, deleted afterwards."""
-    name = f"mersal-fulfilment-{uuid4().hex[:8]}"
-    try:
-        rabbitmqctl("add_vhost", name)
-    except (OSError, RuntimeError) as error:
-        pytest.skip(f"RabbitMQ is not available here: {error}")
-    try:
-        rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
-        yield f"amqp://guest:guest@{RABBITMQ_HOST}/{name}"
-    finally:
-        rabbitmqctl("delete_vhost", name)
+    with own_vhost("mersal-fulfilment", RABBITMQ_HOST) as url:
+        yield url
 
 
 @pytest.mark.integration

@@ -17,7 +17,9 @@ import pytest
 
 from mersal import App
 from mersal_rabbitmq import RabbitMQTransport
-from tests.sql.conftest import BACKENDS, postgres_database, sqlite_file
+from tests.sql.conftest import database, postgres_database, sqlite_file
+
+__all__ = ["database"]  # the SQL tests' fixture: a SQLite file, or a migrated PostgreSQL one
 
 HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
 
@@ -92,16 +94,6 @@ def prefix() -> str:
 @pytest.fixture
 async def postgres_url() -> AsyncIterator[str]:
     """A PostgreSQL database of this test's own, migrated with `mersal db upgrade`."""
-    async with postgres_database(migrate=True) as url:
-        yield url
-
-
-@pytest.fixture(params=BACKENDS)
-async def database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    """A SQLite file, or a migrated PostgreSQL database (integration), of this test's own."""
-    if request.param == "sqlite":
-        yield sqlite_file(tmp_path)
-        return
     async with postgres_database(migrate=True) as url:
         yield url
 
