@@ -346,7 +346,8 @@ class App:
         merged[Header.DELIVER_AT] = f"{time.time() + max(0.0, seconds):.6f}"
         queue = None if to_self else self._routes_get(type(message))
         if queue is None:
-            self._check_own_queue(f"defer() a {type(message).__qualname__} to itself")
+            what = "to itself" if to_self else "that has no route"
+            self._check_own_queue(f"defer() a {type(message).__qualname__} {what}")
             queue = self.name
         return await self._emit(message, queue, False, merged, partition_key)
 

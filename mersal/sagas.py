@@ -11,6 +11,7 @@ once, without spending its retry budget.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import inspect
 import logging
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 from mersal.errors import ConcurrencyConflict, ConfigurationError, DecodeError, MersalError
 from mersal.messages import Header, describe
 from mersal.pipeline import MessageContext, current_message
+from mersal.transaction import Transaction
 
 if TYPE_CHECKING:
     from mersal.app import App
@@ -33,6 +35,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("mersal.sagas")
 
 D = TypeVar("D")
+Data = TypeVar("Data", covariant=True)
+"""A saga's data type: covariant, so `type[Saga[X]]` is a `type[Saga[X | None]]`."""
+
+MEMORY_CHANGES = "mersal.memory_sagas"
+"""The key of a message's pending memory-store changes in `MessageContext.items`."""
 
 CORRELATION_LENGTH = 255
 """Correlation values up to this many characters are stored as they are; longer ones hashed."""
@@ -51,11 +58,11 @@ class InvalidCorrelation(DecodeError):
     """A message's correlation value is missing or empty: no saga can be found for it."""
 
 
-class Saga(Generic[D]):
+class Saga(Generic[Data]):
     """A long-running process: subclass it as `class Fulfilment(Saga[OrderData])`.
 
     The class is built per message like a handler class (lagom resolves its constructor), then
-    given `data` (the saga's state, an instance of D) and `saga_id` before its method runs.
+    given `data` (the saga's state, an instance of Data) and `saga_id` before its method runs.
     """
 
     started_by: ClassVar[tuple[type, ...]] = ()
@@ -65,7 +72,7 @@ class Saga(Generic[D]):
     saga_name: ClassVar[str]
     """The saga type's stored name (`name=` in the class statement; default module.QualName)."""
 
-    data: D
+    data: Data
     saga_id: str
     _completed: bool = False
 
@@ -73,9 +80,9 @@ class Saga(Generic[D]):
         super().__init_subclass__(**kwargs)
         cls.saga_name = name or f"{cls.__module__}.{cls.__qualname__}"
 
-    def new_data(self, message: Any) -> D:
-        """The data of a saga a start message creates: by default, D made without arguments."""
-        data_type: type[D] = data_type_of(type(self))
+    def new_data(self, message: Any) -> Data:
+        """The data of a saga a start message creates: by default, Data made without arguments."""
+        data_type: type[Data] = data_type_of(type(self))
         try:
             return data_type()
         except TypeError as error:
@@ -108,9 +115,10 @@ class Saga(Generic[D]):
         """
         context = current_message.get()
         spec: SagaSpec | None = getattr(self, "_spec", None)
-        if context is None or spec is None:
+        if context is None or spec is None or not self.saga_id:
             raise MersalError(
-                "request_timeout() works only inside a saga's handler, while a message is handled"
+                "request_timeout() works only inside a saga's method, for the saga it handles "
+                "(not in not_found, where there is no saga)"
             )
         if spec.method_for(type(message)) is None:
             name = type(message).__qualname__
@@ -198,6 +206,17 @@ class SagaStore(Protocol):
     async def read(self, saga: str, correlation: str) -> StoredSaga | None:
         """The saga as last committed, outside any message (for tests and tools)."""
         ...
+
+
+def _value(correlate: Callable[[Any], object], message: object, saga: SagaSpec) -> object:
+    """The message's correlation value; a correlation that raises makes the message invalid."""
+    try:
+        return correlate(message)
+    except Exception as error:
+        raise InvalidCorrelation(
+            f"the correlation of {type(message).__qualname__} for saga {saga.cls.__qualname__} "
+            f"raised {type(error).__name__}: {error}"
+        ) from error
 
 
 def correlation_key(value: object, saga: SagaSpec, message_type: type) -> str:
@@ -420,6 +439,12 @@ class SagaRunner:
             if stored.revision:
                 await store.delete(context, spec.name, stored)
             return
+        if not isinstance(saga.data, spec.data_type):
+            raise MersalError(
+                f"{spec.cls.__qualname__}.data is a {type(saga.data).__qualname__} after "
+                f"{method}(), not a {spec.data_type.__qualname__}: assign the saga's data "
+                f"class, or call mark_complete() to end the saga"
+            )
         saved = replace(stored, data=self.codec.encode(saga.data))
         if stored.revision:
             await store.update(context, spec.name, saved)
@@ -450,7 +475,7 @@ class SagaRunner:
             if correlate is None and _plausible_id(saga_id):
                 found = await store.find(context, spec.name, saga_id=saga_id, lock=lock)
             elif correlate is not None:
-                key = correlation_key(correlate(message), spec, message_type)
+                key = correlation_key(_value(correlate, message, spec), spec, message_type)
                 found = await store.find(context, spec.name, correlation=key, lock=lock)
             else:
                 found = None
@@ -464,7 +489,7 @@ class SagaRunner:
                 return None
             return found
         if correlate is not None:
-            key = correlation_key(correlate(message), spec, message_type)
+            key = correlation_key(_value(correlate, message, spec), spec, message_type)
             found = await store.find(context, spec.name, correlation=key, lock=lock)
             if found is not None:
                 return found
@@ -495,16 +520,25 @@ class SagaRunner:
             ) from None
 
 
+@dataclass(slots=True)
+class _Change:
+    key: tuple[str, str]
+    stored: StoredSaga
+    revision: int | None  # None: delete
+
+
 class MemorySagaStore:
     """Sagas in this process's memory (an app without a database, and the test harness).
 
-    Changes wait in the message's transaction and apply, checked against the revision they
-    were loaded at, when it commits.
+    A message's changes wait in its transaction. At commit they are checked against the
+    revisions they were loaded at and applied all together, before the transaction's messages
+    are sent; if sending fails they are undone. One message commits its sagas at a time.
     """
 
     def __init__(self) -> None:
         self.rows: dict[tuple[str, str], StoredSaga] = {}
         self.ids: dict[str, tuple[str, str]] = {}
+        self._commits = asyncio.Lock()
 
     async def find(
         self,
@@ -528,42 +562,82 @@ class MemorySagaStore:
 
     async def insert(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
         """Create the saga when the message commits (a conflict if one exists by then)."""
-        self._at_commit(context, saga, stored, stored.revision + 1)
+        self._changes(context).append(_Change((saga, stored.correlation), stored, 1))
 
     async def update(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
         """Save the data when the message commits (a conflict if the saga changed meanwhile)."""
-        self._at_commit(context, saga, stored, stored.revision + 1)
+        change = _Change((saga, stored.correlation), stored, stored.revision + 1)
+        self._changes(context).append(change)
 
     async def delete(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
         """Delete the saga when the message commits (a conflict if it changed meanwhile)."""
-        self._at_commit(context, saga, stored, None)
+        self._changes(context).append(_Change((saga, stored.correlation), stored, None))
 
     async def read(self, saga: str, correlation: str) -> StoredSaga | None:
         """The saga as last committed."""
         found = self.rows.get((saga, correlation))
         return None if found is None else replace(found)
 
-    def _at_commit(
-        self, context: MessageContext, saga: str, stored: StoredSaga, revision: int | None
-    ) -> None:
-        key = (saga, stored.correlation)
+    def _changes(self, context: MessageContext) -> list[_Change]:
+        """The message's pending changes; the first one hooks the commit of its transaction."""
+        changes: list[_Change] | None = context.items.get(MEMORY_CHANGES)
+        if changes is None:
+            changes = context.items[MEMORY_CHANGES] = []
+            self._hook(context.transaction, changes)
+        return changes
+
+    def _hook(self, transaction: Transaction, changes: list[_Change]) -> None:
+        applied: list[tuple[tuple[str, str], StoredSaga | None, StoredSaga | None]] = []
+        held = False
 
         async def apply() -> None:
-            current = self.rows.get(key)
-            if (current.revision if current else 0) != stored.revision or (
-                current is not None and current.id != stored.id
-            ):
-                raise ConcurrencyConflict(
-                    f"saga {saga} {stored.correlation!r} changed since it was loaded"
-                )
-            if revision is None:
-                del self.rows[key]
-                self.ids.pop(stored.id, None)
-                return
-            self.rows[key] = replace(stored, revision=revision)
-            self.ids[stored.id] = key
+            nonlocal held
+            await self._commits.acquire()
+            held = True
+            for change in changes:
+                self._check(change)
+            for change in changes:
+                applied.append((change.key, self.rows.get(change.key), self._apply(change)))
 
-        context.transaction.before_commit(apply)
+        def end(committed: bool) -> None:
+            nonlocal held
+            if not committed:
+                for key, before, after in reversed(applied):
+                    if self.rows.get(key) is after:
+                        self._put(key, before, after)
+            if held:
+                held = False
+                self._commits.release()
+
+        transaction.before_commit(apply)
+        transaction.when_ended(end)
+
+    def _check(self, change: _Change) -> None:
+        current, stored = self.rows.get(change.key), change.stored
+        if (current.revision if current else 0) != stored.revision or (
+            current is not None and current.id != stored.id
+        ):
+            raise ConcurrencyConflict(
+                f"saga {change.key[0]} {stored.correlation!r} changed since it was loaded"
+            )
+
+    def _apply(self, change: _Change) -> StoredSaga | None:
+        before = self.rows.get(change.key)
+        after = (
+            None if change.revision is None else replace(change.stored, revision=change.revision)
+        )
+        self._put(change.key, after, before)
+        return after
+
+    def _put(
+        self, key: tuple[str, str], row: StoredSaga | None, replaced: StoredSaga | None
+    ) -> None:
+        if replaced is not None:
+            self.ids.pop(replaced.id, None)
+            self.rows.pop(key, None)
+        if row is not None:
+            self.rows[key] = row
+            self.ids[row.id] = key
 
 
 async def saga_data(app: App, saga: type[Saga[D]], correlation: object) -> D | None:

@@ -51,6 +51,7 @@ class Transaction:
         "_commit",
         "_done",
         "_doomed",
+        "_ended",
         "_ids",
         "_seed",
         "_sent",
@@ -75,6 +76,7 @@ class Transaction:
         self._commit = commit
         self._after_commit: list[Hook] = []
         self._before_commit: list[Hook] = []
+        self._ended: list[Callable[[bool], None]] = []
         self._done = False
         self._doomed: str | None = None
         self._source = source
@@ -123,6 +125,10 @@ class Transaction:
         """Run `hook` at commit, before the messages are handed on; if it raises, none are."""
         self._before_commit.append(hook)
 
+    def when_ended(self, callback: Callable[[bool], None]) -> None:
+        """Call `callback(committed)` once a commit has been tried, whether it succeeded or not."""
+        self._ended.append(callback)
+
     def after_commit(self, hook: Hook) -> None:
         """Run `hook` once the transaction has committed (for example, wake the outbox relay)."""
         self._after_commit.append(hook)
@@ -140,9 +146,15 @@ class Transaction:
         if self._doomed is not None:
             self.outgoing.clear()
             raise MersalError(self._doomed)
-        for hook in self._before_commit:
-            await hook()
-        await self._commit(self.outgoing)
+        committed = False
+        try:
+            for hook in self._before_commit:
+                await hook()
+            await self._commit(self.outgoing)
+            committed = True
+        finally:
+            for callback in self._ended:
+                callback(committed)
         for hook in self._after_commit:
             await hook()
 

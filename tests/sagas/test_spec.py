@@ -208,7 +208,7 @@ def test_new_data_without_defaults_says_to_give_defaults_or_override_new_data() 
 
 async def test_request_timeout_outside_a_handler_says_where_it_works() -> None:
     saga = OrderFulfilment()
-    with pytest.raises(MersalError, match="only inside a saga's handler"):
+    with pytest.raises(MersalError, match="only inside a saga's method"):
         await saga.request_timeout(1, PaymentOverdue("o-1"))
 
 
