@@ -43,6 +43,20 @@ class Header:
     """"true" on a request whose reply-to queue goes away with the requester, and on its reply."""
 
 
+KEY_LENGTH = 255
+"""The longest text a key column holds as it is (message ids in the inbox, saga correlations)."""
+
+
+def stored_key(text: str) -> str:
+    """`text` as a key column stores it: itself, or a digest if too long or holding NUL.
+
+    The column holds up to 255 characters of text without NUL (PostgreSQL refuses NUL).
+    """
+    if len(text) <= KEY_LENGTH and "\x00" not in text:
+        return text
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 IDS_PER_DRAW = 256
 _random = b""
 _used = 0

@@ -12,7 +12,6 @@ once, without spending its retry budget.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
 import logging
 import types
@@ -24,7 +23,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from mersal.errors import ConcurrencyConflict, ConfigurationError, DecodeError, MersalError
-from mersal.messages import Header, describe
+from mersal.messages import KEY_LENGTH, Header, describe, stored_key
 from mersal.pipeline import MessageContext, current_message
 from mersal.transaction import Transaction
 
@@ -41,7 +40,7 @@ Data = TypeVar("Data", covariant=True)
 MEMORY_CHANGES = "mersal.memory_sagas"
 """The key of a message's pending memory-store changes in `MessageContext.items`."""
 
-CORRELATION_LENGTH = 255
+CORRELATION_LENGTH = KEY_LENGTH
 """Correlation values up to this many characters are stored as they are; longer ones hashed."""
 
 SAGA_NAME_LENGTH = 200
@@ -227,9 +226,7 @@ def correlation_key(value: object, saga: SagaSpec, message_type: type) -> str:
             f"the correlation value of {message_type.__qualname__} for saga "
             f"{saga.cls.__qualname__} is {value!r}: no saga can be found by it"
         )
-    if len(text) <= CORRELATION_LENGTH and "\x00" not in text:
-        return text
-    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return stored_key(text)
 
 
 @dataclass(frozen=True)
@@ -471,14 +468,15 @@ class SagaRunner:
         saga_id = headers.get(Header.SAGA_ID) if target is not None else None
         message_type = type(message)
         correlate = spec.correlate(message_type)
+        key = None
+        if correlate is not None:
+            key = correlation_key(_value(correlate, message, spec), spec, message_type)
         if saga_id is not None:
-            if correlate is None and _plausible_id(saga_id):
-                found = await store.find(context, spec.name, saga_id=saga_id, lock=lock)
-            elif correlate is not None:
-                key = correlation_key(_value(correlate, message, spec), spec, message_type)
+            found = None
+            if key is not None:
                 found = await store.find(context, spec.name, correlation=key, lock=lock)
-            else:
-                found = None
+            elif _plausible_id(saga_id):
+                found = await store.find(context, spec.name, saga_id=saga_id, lock=lock)
             if found is None or found.id != saga_id:
                 log.info(
                     "%s for %s saga %s, which has completed: ignored",
@@ -488,8 +486,7 @@ class SagaRunner:
                 )
                 return None
             return found
-        if correlate is not None:
-            key = correlation_key(_value(correlate, message, spec), spec, message_type)
+        if key is not None:
             found = await store.find(context, spec.name, correlation=key, lock=lock)
             if found is not None:
                 return found

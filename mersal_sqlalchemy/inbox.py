@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 from sqlalchemy import Delete, Select, Table, bindparam, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
+from mersal.messages import stored_key
 from mersal_sqlalchemy.database import is_postgresql, one_of, sql_time
-from mersal_sqlalchemy.tables import MESSAGE_ID_LENGTH
 
 
 def inbox_key(message_id: str) -> str:
-    """The id as stored: itself, or a digest of it if the column cannot hold it as it is.
-
-    The column holds up to 255 characters of text without NUL (PostgreSQL refuses NUL).
-    """
-    if len(message_id) <= MESSAGE_ID_LENGTH and "\x00" not in message_id:
-        return message_id
-    encoded = message_id.encode("utf-8", "surrogatepass")
-    return "sha256:" + hashlib.sha256(encoded).hexdigest()
+    """The id as stored: itself, or a digest of it if the column cannot hold it as it is."""
+    return stored_key(message_id)
 
 
 class Inbox:
