@@ -334,8 +334,8 @@ class TallyData:
 class Tally(Saga[TallyData], name=SAGA_NAME):
     """One saga per key, started and found by Work: the intents of its key, each once.
 
-    Its method does what the Work handler does (raw log, effect row, maybe die), after adding
-    the intent to the saga's data, so a kill there leaves changed data and an effect row
+    Its method adds the intent to the saga's data, then does what the Work handler does (raw
+    log, effect row, maybe die), so a kill there leaves changed data and an effect row
     written, neither committed.
     """
 
@@ -348,24 +348,10 @@ class Tally(Saga[TallyData], name=SAGA_NAME):
         self.chaos = chaos
 
     async def tally(self, work: Work) -> None:
-        """Log the run, add the intent to the data, write the effect, maybe die or dawdle."""
-        chaos, context = self.chaos, self.context
-        await chaos.raw.append(
-            context.message_id, work.id, "work", "handled", context.delivery.redelivered, None
-        )
+        """Add the intent to the data, then do what the Work handler does (log, effect, die)."""
         self.data.key = saga_key(work.id)
         self.data.ids.append(work.id)
-        await self.session.execute(
-            EFFECT,
-            {"message_id": context.message_id, "intent_id": work.id, "pid": chaos.raw.pid},
-        )
-        chaos.handled += 1
-        if chaos.handled == chaos.die_in_handler_at:
-            await self.session.flush()
-            die(f"inside the saga of message {chaos.handled}, data changed, effect written")
-        delay = chaos.delay_for(work.id)
-        if delay:
-            await asyncio.sleep(delay)
+        await WorkHandler(self.session, self.context, self.chaos)(work)
 
 
 class DoomHandler:
