@@ -9,9 +9,12 @@ queue goes. A message is in one of the two queues, for a moment in both (the rec
 drops the copy). Run again after a crash or an interruption, it picks up where it was.
 
 The apps that consume the queue must be stopped first: a consumer would take messages mid-way
-and keep the queue in use. A queue's wait queues are moved before it (quorum ones dead-letter at
-least once, so they wait for it to be back). Moving a quorum queue to classic, stop the apps
-that send to it too and let its wait queues empty first.
+and keep the queue in use. Stop the apps that send to a partitioned queue too, and any steady
+sender: a round of moving ends only when nothing arrives for a moment, and a partition's
+holding queue takes a slice of the hash exchange's ring of its own while it is bound.
+A queue's wait queues are moved before it (quorum ones dead-letter at least once, so they
+wait for it to be back). Moving a quorum queue to classic, stop the apps that send to it too
+and let its wait queues empty first.
 A wait queue's messages start their wait again in the new wait queue: later, never earlier.
 """
 
