@@ -125,6 +125,7 @@ async def migrate_all(
     try:
         api = Management.of(transport.address, management)
         names = [*_queues_of(app), *await _with_waits(api, queues)]
+        await _refuse_consumed(transport, names)
         migrated = 0
         for name in dict.fromkeys(names):
             if not await _exists(transport, name) and not await _exists(transport, name + HOLDING):
@@ -140,6 +141,17 @@ async def migrate_all(
         await transport.stop()
     print(f"migrated {migrated} queue(s) on {mask(transport.address)} to {target}")
     return 0
+
+
+async def _refuse_consumed(transport: RabbitMQTransport, names: Sequence[str]) -> None:
+    """A MersalError, before anything moves, when one of the queues has a consumer."""
+    for name in names:
+        looked = await _look(transport, name)
+        if looked is not None and looked.consumers:
+            raise MersalError(
+                f"queue {name!r} has consumers: stop the apps that consume it, then run this "
+                "again (nothing was moved)"
+            )
 
 
 def shape_for(name: str, queue_type: str) -> QueueShape:

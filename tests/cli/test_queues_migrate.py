@@ -104,6 +104,29 @@ async def test_a_queue_with_consumers_is_left_alone(amqp_url: str, queues: Queue
     assert await queues.count(queue) == 2
 
 
+async def test_a_queue_with_consumers_stops_the_run_before_its_wait_queue_moves(
+    amqp_url: str, vhost: str, queues: Queues
+) -> None:
+    queue = f"q{uuid4().hex[:8]}.busy"
+    wait = f"{queue}.wait.30000"
+    queues.names |= {queue, wait, f"{queue}.migrating", f"{wait}.migrating"}
+    await fill(amqp_url, queue, 1, arguments={"x-queue-type": "classic"})
+    await fill(amqp_url, wait, 1, arguments={"x-queue-type": "classic"})
+    async with await aio_pika.connect(amqp_url) as connection:
+        channel = await connection.channel()
+        amqp_queue = await channel.get_queue(queue, ensure=False)
+        await amqp_queue.consume(hold)
+
+        code = await mersal(
+            "queues", "migrate", "--transport", amqp_url, "--queue", wait, "--queue", queue
+        )
+
+    assert code != 0
+    types = await queue_types(vhost)
+    assert types[wait] == "classic"
+    assert f"{wait}.migrating" not in types
+
+
 async def test_an_interrupted_migration_is_finished_by_running_it_again(
     amqp_url: str, vhost: str, queues: Queues
 ) -> None:
