@@ -6,12 +6,13 @@ STAMP := $(VENV)/.installed
 # Paths that ruff looks at; ones that do not exist (yet) are left out.
 LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples)
 
-.PHONY: help run test lint format bench chaos cluster-test fuzz docs clean
+.PHONY: help run services test lint format bench chaos cluster-test fuzz docs clean
 
 help:
 	@echo "Targets:"
 	@echo "  make run     [ARGS=...]         run the orders example (python -m examples.orders)"
-	@echo "  make test    [PYTEST_ARGS=...]  lint, the docs build, then pytest (chaos, cluster tests excluded)"
+	@echo "  make services                   install, start and set up RabbitMQ and PostgreSQL for the tests"
+	@echo "  make test    [PYTEST_ARGS=...]  services, lint, the docs build, then pytest (no chaos, cluster)"
 	@echo "  make lint                       ruff check, ruff format --check, mypy"
 	@echo "  make format                     ruff format + ruff check --fix"
 	@echo "  make bench   [ONLY=name]        run the benchmarks (python -m bench)"
@@ -33,7 +34,11 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m examples.orders $(ARGS)
 
-test: $(STAMP)
+# Idempotent: installs and starts what is missing, enables the RabbitMQ plugins the tests use.
+services:
+	bash scripts/services
+
+test: $(STAMP) services
 	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory docs
 	$(BIN)/pytest $(PYTEST_ARGS)
@@ -47,15 +52,15 @@ format: $(STAMP)
 	$(BIN)/ruff format $(LINT_PATHS)
 	$(BIN)/ruff check --fix $(LINT_PATHS)
 
-bench: $(STAMP)
+bench: $(STAMP) services
 	$(BIN)/python -m bench $(if $(ONLY),--only $(ONLY),)
 
 # addopts holds -m "not chaos"; this -m comes later on the command line and wins.
-chaos: $(STAMP)
+chaos: $(STAMP) services
 	$(BIN)/pytest -m chaos -p no:cacheprovider $(PYTEST_ARGS)
 
 # The nodes run beside the default one (ports 5681-5683) and are stopped when the run ends.
-cluster-test: $(STAMP)
+cluster-test: $(STAMP) services
 	$(BIN)/pytest -m cluster -p no:cacheprovider tests/cluster $(PYTEST_ARGS)
 
 # make test runs the property tests derandomized (the same examples everywhere); this explores.
