@@ -196,6 +196,8 @@ class Connection:
         self.current, self.index = connection, index
         connection.close_callbacks.add(self._on_close)
         self._up.set()
+        if not connection.connected.is_set():  # closed before the callback was there to hear it
+            self._on_close(connection, None)
 
     def _on_close(self, connection: object, error: BaseException | None) -> None:
         if connection is not self.current or self._closed.is_set():
@@ -213,7 +215,7 @@ class Connection:
         order = [(lost + step) % count for step in range(1, count + 1)]
         then = f"trying {mask(self.nodes[order[0]])} next" if count > 1 else "reconnecting"
         log.warning("lost the connection to RabbitMQ at %s (%s); %s", self.node, why(error), then)
-        pause = self.pause
+        pause, lost_connection = self.pause, self.current
         while True:
             passed: list[str] = []
             for index in order:
@@ -224,7 +226,11 @@ class Connection:
                     log.debug("reconnecting to RabbitMQ: %s", passed[-1])
                     continue
                 self._attach(connection, index)
+                if not self._up.is_set():  # lost again at once
+                    passed.append(f"{mask(self.nodes[index])}: closed as it opened")
+                    continue
                 self._on_reconnect(passed)
+                await _close_lost(lost_connection)
                 return
             log.warning("%s; next round in %g s", _round_failed(passed), pause)
             await asyncio.sleep(pause)
@@ -368,6 +374,16 @@ async def _connect(url: Any) -> AbstractConnection:
         await connection.close()
         raise
     return connection
+
+
+async def _close_lost(connection: AbstractConnection | None) -> None:
+    """Let go of a connection that was lost (its socket is gone already)."""
+    if connection is None:
+        return
+    try:
+        await connection.close()
+    except Exception as error:
+        log.debug("closing a lost connection failed: %s", error)
 
 
 def _seconds(value: str, name: str) -> float:
