@@ -6,13 +6,14 @@ STAMP := $(VENV)/.installed
 # Paths that ruff looks at; ones that do not exist (yet) are left out.
 LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples)
 
-.PHONY: help run services test lint format bench chaos cluster-test fuzz docs clean
+.PHONY: help run services test test-lowest lint format bench chaos cluster-test fuzz docs clean
 
 help:
 	@echo "Targets:"
 	@echo "  make run     [ARGS=...]         run the orders example (python -m examples.orders)"
 	@echo "  make services                   install, start and set up RabbitMQ and PostgreSQL for the tests"
 	@echo "  make test    [PYTEST_ARGS=...]  services, lint, the docs build, then pytest (no chaos, cluster)"
+	@echo "  make test-lowest                the failover and recovery tests on the lowest allowed aio-pika"
 	@echo "  make lint                       ruff check, ruff format --check, mypy"
 	@echo "  make format                     ruff format + ruff check --fix"
 	@echo "  make bench   [ONLY=name]        run the benchmarks (python -m bench)"
@@ -43,6 +44,22 @@ test: $(STAMP) services
 	$(MAKE) --no-print-directory docs
 	$(BIN)/pytest $(PYTEST_ARGS)
 
+# The lowest aio-pika, aiormq and pamqp that pyproject.toml's rabbitmq extra allows, in a venv of
+# their own (keep LOWEST equal to the extra's floors).
+LOWEST := aio-pika==10.0.0 aiormq==7.1.3 pamqp==4.0.0
+LOWEST_VENV := .venv-lowest
+LOWEST_STAMP := $(LOWEST_VENV)/.installed
+
+$(LOWEST_STAMP): pyproject.toml Makefile
+	test -x $(LOWEST_VENV)/bin/python || $(PY) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/pip install -q -e '.[rabbitmq,sqlalchemy,pydantic]' 'pytest>=8' \
+		'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'hypothesis>=6' $(LOWEST)
+	touch $@
+
+test-lowest: $(LOWEST_STAMP) services
+	$(LOWEST_VENV)/bin/pytest -p no:cacheprovider tests/rabbitmq/test_failover.py \
+		tests/rabbitmq/test_recovery.py tests/rabbitmq/test_library_workarounds.py $(PYTEST_ARGS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
@@ -72,5 +89,5 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build dist *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) .mypy_cache .ruff_cache .pytest_cache build dist *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,9 +1,6 @@
 """The RabbitMQ transport for Mersal (aio-pika): `App(..., transport="amqp://...")`."""
 
-from mersal_rabbitmq import patches
 from mersal_rabbitmq.consuming import ConsumerLost, RabbitMQConsumer, RabbitMQDelivery
 from mersal_rabbitmq.transport import RabbitMQTransport
-
-patches.apply()
 
 __all__ = ["ConsumerLost", "RabbitMQConsumer", "RabbitMQDelivery", "RabbitMQTransport"]

@@ -1,42 +1,49 @@
 """The connection to RabbitMQ, its channels, and the one registry of what it restores.
 
-aio-pika's robust connection reconnects by itself, but the plain channels used here (not
-aio-pika's robust ones) die with the old connection. Whatever must come back registers a
-restore callback with the connection: the topology (every exchange, queue and binding
-declared) and each consumer (its channel, its queue, its subscription). After every reconnect
-each registered callback runs again, once connected, the way aio-pika's robust objects restore
-themselves. An object that lost its channel while the connection stayed up (a channel error,
-or the broker cancelling a consumer whose queue was deleted) asks its own registration for a
-restore: the same callback, the same bounded retries, then the object hears that it is lost.
-Publishing channels register nothing: a closed one is replaced when it is next needed.
+The connection is a plain aio-pika connection, reconnected here (no robust connection or
+channel of aio-pika's: nothing restores itself behind the registry's back). Whatever must come
+back registers a restore callback with the connection: the topology (every exchange, queue and
+binding declared) and each consumer (its channel, its queue, its subscription). After every
+reconnect each registered callback runs again, once connected. An object that lost its channel
+while the connection stayed up (a channel error, or the broker cancelling a consumer whose
+queue was deleted) asks its own registration for a restore: the same callback, the same
+bounded retries, then the object hears that it is lost. Publishing channels register nothing:
+a closed one is replaced when it is next needed.
 
 Failover: the address may list several nodes of a cluster, full URLs separated by `;` (as
-kombu takes them). The first that answers is used; when its connection is lost, or a
-reconnect attempt fails, the next one in the list is tried, round the list, and the restores
+kombu takes them). The first that answers is used. When its connection is lost, a round of
+attempts starts at once with the next node and goes round the list; a round in which no node
+answered is followed by a pause (the URL's `reconnect_interval`, 1 s by default, doubled after
+each such round up to `MAX_PAUSE`) and one log line naming each node's reason. The restores
 run on whichever node answered. Logs name the node.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
-from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractChannel, AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.connection import make_url
 
 from mersal.errors import ConfigurationError, MersalError, Unreachable
 from mersal.transport import mask, split_urls
+from mersal_rabbitmq import patches
 
 log = logging.getLogger("mersal.rabbitmq")
 
 RECONNECT_INTERVAL = 1.0
-"""Seconds between reconnection attempts unless the URL's `reconnect_interval` says otherwise."""
+"""Seconds of the first pause after a round of reconnect attempts in which no node answered,
+unless the URL's `reconnect_interval` says otherwise; each further such round doubles it."""
+MAX_PAUSE = 30.0
+"""The longest pause between two rounds of reconnect attempts."""
 CONNECT_TIMEOUT = 10.0
 """Seconds one attempt to connect to a node may take (a node can take the TCP connection and
 never answer): then the next node is tried."""
@@ -54,24 +61,32 @@ Lost = Callable[[Exception, int], None]
 
 
 class Connection:
-    """One robust connection to RabbitMQ, plain channels on it, and what it restores."""
+    """One connection to RabbitMQ (to one node of a list), plain channels on it, and what it
+    restores after each reconnect."""
 
     def __init__(self, address: str) -> None:
         self.address = address
+        address, interval = take_option(address, "reconnect_interval")
         self.nodes = nodes_of(address)
         """The URLs of the nodes to try, in order: one, or several for failover."""
-        self.current: Failover | None = None
-        """The aio-pika connection while open, else None."""
+        self.pause = _seconds(interval, "reconnect_interval") if interval else RECONNECT_INTERVAL
+        """Seconds of the first pause after a round of reconnect attempts that all failed."""
+        self.index = 0
+        """The node connected to, or to be tried next: an index into `nodes`."""
+        self.current: AbstractConnection | None = None
+        """The aio-pika connection while open (the last one while reconnecting), else None."""
+        self._options: dict[str, Any] = {}
         self._registrations: dict[Registration, None] = {}  # a dict keeps registration order
         self._closed = asyncio.Event()  # wakes whoever waits for a reconnect, at close()
+        self._up = asyncio.Event()  # set while `current` is connected
+        self._reconnecting: asyncio.Task[None] | None = None
 
     @property
     def node(self) -> str:
         """The URL (password masked) of the node connected to, or to be tried next."""
-        connection = self.current
-        return connection.node if connection is not None else mask(self.nodes[0])
+        return mask(self.nodes[self.index])
 
-    def require(self) -> Failover:
+    def require(self) -> AbstractConnection:
         """The aio-pika connection; raises while not open."""
         if self.current is None:
             raise MersalError(
@@ -90,32 +105,37 @@ class Connection:
         transport = connection.transport
         return transport is not None and not transport.connection.is_closed
 
-    async def open(self, heartbeat: int | None) -> AbstractRobustConnection:
+    async def open(self, heartbeat: int | None) -> AbstractConnection:
         """Connect to the first node that answers; from now on, every reconnect restores."""
+        self._options = {} if heartbeat is None else {"heartbeat": heartbeat}
         failures: list[MersalError] = []
-        for first in range(len(self.nodes)):
+        for index in range(len(self.nodes)):
             try:
-                connection = await _connect(self.nodes, first, _options(self.nodes[0], heartbeat))
+                connection = await self._attempt(index)
             except ValueError as error:
                 raise ConfigurationError(
-                    f"{mask(self.nodes[first])} is not a usable AMQP URL ({error}): "
+                    f"{mask(self.nodes[index])} is not a usable AMQP URL ({error}): "
                     "use amqp://user:password@host:port/vhost"
                 ) from None
             except (OSError, aiormq.exceptions.AMQPError) as error:
-                failures.append(connect_failure(self.nodes[first], error))
-                if len(self.nodes) > 1:
+                failures.append(connect_failure(self.nodes[index], error))
+                if index + 1 < len(self.nodes):
                     log.warning("%s; trying the next node", failures[-1])
                 continue
-            connection.reconnect_callbacks.add(self._on_reconnect)
-            self.current = connection
             self._closed = asyncio.Event()
+            self._attach(connection, index)
             return connection
         raise _worst(failures)
 
     async def close(self) -> None:
-        """Restore nothing more, and disconnect."""
+        """Restore nothing more, stop reconnecting, and disconnect."""
         connection, self.current = self.current, None
         self._closed.set()
+        self._up.clear()
+        reconnecting, self._reconnecting = self._reconnecting, None
+        if reconnecting is not None and not reconnecting.done():
+            reconnecting.cancel()
+            await asyncio.gather(reconnecting, return_exceptions=True)
         for registration in list(self._registrations):
             await registration.cancel()
         if connection is not None:
@@ -123,10 +143,10 @@ class Connection:
 
     async def ready(self) -> None:
         """Wait until the connection is up (it reconnects by itself); raises once closed."""
-        connection = self.require()
+        self.require()
         if self.connected:
             return
-        reconnected = asyncio.ensure_future(connection.ready())
+        reconnected = asyncio.ensure_future(self._up.wait())
         closed = asyncio.ensure_future(self._closed.wait())
         try:
             await asyncio.wait((reconnected, closed), return_when=asyncio.FIRST_COMPLETED)
@@ -146,6 +166,7 @@ class Connection:
         )
         try:
             await channel.initialize()
+            await patches.guard(channel)
         except BaseException as error:
             lost = closed_under(error, not self.connected, "the connection closed under it")
             if lost is None:
@@ -165,10 +186,61 @@ class Connection:
         self._registrations[registration] = None
         return registration
 
-    def _on_reconnect(self, connection: object) -> None:
+    async def _attempt(self, index: int) -> AbstractConnection:
+        """A connection to node `index`, within `CONNECT_TIMEOUT`, read the way Mersal reads."""
+        url = make_url(self.nodes[index], **self._options)
+        connecting = patches.own_context()  # the connection's reader task inherits it
+        return await asyncio.create_task(_connect(url), context=connecting)
+
+    def _attach(self, connection: AbstractConnection, index: int) -> None:
+        self.current, self.index = connection, index
+        connection.close_callbacks.add(self._on_close)
+        self._up.set()
+        if not connection.connected.is_set():  # closed before the callback was there to hear it
+            self._on_close(connection, None)
+
+    def _on_close(self, connection: object, error: BaseException | None) -> None:
+        if connection is not self.current or self._closed.is_set():
+            return  # an earlier connection, or closed by close()
+        self._up.clear()
+        if self._reconnecting is None or self._reconnecting.done():
+            own = contextvars.Context()  # nothing of the closing reader's context
+            self._reconnecting = asyncio.create_task(
+                self._reconnect(error), name="mersal-rabbitmq reconnect", context=own
+            )
+
+    async def _reconnect(self, error: BaseException | None) -> None:
+        """Rounds of attempts over the nodes, the lost one last, pausing longer each time."""
+        lost, count = self.index, len(self.nodes)
+        order = [(lost + step) % count for step in range(1, count + 1)]
+        then = f"trying {mask(self.nodes[order[0]])} next" if count > 1 else "reconnecting"
+        log.warning("lost the connection to RabbitMQ at %s (%s); %s", self.node, why(error), then)
+        pause, lost_connection = self.pause, self.current
+        while True:
+            passed: list[str] = []
+            for index in order:
+                try:
+                    connection = await self._attempt(index)
+                except Exception as failure:
+                    passed.append(f"{mask(self.nodes[index])}: {reason(failure)}")
+                    log.debug("reconnecting to RabbitMQ: %s", passed[-1])
+                    continue
+                self._attach(connection, index)
+                if not self._up.is_set():  # lost again at once
+                    passed.append(f"{mask(self.nodes[index])}: closed as it opened")
+                    continue
+                self._on_reconnect(passed)
+                await _close_lost(lost_connection)
+                return
+            log.warning("%s; next round in %g s", _round_failed(passed), pause)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, max(MAX_PAUSE, self.pause))
+
+    def _on_reconnect(self, passed: Sequence[str]) -> None:
         log.info(
-            "reconnected to RabbitMQ at %s; declaring the topology again and consuming again",
+            "reconnected to RabbitMQ at %s%s; declaring the topology again and consuming again",
             self.node,
+            f" (passed over {'; '.join(passed)})" if passed else "",
         )
         for registration in list(self._registrations):
             registration.restore()
@@ -260,66 +332,6 @@ async def close_quietly(channel: AbstractChannel) -> None:
         log.debug("closing a channel failed: %s", error)
 
 
-class Failover(aio_pika.RobustConnection):
-    """aio-pika's robust connection over a list of nodes: a failed node hands over to the next.
-
-    The reconnect loop is aio-pika's; this only moves `url` on to the next node when the
-    connection to the current one is lost or an attempt to reach it fails.
-    """
-
-    def __init__(self, nodes: Sequence[str], first: int, options: dict[str, Any]) -> None:
-        self.names = list(nodes)
-        self.nodes = [make_url(node, **options) for node in nodes]
-        self.index = first
-        self.move_on = False
-        """Whether the next attempt goes to the next node (set when this one failed)."""
-        super().__init__(self.nodes[first], **options)
-
-    @property
-    def node(self) -> str:
-        """The current node's URL, password masked."""
-        return mask(self.names[self.index])
-
-    def next_node(self) -> None:
-        """Try the next node of the list at the next attempt."""
-        if len(self.nodes) > 1:
-            self.index = (self.index + 1) % len(self.nodes)
-            self.url = self.nodes[self.index]
-            if self.connection_attempt:  # connected before: reconnecting, not the first connect
-                log.info("trying RabbitMQ at %s next", self.node)
-
-    # aio-pika's private hook for one connection attempt (RobustConnection.__connect_transport).
-    # The move to the next node waits for the next attempt, so that aio-pika's line about a
-    # failed attempt names the node that failed.
-    async def _RobustConnection__connect_transport(self) -> None:
-        if self.move_on:
-            self.move_on = False
-            self.next_node()
-        try:
-            await super()._RobustConnection__connect_transport()  # type: ignore[misc]
-        except BaseException:
-            self.move_on = True
-            raise
-
-    async def _on_connection_close(self, closing: asyncio.Future[Any]) -> None:
-        was_up = self.connected.is_set()  # else a failed attempt, which moves on by itself
-        if was_up and not (self._close_called or self.is_closed):
-            log.warning("lost the connection to RabbitMQ at %s", self.node)
-            self.move_on = True
-        await super()._on_connection_close(closing)
-
-
-async def _connect(nodes: Sequence[str], first: int, options: dict[str, Any]) -> Failover:
-    """A connected `Failover` starting at `nodes[first]`; a failed connect leaves no loop behind."""
-    connection = Failover(nodes, first, options)
-    try:
-        await connection.connect(timeout=CONNECT_TIMEOUT)  # every later attempt's bound too
-    except BaseException:
-        await connection.close()
-        raise
-    return connection
-
-
 def nodes_of(address: str) -> list[str]:
     """The node URLs of a transport address: one URL, or several separated by `;`."""
     nodes = [node.strip() for node in split_urls(address) if node.strip()]
@@ -353,13 +365,46 @@ def take_option(address: str, name: str) -> tuple[str, str | None]:
     return ";".join(nodes), value
 
 
-def _options(address: str, heartbeat: int | None) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    if "reconnect_interval" not in parse_qs(urlsplit(address).query):
-        options["reconnect_interval"] = RECONNECT_INTERVAL
-    if heartbeat is not None:
-        options["heartbeat"] = heartbeat
-    return options
+async def _connect(url: Any) -> AbstractConnection:
+    """A connected plain aio-pika connection to `url`; a failed attempt leaves nothing open."""
+    connection = aio_pika.Connection(url)
+    try:
+        await connection.connect(timeout=CONNECT_TIMEOUT)
+    except BaseException:
+        await connection.close()
+        raise
+    return connection
+
+
+async def _close_lost(connection: AbstractConnection | None) -> None:
+    """Let go of a connection that was lost (its socket is gone already)."""
+    if connection is None:
+        return
+    try:
+        await connection.close()
+    except Exception as error:
+        log.debug("closing a lost connection failed: %s", error)
+
+
+def _seconds(value: str, name: str) -> float:
+    """A URL option's number of seconds."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigurationError(
+            f"{name}={value!r} in the transport URL is not a number of seconds: "
+            f"write {name}=1 (or any positive number)"
+        )
+    return seconds
+
+
+def _round_failed(passed: Sequence[str]) -> str:
+    """The line for a round of reconnect attempts in which no node answered."""
+    if len(passed) == 1:
+        return f"reconnecting to RabbitMQ failed ({passed[0]})"
+    return f"all {len(passed)} RabbitMQ nodes failed ({'; '.join(passed)})"
 
 
 def _worst(failures: Sequence[MersalError]) -> MersalError:
@@ -398,9 +443,9 @@ def connect_failure(address: str, error: Exception) -> MersalError:
             f"({type(error).__name__}: {error}): check the port (5671 for amqps), the server's "
             "certificate and the CA the client trusts (?cafile=... in the URL)"
         )
-    if isinstance(error, OSError | TimeoutError) or isinstance(error.__cause__, OSError):
+    if isinstance(error, OSError) or isinstance(error.__cause__, OSError):
         return Unreachable(
-            f"cannot connect to RabbitMQ at {mask(address)}: {type(error).__name__}: {error}; "
+            f"cannot connect to RabbitMQ at {mask(address)}: {reason(error)}; "
             "is it running, and are the host and port right?"
         )
     return MersalError(
@@ -431,6 +476,13 @@ def closed_under(error: BaseException, closed: bool, what: str) -> ConnectionErr
     elif not (closed and isinstance(error, Exception)):
         return None
     return ConnectionError(f"{what} ({why(error)})")
+
+
+def reason(error: BaseException) -> str:
+    """Why an attempt to connect failed, for a message or a log line."""
+    if isinstance(error, TimeoutError):  # raised bare by the attempt's time limit
+        return f"no answer within {CONNECT_TIMEOUT:g} s"
+    return why(error)
 
 
 def why(error: BaseException | None) -> str:

@@ -1,36 +1,51 @@
-"""Workarounds for known defects of the AMQP libraries underneath, applied once on import.
+"""Workarounds for known defects of the AMQP libraries underneath, for Mersal's connections only.
 
 Each one turns a single hostile or refused message, which the libraries let break a whole
-connection again and again, back into one message's trouble. Remove one when the library
-it works around is fixed.
+connection again and again, back into one message's trouble. None changes what the libraries
+do for other code in the same process (a user's own aio-pika connections): the channel guard
+is a subclass given to Mersal's channels alone, and the lenient reading and the quieter log
+act only in the context that Mersal's connections are opened in (`own_context`), which their
+reader tasks inherit. Remove one when the library it works around is fixed.
 """
 
 from __future__ import annotations
 
+import contextvars
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import aiormq.channel
 import pamqp.decode
+from aio_pika.abc import AbstractChannel
 from aiormq.exceptions import ChannelInvalidStateError
 
 APPLIED = "mersal_patched"
+OWN = contextvars.ContextVar("mersal_rabbitmq_own_connection", default=False)
+"""True in the tasks of Mersal's connections (their attempts and readers), else False."""
+CLIENT_LOG = "aiormq.connection"
+"""aiormq's logger, which says ERROR for every failed TCP connect."""
 
 
-def apply() -> None:
-    """Apply every workaround (once)."""
+def own_context() -> contextvars.Context:
+    """A context to open one of Mersal's connections in; installs the workarounds (once)."""
     tolerate_text_that_is_not_utf8()
-    refuse_writes_on_channels_the_broker_closed()
+    keep_failed_connects_to_mersals_line()
+    context = contextvars.copy_context()
+    context.run(OWN.set, True)
+    return context
 
 
 def tolerate_text_that_is_not_utf8() -> None:
-    """Read AMQP short strings and header names that are not UTF-8 with U+FFFD in their place.
+    """On Mersal's connections, read AMQP short strings and header names that are not UTF-8
+    with U+FFFD in their place.
 
     RabbitMQ passes such bytes on from a producer. pamqp raises while reading the frame,
     inside aiormq, before Mersal sees the message: the connection drops, and the broker
     delivers the message again, forever. Read leniently, the message reaches the app, which
-    handles it or dead-letters it like any other.
+    handles it or dead-letters it like any other. pamqp's functions are looked up by name in
+    its `METHODS`; the ones put there call pamqp's own, unchanged, outside Mersal's context.
     """
     methods, mapping = pamqp.decode.METHODS, pamqp.decode.TABLE_MAPPING
     if getattr(methods.get("table"), APPLIED, False):
@@ -38,6 +53,8 @@ def tolerate_text_that_is_not_utf8() -> None:
     strict_short, strict_table = methods["shortstr"], methods["table"]
 
     def short_str(value: bytes) -> tuple[int, Any]:
+        if not OWN.get():
+            return strict_short(value)
         try:
             return strict_short(value)
         except UnicodeDecodeError:
@@ -45,6 +62,8 @@ def tolerate_text_that_is_not_utf8() -> None:
             return length + 1, value[1 : length + 1].decode("utf-8", "replace")
 
     def field_table(value: bytes) -> tuple[int, Any]:
+        if not OWN.get():
+            return strict_table(value)
         try:
             return strict_table(value)
         except UnicodeDecodeError:
@@ -69,30 +88,50 @@ def lenient_table(value: bytes) -> tuple[int, dict[str, Any]]:
     return end, table
 
 
-def refuse_writes_on_channels_the_broker_closed() -> None:
-    """Fail a publish that waited for a channel the broker has closed meanwhile, unwritten.
+def keep_failed_connects_to_mersals_line() -> None:
+    """Drop aiormq's ERROR line for each failed TCP connect of Mersal's connections.
+
+    The connection logs one line per round of attempts, naming each node's reason; aiormq's
+    line for every attempt (one a second, with every node down) says nothing more. Other code's
+    connections keep it.
+    """
+    client = logging.getLogger(CLIENT_LOG)
+    if not any(isinstance(each, _OwnFailedConnects) for each in client.filters):
+        client.addFilter(_OwnFailedConnects())
+
+
+class _OwnFailedConnects(logging.Filter):
+    """Lets through every record but aiormq's failed connect in Mersal's context."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (OWN.get() and str(record.msg).startswith("error when creating transport"))
+
+
+async def guard(channel: AbstractChannel) -> None:
+    """Make one of Mersal's channels fail a publish that waited for it after the broker closed it.
 
     aiormq 7 answers the broker's Channel.Close before it marks the channel closed; a publish
     waiting for the channel's lock then writes on it, and RabbitMQ closes the whole connection
-    (504 CHANNEL_ERROR), consumers included. With this, the publish fails as "channel gone"
-    without a word reaching the broker, and is sent again.
+    (504 CHANNEL_ERROR), consumers included. On a guarded channel the publish fails as "channel
+    gone" without a word reaching the broker, and is sent again.
     """
-    channel = aiormq.channel.Channel
-    original: property = channel.__dict__["lock"]
-    if isinstance(original, _GuardedLock):
-        return
-    acquire = original.fget
-    assert acquire is not None
-
-    @asynccontextmanager
-    async def guarded(self: aiormq.channel.Channel) -> AsyncIterator[None]:
-        async with acquire(self):
-            if self._close_exception is not None:
-                raise ChannelInvalidStateError(f"{self!r} was closed by the broker")
-            yield
-
-    setattr(channel, "lock", _GuardedLock(guarded))  # noqa: B010 - replaced on the class
+    underlay = await channel.get_underlay_channel()
+    if type(underlay) is aiormq.channel.Channel:  # another class: leave it as it is
+        underlay.__class__ = GuardedChannel
 
 
-class _GuardedLock(property):
-    """The channel lock, refusing channels the broker closed (marks the patch as applied)."""
+class GuardedChannel(aiormq.channel.Channel):
+    """aiormq's channel whose lock refuses a channel the broker closed."""
+
+    @property
+    def lock(self) -> Any:
+        """The channel's lock, refusing once the broker closed the channel."""
+        return _refusing_closed(self, aiormq.channel.Channel.lock.fget(self))  # type: ignore[attr-defined]
+
+
+@asynccontextmanager
+async def _refusing_closed(channel: aiormq.channel.Channel, lock: Any) -> AsyncIterator[None]:
+    async with lock:
+        if getattr(channel, "_close_exception", None) is not None:
+            raise ChannelInvalidStateError(f"{channel!r} was closed by the broker")
+        yield

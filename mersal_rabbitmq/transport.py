@@ -2,7 +2,8 @@
 
 It configures and composes the parts, each in a module of its own:
 
-- `connection`: the robust connection, plain channels, and the registry of what it restores
+- `connection`: the connection (reconnected, with failover), plain channels, and the registry of
+  what it restores
   after a reconnect;
 - `topology`: the events exchange, queues, bindings and wait queues, declared and remembered;
 - `delays`: how a delay becomes a wait queue;
@@ -18,7 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
-from aio_pika.abc import AbstractChannel, AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from mersal.errors import ConfigurationError, MersalError
 from mersal.transport import Limits, Outgoing, first_failure, mask
@@ -39,8 +40,9 @@ class RabbitMQTransport:
 
     `url` is one broker's URL, or several nodes' URLs separated by `;` for failover: the
     transport connects to the first that answers and moves on to the next when it goes down.
-    URL query parameters go to aio-pika (`heartbeat`, `name`, `reconnect_interval`, which
-    defaults to 1 second here), except `queue_type`.
+    URL query parameters go to aio-pika (`heartbeat`, `name`, TLS options), except
+    `queue_type` and `reconnect_interval` (the first pause between rounds of reconnect attempts,
+    1 second by default, doubled after each round up to 30 s).
 
     Queues are quorum queues (`queue_type="quorum"`, the default; RabbitMQ 3.10 or later):
     replicated across a cluster's nodes, with wait queues that dead-letter at least once.
@@ -128,7 +130,7 @@ class RabbitMQTransport:
         return self._link.node
 
     @property
-    def _connection(self) -> AbstractRobustConnection | None:  # read by tests/soak/
+    def _connection(self) -> AbstractConnection | None:  # read by tests/soak/
         return self._link.current
 
     # The Transport protocol.

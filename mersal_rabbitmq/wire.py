@@ -12,7 +12,7 @@ from typing import Any
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractRobustConnection
+from aio_pika.abc import AbstractConnection
 from aiormq.abc import DeliveredMessage
 
 from mersal.messages import Envelope, Header
@@ -97,7 +97,7 @@ def header_text(value: object) -> str | None:
     return None
 
 
-def limits_for(connection: AbstractRobustConnection) -> Limits:
+def limits_for(connection: AbstractConnection) -> Limits:
     """What this broker connection carries: headers within one frame of the size agreed on."""
     underlay = getattr(connection, "transport", None)
     tune = getattr(getattr(underlay, "connection", None), "connection_tune", None)

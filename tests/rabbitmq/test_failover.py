@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import pytest
 from rabbitmq_support import Broker, rabbitmqctl
@@ -94,6 +96,116 @@ async def test_a_node_that_takes_the_connection_and_never_answers_is_passed_over
             await transport.stop()
 
 
+async def test_a_silent_node_is_reported_as_not_answering_in_time(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(connection, "CONNECT_TIMEOUT", 0.5)
+    async with silent_node() as port:
+        transport = RabbitMQTransport(f"amqp://guest:guest@127.0.0.1:{port}/{vhost_of(url)}")
+        with pytest.raises(Unreachable, match=r"no answer within 0\.5 s") as caught:
+            await transport.start()
+    assert "TimeoutError" not in str(caught.value)
+
+
+@contextlib.asynccontextmanager
+async def relay(url: str) -> AsyncIterator[Relay]:
+    """A node on a port of its own that passes every byte on to the real one, until it dies."""
+    target = urlsplit(url)
+    node = Relay(target.hostname or "127.0.0.1", target.port or 5672)
+    await node.start()
+    try:
+        yield node
+    finally:
+        await node.die()
+
+
+class Relay:
+    """A TCP relay to RabbitMQ that can die (refusing connections) and come back on its port."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.target = host, port
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    def url(self, vhost: str, query: str = "") -> str:
+        """The AMQP URL of the relay."""
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/{vhost}{query}"
+
+    async def start(self) -> None:
+        """Listen (on the same port as before, if it listened before)."""
+        self._server = await asyncio.start_server(self._pass, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def die(self) -> None:
+        """Stop listening and drop every connection passed on."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+
+    async def _pass(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection(self.host, self.target)
+        self._writers += [writer, upstream_writer]
+        await asyncio.gather(
+            self._pipe(reader, upstream_writer),
+            self._pipe(upstream_reader, writer),
+            return_exceptions=True,
+        )
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+
+async def test_with_every_node_down_reconnects_back_off_saying_one_line_a_round(
+    url: str, vhost: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="aiormq")
+    caplog.set_level(logging.INFO, logger="mersal.rabbitmq")
+    monkeypatch.setattr(connection, "MAX_PAUSE", 0.4)
+    query = "?reconnect_interval=0.1"
+    async with relay(url) as node:
+        transport = RabbitMQTransport(f"{node.url(vhost, query)};{DEAD}/{vhost}{query}")
+        await transport.start()
+        try:
+            caplog.clear()
+            await node.die()
+
+            def rounds() -> list[logging.LogRecord]:
+                return [r for r in caplog.records if "RabbitMQ nodes failed" in r.getMessage()]
+
+            await eventually(lambda: len(rounds()) >= 5, "five rounds", timeout=10)
+            await node.start()
+            await eventually(lambda: transport.connected, "connected again", timeout=10)
+        finally:
+            await transport.stop()
+    failed = rounds()
+    pauses = [float(r.getMessage().rsplit("next round in ", 1)[1].split()[0]) for r in failed]
+    assert pauses[:5] == [0.1, 0.2, 0.4, 0.4, 0.4]
+    gaps = [later.created - earlier.created for earlier, later in itertools.pairwise(failed)]
+    assert all(gap >= pause * 0.9 for gap, pause in zip(gaps, pauses, strict=False))
+    assert all(r.levelno == logging.WARNING for r in failed)
+    assert ":5699" in failed[0].getMessage() and f":{node.port}/" in failed[0].getMessage()
+    said = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.INFO and r.name.startswith(("mersal", "aiormq", "aio_pika"))
+    ]
+    lost = next(n for n, r in enumerate(said) if "lost the connection" in r.getMessage())
+    assert said[lost + 1 : said.index(failed[-1]) + 1] == failed  # nothing else: no client line
+    lines = [r.getMessage() for r in said]
+    assert not any("trying the next node" in line for line in lines)
+    assert "reconnected to RabbitMQ" in caplog.text
+
+
 async def test_no_node_answering_is_unreachable_naming_each(url: str) -> None:
     vhost = vhost_of(url)
     transport = RabbitMQTransport(f"{DEAD}/{vhost};amqp://guest:guest@127.0.0.1:5698/{vhost}")
@@ -144,7 +256,7 @@ async def test_a_lost_connection_moves_to_the_next_node_and_the_app_goes_on(
             except MersalError:  # outcome unknown while it switches: send again
                 await asyncio.sleep(0.1)
         await eventually(lambda: got == [1, 2], "the second handled after the switch", timeout=20)
-    assert "trying RabbitMQ at amqp://guest:***@127.0.0.1:5699" in caplog.text
+    assert "passed over amqp://guest:***@127.0.0.1:5699" in caplog.text
 
 
 @dataclass

@@ -14,7 +14,6 @@ import aio_pika
 import aiormq
 import pytest
 from rabbitmq_support import Broker, rabbitmqctl
-from yarl import URL
 
 from mersal import (
     ConfigurationError,
@@ -588,9 +587,8 @@ async def test_stop_ends_a_declaration_that_waits_for_a_reconnect(
     make_transport: Make, prefix: str, vhost: str
 ) -> None:
     transport = await started(make_transport)
-    connection = transport._link.require()
-    connection.reconnect_interval = 60  # type: ignore[attr-defined]  # it would wait a minute
-    connection.url = URL("amqp://guest:guest@127.0.0.1:1/")  # nobody answers there
+    transport._link.pause = 60  # after the first failed round it would wait a minute
+    transport._link.nodes = ["amqp://guest:guest@127.0.0.1:1/"]  # nobody answers there
     await asyncio.to_thread(rabbitmqctl, "close_all_connections", "-p", vhost, "test")
     declaring = asyncio.create_task(transport.declare(f"{prefix}.never"))
     await asyncio.sleep(0.3)

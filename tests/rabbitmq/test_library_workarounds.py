@@ -1,0 +1,60 @@
+"""Mersal's workarounds for aiormq and pamqp act on Mersal's connections, not on others in the
+process: a user's own aio-pika code beside a running transport behaves as without Mersal."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import aio_pika
+import aiormq.channel
+import pamqp.decode
+import pytest
+
+from mersal_rabbitmq import RabbitMQTransport, patches
+
+pytestmark = pytest.mark.integration
+
+NOT_UTF8 = b"\x00\x00\x00\x05" + b"\x02\xff\xfe" + b"t\x01"
+"""A field table of one entry whose name is two bytes that are not UTF-8 (a boolean, true)."""
+
+
+@pytest.fixture
+async def running(url: str) -> AsyncIterator[RabbitMQTransport]:
+    """A started transport: every workaround that Mersal installs is in place."""
+    transport = RabbitMQTransport(url)
+    await transport.start()
+    yield transport
+    await transport.stop()
+
+
+async def test_a_plain_connection_reads_frames_as_pamqp_does(running: RabbitMQTransport) -> None:
+    table = pamqp.decode.METHODS["table"]
+    with pytest.raises(UnicodeDecodeError):
+        table(NOT_UTF8)
+    assert patches.own_context().run(table, NOT_UTF8) == (9, {"\ufffd\ufffd": True})
+
+
+async def test_a_plain_connections_channels_are_aiormqs_own(
+    running: RabbitMQTransport, url: str
+) -> None:
+    mersals = await running.open_channel()
+    assert isinstance(await mersals.get_underlay_channel(), patches.GuardedChannel)
+    assert vars(aiormq.channel.Channel)["lock"].fget.__module__ == "aiormq.channel"
+    plain = await aio_pika.connect(url)
+    try:
+        channel = await plain.channel()
+        assert type(await channel.get_underlay_channel()) is aiormq.channel.Channel
+    finally:
+        await plain.close()
+        await mersals.close()
+
+
+async def test_a_plain_connection_still_logs_its_failed_connects(
+    running: RabbitMQTransport, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="aiormq")
+    with contextlib.suppress(Exception):
+        await aio_pika.connect("amqp://guest:guest@127.0.0.1:5699/", timeout=2)
+    assert "error when creating transport" in caplog.text
