@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 from lagom import Container
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -232,3 +233,48 @@ async def test_saga_data_in_a_handler_reads_through_the_messages_transaction(
     assert bus.dead_lettered == []
     assert seen.data == [Release2("a-1", label="gold", tags=["gold"]), None]
     assert max(seen.seconds) < 1
+
+
+class Strict1(msgspec.Struct, forbid_unknown_fields=True):
+    key: str = ""
+    balance: int = 0
+
+
+class Strict2(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    key: str = ""
+    balance: int = 0
+    risk_level: str = "low"
+
+
+class StrictAccount1(Saga[Strict1], name="tests.data.StrictAccount"):
+    started_by = (Open,)
+    correlation = {Open: "key", Deposit: "key"}
+
+    async def open(self, message: Open) -> None:
+        self.data.key = message.key
+
+    async def deposit(self, message: Deposit) -> None:
+        self.data.balance += int(message.amount)
+
+
+class StrictAccount2(Saga[Strict2], name="tests.data.StrictAccount"):
+    started_by = (Open,)
+    correlation = {Open: "key", Label: "key"}
+
+    async def open(self, message: Open) -> None:
+        self.data.key = message.key
+
+    async def label(self, message: Label) -> None:
+        self.data.risk_level = message.label
+
+
+async def test_unknown_keys_are_no_error_for_a_class_that_forbids_them() -> None:
+    """A Struct with forbid_unknown_fields (and renamed fields) still loads a newer row."""
+    app_of = phases(None)
+    bus = await run(app_of(StrictAccount2), Open("a-1"), Label("a-1", "high"))
+    assert bus.dead_lettered == []
+    bus = await run(app_of(StrictAccount1), Deposit("a-1", 4))
+    assert bus.dead_lettered == []
+    assert await read(app_of(StrictAccount2), StrictAccount2, "a-1") == Strict2(
+        "a-1", balance=4, risk_level="high"
+    )

@@ -30,10 +30,19 @@ class Reply:
 
 
 @dataclass
+class Nudge:
+    """Correlated by a function of the ticket, which raises for a ticket not a number."""
+
+    ticket: str
+
+
+@dataclass
 class Open:
     ticket: str
     timeout: Reply | None = None
     """The Reply to request as a timeout, if any (a correlated type)."""
+    nudge: bool = False
+    """Request a Nudge as a timeout."""
 
 
 @dataclass
@@ -64,7 +73,12 @@ class Probe:
 
 class Tickets(Saga[Ticket], name="tests.headers.Tickets"):
     started_by = (Open,)
-    correlation = {Open: "ticket", Reply: "ticket", Close: "ticket"}
+    correlation = {
+        Open: "ticket",
+        Reply: "ticket",
+        Close: "ticket",
+        Nudge: lambda nudge: f"t-{int(nudge.ticket)}",
+    }
 
     def __init__(self, probe: Probe) -> None:
         self.probe = probe
@@ -75,6 +89,11 @@ class Tickets(Saga[Ticket], name="tests.headers.Tickets"):
         self.data.ticket = message.ticket
         if message.timeout is not None:
             await self.request_timeout(3600, message.timeout)
+        if message.nudge:
+            await self.request_timeout(3600, Nudge(message.ticket))
+
+    async def nudge(self, message: Nudge) -> None:
+        self.probe.runs["nudge"] += 1
 
     async def reply(self, message: Reply) -> None:
         self.probe.runs["reply"] += 1
@@ -320,6 +339,21 @@ async def test_request_timeout_refuses_a_correlation_value_that_would_not_find_t
         assert "Reply's attribute 'ticket'" in dead.error_message
         assert bus.deferred == []
         assert await bus.saga_data(Tickets, "t-1") is None
+
+
+async def test_request_timeout_refuses_a_correlation_function_that_raises() -> None:
+    probe = Probe()
+    app = tickets_app(probe)
+    async with Harness(app) as bus:
+        await app.send(Open("t-1", nudge=True))
+        await bus.idle()
+
+        [dead] = bus.dead_lettered
+        assert dead.error_type == "mersal.errors.MersalError"
+        assert dead.error_message.startswith("request_timeout(Nudge) in Tickets:")
+        assert "raised ValueError" in dead.error_message
+        assert "Nudge's correlation function" in dead.error_message
+        assert bus.deferred == []
 
 
 async def test_request_timeout_accepts_its_own_sagas_correlation_value() -> None:
