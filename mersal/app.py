@@ -154,6 +154,7 @@ class App:
         self._routes: dict[type, str] = {}
         self._subscriptions: list[type] = []
         self._sagas: list[SagaSpec] = []
+        self._saga_runners: dict[str, SagaRunner] = {}
         self._memory_sagas = MemorySagaStore()
         self._worker: Worker | None = None
         self._running = False
@@ -236,7 +237,9 @@ class App:
                 )
         for message_type in spec.methods:
             check_message_class(message_type, self.codec, "register_saga")
-        runner = SagaRunner(spec, self.handlers.builder(saga), self.saga_store, self.codec)
+        build = self.handlers.builder(saga)
+        runner = SagaRunner(spec, build, self.saga_store, self.codec, self._saga_runners)
+        self._saga_runners[spec.name] = runner
 
         async def run(message: Any, context: MessageContext) -> None:
             await runner(message, context)

@@ -12,6 +12,7 @@ once, without spending its retry budget.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import types
@@ -21,6 +22,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+
+import msgspec
 
 from mersal.errors import ConcurrencyConflict, ConfigurationError, DecodeError, MersalError
 from mersal.messages import KEY_LENGTH, Header, describe, stored_key
@@ -74,6 +77,7 @@ class Saga(Generic[Data]):
     data: Data
     saga_id: str
     _completed: bool = False
+    _correlation: str = ""
 
     def __init_subclass__(cls, name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -109,8 +113,9 @@ class Saga(Generic[Data]):
     ) -> str:
         """Have `message` delivered to this saga after `delay` (sent with the message's commit).
 
-        The timeout comes back to this saga instance by its id, whatever its correlation; it is
-        ignored if the saga has completed by then. Returns the timeout message's id.
+        The timeout comes back to this saga instance by its id; a type with a correlation here
+        must carry this saga's correlation value (checked now). A timeout of a type without a
+        correlation is ignored if the saga has completed by then. Returns the message's id.
         """
         context = current_message.get()
         spec: SagaSpec | None = getattr(self, "_spec", None)
@@ -125,6 +130,7 @@ class Saga(Generic[Data]):
                 f"{spec.cls.__qualname__} has no method for {name}, so its timeout would reach "
                 f"nobody: add `async def ...(self, timeout: {name})` to the saga"
             )
+        _check_timeout_correlation(spec, message, self._correlation)
         marked = {**(headers or {}), Header.SAGA_ID: self.saga_id, Header.SAGA_TYPE: spec.name}
         return await context.app.defer(delay, message, headers=marked, to_self=True)
 
@@ -202,8 +208,10 @@ class SagaStore(Protocol):
         """Delete the saga, if it is still at the revision `stored` was loaded at."""
         ...
 
-    async def read(self, saga: str, correlation: str) -> StoredSaga | None:
-        """The saga as last committed, outside any message (for tests and tools)."""
+    async def read(
+        self, saga: str, correlation: str, *, context: MessageContext | None = None
+    ) -> StoredSaga | None:
+        """The saga as last committed; with `context`, as that message's transaction sees it."""
         ...
 
 
@@ -227,6 +235,51 @@ def correlation_key(value: object, saga: SagaSpec, message_type: type) -> str:
             f"{saga.cls.__qualname__} is {value!r}: no saga can be found by it"
         )
     return stored_key(text)
+
+
+def _check_timeout_correlation(spec: SagaSpec, message: object, correlation: str) -> None:
+    """A MersalError unless a timeout of a correlated type names this saga by its correlation.
+
+    A timeout is found by its correlation value like any message of its type: a missing value
+    would dead-letter it when it comes back, and another saga's value would not reach this one.
+    """
+    message_type = type(message)
+    correlate = spec.correlate(message_type)
+    if correlate is None:
+        return
+    where = f"{message_type.__qualname__}'s {describe_correlation(correlate)}"
+    try:
+        key = correlation_key(_value(correlate, message, spec), spec, message_type)
+    except InvalidCorrelation as error:
+        raise MersalError(
+            f"request_timeout({message_type.__qualname__}) in {spec.cls.__qualname__}: {error}; "
+            f"set {where} to this saga's correlation value, or use a timeout type that has no "
+            "correlation"
+        ) from None
+    if key != correlation:
+        raise MersalError(
+            f"request_timeout({message_type.__qualname__}) in {spec.cls.__qualname__}: {where} "
+            f"names another saga than this one ({key[:80]!r}, this saga's is "
+            f"{correlation[:80]!r}), which the timeout would reach instead: set it to this "
+            "saga's correlation value, or use a timeout type that has no correlation"
+        )
+
+
+def describe_correlation(correlate: Callable[[Any], object]) -> str:
+    """How a correlation finds its saga, in words: `attribute 'order_id'` or `function f`."""
+    if isinstance(correlate, _Attribute):
+        return f"attribute {correlate.name!r}"
+    return f"correlation function {getattr(correlate, '__qualname__', correlate)!r}"
+
+
+@dataclass(frozen=True)
+class _Attribute:
+    """A correlation by attribute: the message's attribute `name` (None when it has none)."""
+
+    name: str
+
+    def __call__(self, message: object) -> object:
+        return getattr(message, self.name, None)
 
 
 @dataclass(frozen=True)
@@ -392,7 +445,7 @@ def _started_by(cls: type[Saga[Any]]) -> Iterator[type]:
 
 def _correlator(cls: type, message_type: type, how: object) -> Callable[[Any], object]:
     if isinstance(how, str) and how:
-        return lambda message: getattr(message, how, None)
+        return _Attribute(how)
     if callable(how):
         return how
     raise ConfigurationError(
@@ -410,11 +463,14 @@ class SagaRunner:
         build: Callable[[MessageContext], object],
         store: Callable[[], SagaStore],
         codec: Codec,
+        sagas: Mapping[str, SagaRunner] | None = None,
     ) -> None:
         self.spec = spec
         self.build = build
         self.store = store
         self.codec = codec
+        self.sagas: Mapping[str, SagaRunner] = {} if sagas is None else sagas
+        """The app's saga runners by saga name (this one's included): whose timeout is what."""
 
     async def __call__(self, message: Any, context: MessageContext) -> None:
         """Handle one message for the saga it correlates to (once, if several types match)."""
@@ -423,7 +479,7 @@ class SagaRunner:
         if ran in context.items:  # registered for a message's class and a base of it
             return
         context.items[ran] = True
-        stored = await self._find(store, message, context)
+        stored = await self._find(message, context)
         if stored is None:
             return
         saga = self._activate(context, stored)
@@ -436,70 +492,134 @@ class SagaRunner:
             if stored.revision:
                 await store.delete(context, spec.name, stored)
             return
-        if not isinstance(saga.data, spec.data_type):
-            raise MersalError(
-                f"{spec.cls.__qualname__}.data is a {type(saga.data).__qualname__} after "
-                f"{method}(), not a {spec.data_type.__qualname__}: assign the saga's data "
-                f"class, or call mark_complete() to end the saga"
-            )
-        saved = replace(stored, data=self.codec.encode(saga.data))
+        saved = replace(stored, data=self._encode(saga.data, method, stored.data))
         if stored.revision:
             await store.update(context, spec.name, saved)
         else:
             await store.insert(context, spec.name, saved)
 
-    async def _find(
-        self, store: SagaStore, message: Any, context: MessageContext
-    ) -> StoredSaga | None:
-        """The message's saga, a new one for a start message, or None (the message is done).
+    async def timeout_of(self, message: Any, context: MessageContext) -> StoredSaga | None:
+        """This saga's instance that the message's saga headers name, when they are true.
 
-        A timeout (it names its saga type and id in headers) goes only to the saga instance
-        that requested it: another saga type ignores it, and so does a saga that completed or
-        was started anew under the same correlation value since.
+        Headers are true when they name this saga type and an instance of it that exists, and,
+        for a message type with a correlation here, the one its correlation value finds.
         """
-        spec, headers = self.spec, context.headers
-        lock = spec.pessimistic or context.conflicts > 0  # a rerun waits its turn, not races
-        target = headers.get(Header.SAGA_TYPE)
-        if target is not None and target != spec.name:
-            log.debug(
-                "%s is a timeout of saga %r: not for %s", describe(headers), target, spec.name
-            )
+        headers = context.headers
+        saga_id = headers.get(Header.SAGA_ID)
+        if headers.get(Header.SAGA_TYPE) != self.spec.name or saga_id is None:
             return None
-        saga_id = headers.get(Header.SAGA_ID) if target is not None else None
+        found = await self._lookup(message, context)
+        return found if found is not None and found.id == saga_id else None
+
+    async def _lookup(self, message: Any, context: MessageContext) -> StoredSaga | None:
+        """The saga the message's correlation value finds; a timeout type's, by the header's id.
+
+        Looked up once per attempt, whichever saga asks first (another saga asks whether the
+        message is this one's timeout).
+        """
+        spec = self.spec
+        cached = f"mersal.saga-lookup:{spec.name}"
+        if cached in context.items:
+            found: StoredSaga | None = context.items[cached]
+            return found
+        store = self.store()
+        lock = spec.pessimistic or context.conflicts > 0  # a rerun waits its turn, not races
         message_type = type(message)
         correlate = spec.correlate(message_type)
-        key = None
+        found = None
         if correlate is not None:
             key = correlation_key(_value(correlate, message, spec), spec, message_type)
-        if saga_id is not None:
-            found = None
-            if key is not None:
-                found = await store.find(context, spec.name, correlation=key, lock=lock)
-            elif _plausible_id(saga_id):
+            found = await store.find(context, spec.name, correlation=key, lock=lock)
+            context.items[f"mersal.saga-key:{spec.name}"] = key
+        elif context.headers.get(Header.SAGA_TYPE) == spec.name:
+            saga_id = context.headers.get(Header.SAGA_ID)
+            if saga_id is not None and _plausible_id(saga_id):
                 found = await store.find(context, spec.name, saga_id=saga_id, lock=lock)
-            if found is None or found.id != saga_id:
+        context.items[cached] = found
+        return found
+
+    async def _find(self, message: Any, context: MessageContext) -> StoredSaga | None:
+        """The message's saga, a new one for a start message, or None (the message is done).
+
+        The saga headers are a hint, trusted only when they are true (`timeout_of`): a timeout
+        goes to the saga instance that requested it, and another saga type leaves it alone.
+        Headers that are not true are ignored, and the message is handled as what its type
+        says: it finds its saga by its correlation value, starts one, or goes to `not_found`.
+        """
+        spec, headers = self.spec, context.headers
+        message_type = type(message)
+        correlated = spec.correlate(message_type) is not None
+        if await self._for_another_saga(message, context, correlated):
+            return None
+        found = await self._lookup(message, context)
+        saga_id = headers.get(Header.SAGA_ID)
+        if headers.get(Header.SAGA_TYPE) == spec.name and saga_id is not None:
+            if found is not None and found.id == saga_id:
+                return found  # a timeout of this saga
+            if not correlated:
                 log.info(
-                    "%s for %s saga %s, which has completed: ignored",
+                    "%s: no saga %s of %s: it has ended, or the id names none; ignored",
                     describe(headers),
-                    spec.cls.__qualname__,
                     saga_id[:SAGA_ID_LENGTH],
+                    spec.cls.__qualname__,
                 )
                 return None
+            log.debug(
+                "%s: its saga headers name no %s found by its correlation value; handled as a %s",
+                describe(headers),
+                spec.cls.__qualname__,
+                message_type.__qualname__,
+            )
+        if found is not None and correlated:
             return found
-        if key is not None:
-            found = await store.find(context, spec.name, correlation=key, lock=lock)
-            if found is not None:
-                return found
-            if spec.starts(message_type):
-                return StoredSaga(str(uuid.uuid4()), key)
+        if correlated and spec.starts(message_type):
+            return StoredSaga(str(uuid.uuid4()), context.items[f"mersal.saga-key:{spec.name}"])
         await self._activate(context, StoredSaga("", "")).not_found(message)
         return None
+
+    async def _for_another_saga(
+        self, message: Any, context: MessageContext, correlated: bool
+    ) -> bool:
+        """Whether the message is another registered saga's timeout, which this one leaves.
+
+        A type without a correlation here is left to the saga the headers name, which takes it
+        (this one could find no instance by another saga's id); a correlated type only when the
+        headers are true for that saga.
+        """
+        target = context.headers.get(Header.SAGA_TYPE)
+        if target is None or target == self.spec.name:
+            return False
+        other = self.sagas.get(target)
+        if other is None or other.spec.method_for(type(message)) is None:
+            log.debug(
+                "%s names saga %r, which does not take it in this app: saga headers ignored",
+                describe(context.headers),
+                target[:SAGA_NAME_LENGTH],
+            )
+            return False
+        if correlated and await other.timeout_of(message, context) is None:
+            log.debug(
+                "%s: no saga %r with its saga id: handled as a %s by %s",
+                describe(context.headers),
+                target[:SAGA_NAME_LENGTH],
+                type(message).__qualname__,
+                self.spec.cls.__qualname__,
+            )
+            return False
+        log.debug(
+            "%s is a timeout of saga %r: not for %s",
+            describe(context.headers),
+            target,
+            self.spec.name,
+        )
+        return True
 
     def _activate(self, context: MessageContext, stored: StoredSaga) -> Saga[Any]:
         saga = self.build(context)
         assert isinstance(saga, Saga)
         saga.saga_id = stored.id
         saga._completed = False
+        saga._correlation = stored.correlation
         saga._spec = self.spec  # type: ignore[attr-defined]
         if stored.data is not None:
             saga.data = self._decode(stored)
@@ -508,13 +628,34 @@ class SagaRunner:
     def _decode(self, stored: StoredSaga) -> Any:
         assert stored.data is not None
         try:
-            return self.codec.decode(stored.data, self.spec.data_type)
+            return decode_data(self.codec, stored.data, self.spec.data_type)
         except DecodeError as error:
             raise MersalError(
                 f"the stored data of {self.spec.cls.__qualname__} saga {stored.id} does not "
                 f"decode as {self.spec.data_type.__qualname__} ({error}): migrate the stored "
                 "data, or make the class accept it (defaults for new fields)"
             ) from None
+
+    def _encode(self, data: object, method: str, stored: bytes | None) -> bytes:
+        """The data to save: checked to load back, with what a newer release stored kept."""
+        spec = self.spec
+        name = f"{spec.cls.__qualname__}.{method}()"
+        if not isinstance(data, spec.data_type):
+            raise MersalError(
+                f"{spec.cls.__qualname__}.data is a {type(data).__qualname__} after {name}, "
+                f"not a {spec.data_type.__qualname__}: assign the saga's data class, or call "
+                "mark_complete() to end the saga"
+            )
+        encoded = self.codec.encode(data)
+        try:
+            self.codec.decode(encoded, spec.data_type)
+        except DecodeError as error:
+            raise MersalError(
+                f"{name} left data in saga {spec.name!r} that would not load back as "
+                f"{spec.data_type.__qualname__} ({error}): store values of the fields' "
+                "declared types; nothing was saved"
+            ) from None
+        return keep_unknown(encoded, stored, spec.data_type)
 
 
 @dataclass(slots=True)
@@ -570,8 +711,10 @@ class MemorySagaStore:
         """Delete the saga when the message commits (a conflict if it changed meanwhile)."""
         self._changes(context).append(_Change((saga, stored.correlation), stored, None))
 
-    async def read(self, saga: str, correlation: str) -> StoredSaga | None:
-        """The saga as last committed."""
+    async def read(
+        self, saga: str, correlation: str, *, context: MessageContext | None = None
+    ) -> StoredSaga | None:
+        """The saga as last committed (a message's pending changes apply only at its commit)."""
         found = self.rows.get((saga, correlation))
         return None if found is None else replace(found)
 
@@ -638,11 +781,72 @@ class MemorySagaStore:
 
 
 async def saga_data(app: App, saga: type[Saga[D]], correlation: object) -> D | None:
-    """The committed data of the `saga` whose correlation value is `correlation`, or None."""
+    """The committed data of the `saga` whose correlation value is `correlation`, or None.
+
+    Inside a handler of this app, it is read in the message's transaction (so it does not wait
+    for a database connection the message holds): the data as the message sees it.
+    """
     spec = app.saga_spec(saga)
     key = correlation_key(correlation, spec, type(correlation))
-    stored = await app.saga_store().read(spec.name, key)
+    context = current_message.get()
+    if context is not None and context.app is not app:
+        context = None
+    stored = await app.saga_store().read(spec.name, key, context=context)
     if stored is None or stored.data is None:
         return None
-    decoded: D = app.codec.decode(stored.data, spec.data_type)
+    decoded: D = decode_data(app.codec, stored.data, spec.data_type)
     return decoded
+
+
+def decode_data(codec: Codec, data: bytes, data_type: type) -> Any:
+    """Stored saga data as `data_type`; top-level keys the class does not know are left out."""
+    stored = _json_object(data)
+    if stored is not None:
+        known = data_keys(data_type)
+        if any(key not in known for key in stored):
+            data = msgspec.json.encode({k: v for k, v in stored.items() if k in known})
+    return codec.decode(data, data_type)
+
+
+def keep_unknown(encoded: bytes, stored: bytes | None, data_type: type) -> bytes:
+    """`encoded` with the stored data's top-level keys that `data_type` does not know.
+
+    A newer release may have added a field: an older one that saves the saga keeps it. Only
+    data a codec writes as a JSON object can keep them (the JSON codec's).
+    """
+    before = None if stored is None else _json_object(stored)
+    if not before:
+        return encoded
+    known = data_keys(data_type)
+    unknown = {key: value for key, value in before.items() if key not in known}
+    after = _json_object(encoded) if unknown else None
+    if after is None:
+        return encoded
+    return msgspec.json.encode({**after, **{k: v for k, v in unknown.items() if k not in after}})
+
+
+def data_keys(data_type: type) -> frozenset[str]:
+    """The top-level keys a data class reads and writes: its fields' names and aliases."""
+    if dataclasses.is_dataclass(data_type):
+        return frozenset(field.name for field in dataclasses.fields(data_type))
+    if issubclass(data_type, msgspec.Struct):
+        fields = msgspec.structs.fields(data_type)
+        tag = data_type.__struct_config__.tag_field
+        encoded = {name for f in fields for name in (f.name, f.encode_name)}
+        return frozenset(encoded if tag is None else {*encoded, tag})
+    names: set[str] = {a.name for a in getattr(data_type, "__attrs_attrs__", ())}
+    for name, info in getattr(data_type, "model_fields", {}).items():  # pydantic
+        aliases = (info.alias, info.serialization_alias, info.validation_alias)
+        names |= {name, *(alias for alias in aliases if isinstance(alias, str))}
+    return frozenset(names)
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    """The JSON object `data` is, or None (a codec's bytes that are not a JSON object)."""
+    if not data.startswith(b"{"):
+        return None
+    try:
+        value = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    return value if isinstance(value, dict) else None

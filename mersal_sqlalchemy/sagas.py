@@ -10,7 +10,7 @@ from sqlalchemy import CursorResult, Select, Table, delete, func, insert, select
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-from mersal.errors import ConcurrencyConflict
+from mersal.errors import ConcurrencyConflict, MersalError
 from mersal.pipeline import MessageContext
 from mersal.sagas import StoredSaga
 from mersal_sqlalchemy.database import is_postgresql
@@ -97,11 +97,31 @@ class SqlSagaStore:
         statement = delete(self.table).where(*self._row(saga, stored))
         await self._one_row(context, statement, saga, stored)
 
-    async def read(self, saga: str, correlation: str) -> StoredSaga | None:
-        """The saga as last committed, on a connection of its own."""
+    async def read(
+        self, saga: str, correlation: str, *, context: MessageContext | None = None
+    ) -> StoredSaga | None:
+        """The saga as last committed; with `context`, as that message's session sees it.
+
+        Outside a message it is read on a connection of its own. Inside one it is read through
+        the message's session: on SQLite the one pooled connection may be the message's own.
+        """
+        query = self._select(saga, correlation, None)
+        session = self._session(context)
+        if session is not None:
+            return _stored((await session.execute(query)).first())
         async with self.engine.connect() as connection:
-            result = await connection.execute(self._select(saga, correlation, None))
-            return _stored(result.first())
+            return _stored((await connection.execute(query)).first())
+
+    def _session(self, context: MessageContext | None) -> AsyncSession | None:
+        from mersal_sqlalchemy.storage import ENDING  # storage imports this module
+
+        if context is None:
+            return None
+        try:
+            session = self.session_of(context)
+        except MersalError:  # the message is not handled in a session
+            return None
+        return None if session.info.get(ENDING) else session
 
     def _select(self, saga: str, correlation: str | None, saga_id: str | None) -> Select[Any]:
         table = self.table

@@ -1,0 +1,280 @@
+"""What a saga's stored data survives: two releases of its class, a method's bad value, reads.
+
+Two releases of one app run side by side while a deploy rolls: release 2 adds a field (with a
+default) that release 1 does not know. Both share the sagas, in a database or, without one, in
+one process's memory; each phase below is an app of one release on the same broker and store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+from lagom import Container
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from mersal import App, RetryPolicy
+from mersal.sagas import MemorySagaStore, Saga
+from mersal.testing import Harness
+
+NAME = "tests.data.Account"
+QUEUE = "accounts"
+
+
+@dataclass
+class Open:
+    key: str
+
+
+@dataclass
+class Deposit:
+    key: str
+    amount: float
+
+
+@dataclass
+class Label:
+    """Release 2's message: it sets the field release 1 does not know."""
+
+    key: str
+    label: str
+
+
+@dataclass
+class Spoil:
+    """Release 1's method adds the amount as it is: a float in an int field."""
+
+    key: str
+    amount: float
+
+
+@dataclass
+class Peek:
+    key: str
+
+
+@dataclass
+class Release1:
+    key: str = ""
+    balance: int = 0
+
+
+@dataclass
+class Release2:
+    key: str = ""
+    balance: int = 0
+    label: str = "none"
+    tags: list[str] = field(default_factory=list)
+
+
+class Account1(Saga[Release1], name=NAME):
+    started_by = (Open,)
+    correlation = {Open: "key", Deposit: "key", Spoil: "key"}
+
+    async def open(self, message: Open) -> None:
+        self.data.key = message.key
+
+    async def deposit(self, message: Deposit) -> None:
+        self.data.balance += int(message.amount)
+
+    async def spoil(self, message: Spoil) -> None:
+        self.data.balance += message.amount  # type: ignore[assignment]  # a float, on purpose
+
+
+class Account2(Saga[Release2], name=NAME):
+    started_by = (Open,)
+    correlation = {Open: "key", Deposit: "key", Label: "key"}
+
+    async def open(self, message: Open) -> None:
+        self.data.key = message.key
+
+    async def deposit(self, message: Deposit) -> None:
+        self.data.balance += int(message.amount)
+
+    async def label(self, message: Label) -> None:
+        self.data.label = message.label
+        self.data.tags.append(message.label)
+
+
+@dataclass
+class Seen:
+    """What the Peek handler read with `app.saga_data`, and how long it took."""
+
+    data: list[object] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+
+def account_app(saga: type[Saga[object]], database: str | None, seen: Seen | None = None) -> App:
+    container = Container()
+    container[Seen] = seen or Seen()
+    app = App(
+        QUEUE,
+        database=database,
+        retry=RetryPolicy(immediate=0, delayed=[], error_queue=f"{QUEUE}.error"),
+        handler_timeout=5,
+        container=container,
+    )
+    app.register_saga(saga)
+    for message_type in (Open, Deposit, Label, Spoil, Peek):
+        app.route(message_type, QUEUE)
+    return app
+
+
+Phase = Callable[[type[Saga[object]]], App]
+
+
+def phases(database: str | None) -> Phase:
+    """Apps of either release on one store: the database, or one shared memory store."""
+    memory = MemorySagaStore()
+
+    def app_of(saga: type[Saga[object]]) -> App:
+        app = account_app(saga, database)
+        if database is None:
+            app._memory_sagas = memory  # two releases in one process: one memory store
+        return app
+
+    return app_of
+
+
+async def run(app: App, *messages: object) -> Harness:
+    """Send `messages` to `app`, one at a time, each handled before the next."""
+    async with Harness(app) as bus:
+        for message in messages:
+            await app.send(message)
+            await bus.idle()
+    return bus
+
+
+async def read(app: App, saga: type[Saga[object]], key: str) -> object:
+    async with Harness(app) as bus:
+        return await bus.saga_data(saga, key)
+
+
+async def check_a_newer_releases_field_survives_an_older_release(app_of: Phase) -> None:
+    bus = await run(app_of(Account2), Open("a-1"), Label("a-1", "gold"))
+    assert bus.dead_lettered == []
+
+    bus = await run(app_of(Account1), Deposit("a-1", 5))  # release 1 loads and saves
+    assert bus.dead_lettered == []
+
+    assert await read(app_of(Account2), Account2, "a-1") == Release2(
+        "a-1", balance=5, label="gold", tags=["gold"]
+    )
+    bus = await run(app_of(Account2), Deposit("a-1", 1))
+    assert await read(app_of(Account1), Account1, "a-1") == Release1("a-1", balance=6)
+
+
+async def test_a_newer_releases_field_survives_an_older_release_in_memory() -> None:
+    await check_a_newer_releases_field_survives_an_older_release(phases(None))
+
+
+async def test_a_newer_releases_field_survives_an_older_release_in_sql(database: str) -> None:
+    await check_a_newer_releases_field_survives_an_older_release(phases(database))
+
+
+async def check_a_method_storing_what_its_class_cannot_read_fails_itself(app_of: Phase) -> None:
+    assert (await run(app_of(Account1), Open("a-1"))).dead_lettered == []
+
+    bus = await run(app_of(Account1), Spoil("a-1", 2.5), Spoil("a-1", 2.0))
+
+    first, second = bus.dead_lettered
+    for dead in (first, second):
+        assert dead.error_type == "mersal.errors.MersalError"
+        assert "Account1.spoil() left data in saga 'tests.data.Account'" in dead.error_message
+        assert "would not load back as Release1" in dead.error_message
+        assert "Expected `int`, got `float`" in dead.error_message
+        assert "nothing was saved" in dead.error_message
+    assert await read(app_of(Account1), Account1, "a-1") == Release1("a-1")
+    bus = await run(app_of(Account2), Deposit("a-1", 3.0))  # the saga is not poisoned
+    assert bus.dead_lettered == []
+    assert await read(app_of(Account1), Account1, "a-1") == Release1("a-1", balance=3)
+
+
+async def test_a_method_storing_what_its_class_cannot_read_fails_itself_in_memory() -> None:
+    await check_a_method_storing_what_its_class_cannot_read_fails_itself(phases(None))
+
+
+async def test_a_method_storing_what_its_class_cannot_read_fails_itself_in_sql(
+    database: str,
+) -> None:
+    await check_a_method_storing_what_its_class_cannot_read_fails_itself(phases(database))
+
+
+class Peeker:
+    """A handler that uses the message's session, then reads a saga's data."""
+
+    def __init__(self, app: App, session: AsyncSession, seen: Seen) -> None:
+        self.app = app
+        self.session = session
+        self.seen = seen
+
+    async def __call__(self, message: Peek) -> None:
+        await self.session.execute(text("SELECT 1"))  # the message now holds a connection
+        began = time.monotonic()
+        self.seen.data.append(await self.app.saga_data(Account2, message.key))
+        self.seen.seconds.append(time.monotonic() - began)
+
+
+async def test_saga_data_in_a_handler_reads_through_the_messages_transaction(
+    database: str,
+) -> None:
+    """On SQLite the message holds the one pooled connection: a read elsewhere would wait."""
+    seen = Seen()
+    app = account_app(Account2, database, seen)
+    app.register(Peek, Peeker)
+    async with Harness(app) as bus:
+        for message in (Open("a-1"), Label("a-1", "gold"), Peek("a-1"), Peek("a-2")):
+            await app.send(message)
+            await bus.idle(timeout=10)
+
+    assert bus.dead_lettered == []
+    assert seen.data == [Release2("a-1", label="gold", tags=["gold"]), None]
+    assert max(seen.seconds) < 1
+
+
+class Strict1(msgspec.Struct, forbid_unknown_fields=True):
+    key: str = ""
+    balance: int = 0
+
+
+class Strict2(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    key: str = ""
+    balance: int = 0
+    risk_level: str = "low"
+
+
+class StrictAccount1(Saga[Strict1], name="tests.data.StrictAccount"):
+    started_by = (Open,)
+    correlation = {Open: "key", Deposit: "key"}
+
+    async def open(self, message: Open) -> None:
+        self.data.key = message.key
+
+    async def deposit(self, message: Deposit) -> None:
+        self.data.balance += int(message.amount)
+
+
+class StrictAccount2(Saga[Strict2], name="tests.data.StrictAccount"):
+    started_by = (Open,)
+    correlation = {Open: "key", Label: "key"}
+
+    async def open(self, message: Open) -> None:
+        self.data.key = message.key
+
+    async def label(self, message: Label) -> None:
+        self.data.risk_level = message.label
+
+
+async def test_unknown_keys_are_no_error_for_a_class_that_forbids_them() -> None:
+    """A Struct with forbid_unknown_fields (and renamed fields) still loads a newer row."""
+    app_of = phases(None)
+    bus = await run(app_of(StrictAccount2), Open("a-1"), Label("a-1", "high"))
+    assert bus.dead_lettered == []
+    bus = await run(app_of(StrictAccount1), Deposit("a-1", 4))
+    assert bus.dead_lettered == []
+    assert await read(app_of(StrictAccount2), StrictAccount2, "a-1") == Strict2(
+        "a-1", balance=4, risk_level="high"
+    )

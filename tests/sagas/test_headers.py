@@ -1,0 +1,369 @@
+"""Saga headers (`saga-type`, `saga-id`) are a hint, trusted only when they can be true.
+
+Any producer can copy them onto a message, or make them up. A message with headers that are
+not true is handled as what its type says: it finds its saga by its correlation value, starts
+one, or goes to `not_found`. Only a timeout type (a method, no correlation) whose saga is gone
+is ignored. Also what `request_timeout` refuses at the call.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+from lagom import Container
+
+from mersal import App, Header, RetryPolicy
+from mersal.sagas import Saga
+from mersal.testing import Harness
+
+QUEUE = "tickets"
+ERRORS = "tickets.error"
+
+
+@dataclass
+class Reply:
+    ticket: str | None
+
+
+@dataclass
+class Nudge:
+    """Correlated by a function of the ticket, which raises for a ticket not a number."""
+
+    ticket: str
+
+
+@dataclass
+class Open:
+    ticket: str
+    timeout: Reply | None = None
+    """The Reply to request as a timeout, if any (a correlated type)."""
+    nudge: bool = False
+    """Request a Nudge as a timeout."""
+
+
+@dataclass
+class Close:
+    ticket: str
+
+
+@dataclass
+class Remind:
+    """The Tickets saga's timeout type: a method, no correlation."""
+
+    ticket: str
+
+
+@dataclass
+class Ticket:
+    ticket: str = ""
+    replies: int = 0
+    reminded: int = 0
+
+
+@dataclass
+class Probe:
+    runs: Counter[str] = field(default_factory=Counter)
+    saga_ids: dict[str, str] = field(default_factory=dict)
+    not_found: list[object] = field(default_factory=list)
+
+
+class Tickets(Saga[Ticket], name="tests.headers.Tickets"):
+    started_by = (Open,)
+    correlation = {
+        Open: "ticket",
+        Reply: "ticket",
+        Close: "ticket",
+        Nudge: lambda nudge: f"t-{int(nudge.ticket)}",
+    }
+
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+
+    async def open(self, message: Open) -> None:
+        self.probe.runs["open"] += 1
+        self.probe.saga_ids[message.ticket] = self.saga_id
+        self.data.ticket = message.ticket
+        if message.timeout is not None:
+            await self.request_timeout(3600, message.timeout)
+        if message.nudge:
+            await self.request_timeout(3600, Nudge(message.ticket))
+
+    async def nudge(self, message: Nudge) -> None:
+        self.probe.runs["nudge"] += 1
+
+    async def reply(self, message: Reply) -> None:
+        self.probe.runs["reply"] += 1
+        self.data.replies += 1
+
+    async def close(self, message: Close) -> None:
+        self.probe.runs["close"] += 1
+        self.mark_complete()
+
+    async def remind(self, timeout: Remind) -> None:
+        self.probe.runs["remind"] += 1
+        self.data.reminded += 1
+
+    async def not_found(self, message: object) -> None:
+        self.probe.not_found.append(message)
+
+
+class Escalations(Saga[Ticket], name="tests.headers.Escalations"):
+    """A second saga that takes Reply, correlated by the same attribute, and Remind."""
+
+    started_by = (Reply,)
+    correlation = {Reply: "ticket"}
+
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+
+    async def reply(self, message: Reply) -> None:
+        self.probe.runs["escalation reply"] += 1
+        self.data.replies += 1
+
+    async def remind(self, timeout: Remind) -> None:
+        self.probe.runs["escalation remind"] += 1
+
+
+def tickets_app(probe: Probe, *sagas: type[Saga[Ticket]]) -> App:
+    container = Container()
+    container[Probe] = probe
+    app = App(
+        QUEUE,
+        retry=RetryPolicy(immediate=0, delayed=[], error_queue=ERRORS),
+        container=container,
+    )
+    for saga in sagas or (Tickets,):
+        app.register_saga(saga)
+    for message_type in (Open, Reply, Close, Remind):
+        app.route(message_type, QUEUE)
+    return app
+
+
+def forged(saga: str, saga_id: str | None = None) -> dict[str, str]:
+    """Saga headers as another producer might copy or make them up."""
+    return {Header.SAGA_TYPE: saga, Header.SAGA_ID: saga_id or str(uuid.uuid4())}
+
+
+async def test_a_start_message_with_made_up_saga_headers_starts_its_saga() -> None:
+    probe = Probe()
+    app = tickets_app(probe)
+    async with Harness(app) as bus:
+        await app.send(Open("t-1"), headers=forged(Tickets.saga_name))
+        await app.send(Open("t-2"), headers=forged("someone.Else"))
+        await bus.idle()
+
+        assert probe.runs == Counter(open=2)
+        assert await bus.saga_data(Tickets, "t-1") == Ticket("t-1")
+        assert await bus.saga_data(Tickets, "t-2") == Ticket("t-2")
+    assert bus.dead_lettered == []
+
+
+async def test_a_correlated_message_with_a_made_up_saga_id_reaches_its_saga() -> None:
+    probe = Probe()
+    app = tickets_app(probe)
+    async with Harness(app) as bus:
+        await app.send(Open("t-1"))
+        await bus.idle()
+        await app.send(Reply("t-1"), headers=forged(Tickets.saga_name))
+        await app.send(Reply("t-1"), headers=forged(Tickets.saga_name, "x" * 500))
+        await bus.idle()
+
+        assert probe.runs["reply"] == 2
+        assert await bus.saga_data(Tickets, "t-1") == Ticket("t-1", replies=2)
+    assert bus.dead_lettered == []
+
+
+async def test_a_correlated_message_with_a_made_up_saga_id_and_no_saga_is_not_found() -> None:
+    probe = Probe()
+    app = tickets_app(probe)
+    async with Harness(app) as bus:
+        await app.send(Reply("t-9"), headers=forged(Tickets.saga_name))
+        await bus.idle()
+
+        assert probe.not_found == [Reply("t-9")]
+    assert bus.dead_lettered == []
+
+
+async def test_another_sagas_id_on_a_correlated_message_is_no_timeout() -> None:
+    """The real id of saga t-1 on a Reply that correlates to t-2: the Reply goes to t-2."""
+    probe = Probe()
+    app = tickets_app(probe)
+    async with Harness(app) as bus:
+        await app.send(Open("t-1"))
+        await app.send(Open("t-2"))
+        await bus.idle()
+        await app.send(Reply("t-2"), headers=forged(Tickets.saga_name, probe.saga_ids["t-1"]))
+        await bus.idle()
+
+        assert await bus.saga_data(Tickets, "t-1") == Ticket("t-1")
+        assert await bus.saga_data(Tickets, "t-2") == Ticket("t-2", replies=1)
+    assert bus.dead_lettered == []
+
+
+@pytest.mark.parametrize("saga", ["someone.Else", Escalations.saga_name])
+async def test_a_saga_type_header_naming_no_saga_taking_the_message_does_not_silence_it(
+    saga: str,
+) -> None:
+    """A Close with a saga-type of an unknown saga, or of one that does not take Close."""
+    probe = Probe()
+    app = tickets_app(probe, Tickets, Escalations)
+    async with Harness(app) as bus:
+        await app.send(Open("t-1"))
+        await bus.idle()
+        await app.send(Close("t-1"), headers=forged(saga, probe.saga_ids["t-1"]))
+        await app.send(Close("t-9"), headers=forged(saga))
+        await bus.idle()
+
+        assert probe.runs["close"] == 1
+        assert await bus.saga_data(Tickets, "t-1") is None
+        assert probe.not_found == [Close("t-9")]
+    assert bus.dead_lettered == []
+
+
+async def test_a_made_up_timeout_of_another_saga_does_not_silence_a_correlated_message() -> None:
+    """Escalations takes Reply too: headers naming it with a made-up id leave Tickets its Reply."""
+    probe = Probe()
+    app = tickets_app(probe, Tickets, Escalations)
+    async with Harness(app) as bus:
+        await app.send(Open("t-1"))
+        await bus.idle()
+        await app.send(Reply("t-1"), headers=forged(Escalations.saga_name))
+        await bus.idle()
+
+        assert probe.runs["reply"] == 1
+        assert probe.runs["escalation reply"] == 1  # it starts an Escalations saga, as a Reply
+        assert await bus.saga_data(Tickets, "t-1") == Ticket("t-1", replies=1)
+        assert await bus.saga_data(Escalations, "t-1") == Ticket(replies=1)
+    assert bus.dead_lettered == []
+
+
+async def test_a_real_timeout_of_a_correlated_type_reaches_only_its_saga() -> None:
+    probe = Probe()
+    app = tickets_app(probe, Tickets, Escalations)
+    async with Harness(app) as bus:
+        await app.send(Reply("t-1"))  # starts an Escalations saga for t-1
+        await app.send(Open("t-1", timeout=Reply("t-1")))
+        await bus.idle(include_delayed=False)
+        assert probe.runs["escalation reply"] == 1
+        [deferred] = bus.deferred
+        assert deferred.headers[Header.SAGA_TYPE] == Tickets.saga_name
+
+        assert bus.deliver_delayed() == 1
+        await bus.idle()
+
+        assert probe.runs["reply"] == 1
+        assert probe.runs["escalation reply"] == 1  # Tickets' timeout: not Escalations' Reply
+    assert bus.dead_lettered == []
+
+
+async def test_a_timeout_of_a_correlated_type_whose_saga_ended_is_handled_as_its_type() -> None:
+    probe = Probe()
+    app = tickets_app(probe)
+    async with Harness(app) as bus:
+        await app.send(Open("t-1", timeout=Reply("t-1")))
+        await bus.idle(include_delayed=False)
+        await app.send(Close("t-1"))
+        await bus.idle(include_delayed=False)
+
+        assert bus.deliver_delayed() == 1
+        await bus.idle()
+
+        assert probe.not_found == [Reply("t-1")]
+    assert bus.dead_lettered == []
+
+
+async def test_a_made_up_id_on_a_timeout_type_is_ignored_without_claiming_completion(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    probe = Probe()
+    app = tickets_app(probe)
+    caplog.set_level(logging.INFO, logger="mersal.sagas")
+    made_up = str(uuid.uuid4())
+    async with Harness(app) as bus:
+        await app.send(Open("t-1"))
+        await bus.idle()
+        await app.send(Remind("t-1"), headers=forged(Tickets.saga_name, made_up))
+        await bus.idle()
+
+        assert probe.runs["remind"] == 0
+        assert probe.not_found == []
+    assert bus.dead_lettered == []
+    [line] = [line for line in caplog.messages if made_up in line]
+    assert "it has ended, or the id names none" in line
+    assert "complete" not in line
+
+
+async def test_a_timeout_type_with_a_saga_type_of_no_registered_saga_goes_to_not_found() -> None:
+    probe = Probe()
+    app = tickets_app(probe)
+    async with Harness(app) as bus:
+        await app.send(Open("t-1"))
+        await bus.idle()
+        await app.send(Remind("t-1"), headers=forged("someone.Else", probe.saga_ids["t-1"]))
+        await bus.idle()
+
+        assert probe.runs["remind"] == 0
+        assert probe.not_found == [Remind("t-1")]
+    assert bus.dead_lettered == []
+
+
+# request_timeout checks a correlated timeout type's correlation value at the call.
+
+
+@pytest.mark.parametrize(
+    ("timeout", "reason"),
+    [
+        (Reply(None), "is None: no saga can be found by it"),
+        (Reply(""), "is '': no saga can be found by it"),
+        (Reply("t-2"), "names another saga than this one ('t-2', this saga's is 't-1')"),
+    ],
+    ids=["missing", "empty", "another-saga"],
+)
+async def test_request_timeout_refuses_a_correlation_value_that_would_not_find_this_saga(
+    timeout: Reply, reason: str
+) -> None:
+    probe = Probe()
+    app = tickets_app(probe)
+    async with Harness(app) as bus:
+        await app.send(Open("t-1", timeout=timeout))
+        await bus.idle()
+
+        [dead] = bus.dead_lettered
+        assert dead.error_type == "mersal.errors.MersalError"
+        assert dead.error_message.startswith("request_timeout(Reply) in Tickets:")
+        assert reason in dead.error_message
+        assert "Reply's attribute 'ticket'" in dead.error_message
+        assert bus.deferred == []
+        assert await bus.saga_data(Tickets, "t-1") is None
+
+
+async def test_request_timeout_refuses_a_correlation_function_that_raises() -> None:
+    probe = Probe()
+    app = tickets_app(probe)
+    async with Harness(app) as bus:
+        await app.send(Open("t-1", nudge=True))
+        await bus.idle()
+
+        [dead] = bus.dead_lettered
+        assert dead.error_type == "mersal.errors.MersalError"
+        assert dead.error_message.startswith("request_timeout(Nudge) in Tickets:")
+        assert "raised ValueError" in dead.error_message
+        assert "Nudge's correlation function" in dead.error_message
+        assert bus.deferred == []
+
+
+async def test_request_timeout_accepts_its_own_sagas_correlation_value() -> None:
+    probe = Probe()
+    app = tickets_app(probe)
+    async with Harness(app) as bus:
+        await app.send(Open("t-1", timeout=Reply("t-1")))
+        await bus.idle(include_delayed=False)
+        assert bus.deliver_delayed() == 1
+        await bus.idle()
+
+        assert await bus.saga_data(Tickets, "t-1") == Ticket("t-1", replies=1)
+    assert bus.dead_lettered == []
