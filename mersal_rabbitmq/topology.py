@@ -61,6 +61,23 @@ PARTITIONED_RECHECK = 30.0
 """Seconds after which a sender looks again whether a queue it found unpartitioned is now."""
 
 
+PLUGIN_HINT = (
+    "enable the plugin on every node (rabbitmq-plugins enable rabbitmq_consistent_hash_exchange)"
+)
+"""What to do when a node cannot make or route through a consistent-hash exchange."""
+
+
+def missing_plugin(error: BaseException | None) -> bool:
+    """Whether RabbitMQ refused a publish because its node lacks the consistent-hash plugin.
+
+    A node without it answers a publish to such an exchange (declared from a node with it)
+    with a 406: "Cannot route message through exchange ...: exchange type x-consistent-hash
+    not found".
+    """
+    text = str(error)
+    return "x-consistent-hash" in text and "not found" in text
+
+
 def partition_exchange(queue: str) -> str:
     """The consistent-hash exchange that splits `queue`'s keyed sends over its partitions."""
     return f"{queue}.partitions"
@@ -226,8 +243,7 @@ class Topology:
         except aiormq.exceptions.ConnectionCommandInvalid as error:
             raise ConfigurationError(
                 f"RabbitMQ cannot make exchange {exchange!r} for the partitions of {queue!r} "
-                f"({_reply(error)}): enable the plugin on every node (rabbitmq-plugins enable "
-                "rabbitmq_consistent_hash_exchange)"
+                f"({_reply(error)}): {PLUGIN_HINT}"
             ) from None
         for index in range(count):
             name = partition_queue(queue, index)

@@ -4,11 +4,13 @@ import aio_pika
 import aiormq
 import pytest
 
-from mersal import App, ConfigurationError, RetryPolicy
-from mersal.transport import mask, partition_queue, split_urls
+from mersal import App, ConfigurationError, Header, OutcomeUnknown, RetryPolicy, Unsendable
+from mersal.messages import Envelope
+from mersal.transport import Outgoing, mask, partition_queue, split_urls
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_rabbitmq.connection import nodes_of, take_option
 from mersal_rabbitmq.migrating import _queues_of, shape_for
+from mersal_rabbitmq.publishing import refusal
 from mersal_rabbitmq.topology import partition_routing_key, quorum_refused
 
 THREE = "amqps://u:p1@h1/vh;amqps://u:p2@h2:5671/vh; amqps://u:p3@h3/vh"
@@ -187,3 +189,28 @@ def test_migrate_moves_an_apps_wait_queues_before_the_queues_they_feed() -> None
         "orders",
         "orders.error",
     ]
+
+
+def refused_publish(text: str) -> OutcomeUnknown:
+    """A publish whose channel RabbitMQ closed with a 406 saying `text`."""
+    try:
+        raise OutcomeUnknown("lost its channel") from aiormq.exceptions.ChannelPreconditionFailed(
+            text
+        )
+    except OutcomeUnknown as error:
+        return error
+
+
+def test_a_keyed_send_through_a_node_without_the_hash_plugin_is_kept_with_the_plugin_hint() -> None:
+    outgoing = Outgoing("orders", Envelope({Header.PARTITION_KEY: "k"}, b"{}"))
+    refused = refused_publish(
+        "PRECONDITION_FAILED - Cannot route message through exchange 'orders.partitions' in "
+        "vhost 'shop': exchange type x-consistent-hash not found"
+    )
+
+    error = refusal(outgoing, refused)
+
+    assert isinstance(error, ConfigurationError) and not isinstance(error, Unsendable)
+    assert "rabbitmq-plugins enable rabbitmq_consistent_hash_exchange" in str(error)
+    other = refusal(outgoing, refused_publish("PRECONDITION_FAILED - message size 9 is larger"))
+    assert isinstance(other, Unsendable) and "rabbitmq-plugins" not in str(other)
