@@ -19,7 +19,9 @@ A partitioned queue (`declare(queue, partitions=N)`) also has a consistent-hash 
 send with a partition key goes through the exchange, which hashes the key (the routing key) to
 one partition, so that one consumer at a time, whichever instance it is in, takes each key in
 order. A sender learns that a queue is partitioned by looking for its exchange (again after
-PARTITIONED_RECHECK seconds while it is not).
+PARTITIONED_RECHECK seconds while it is not, and after the exchange was deleted); while
+`mersal queues migrate` moves partitions, its exchange `<queue>.partitions.migrating` exists
+and a keyed send fails with `PartitionsMigrating` (the outbox sends it again later).
 
 Everything is declared on one channel, replaced when an error closed it (RabbitMQ closes it on
 a 406), and remembered: the topology registers with the connection and declares it all again
@@ -81,6 +83,27 @@ def missing_plugin(error: BaseException | None) -> bool:
 def partition_exchange(queue: str) -> str:
     """The consistent-hash exchange that splits `queue`'s keyed sends over its partitions."""
     return f"{queue}.partitions"
+
+
+def migrating_exchange(queue: str) -> str:
+    """The exchange that says `queue`'s partitions are being migrated while it exists.
+
+    `mersal queues migrate` declares it, then deletes the partitions' exchange (so that no
+    keyed send lands while the ring of partitions changes), and deletes it last, once the
+    exchange is back with every partition bound in order.
+    """
+    return f"{queue}.partitions.migrating"
+
+
+class PartitionsMigrating(MersalError):
+    """A keyed send waits: the queue's partitions are being migrated (nothing was sent)."""
+
+    def __init__(self, queue: str) -> None:
+        super().__init__(
+            f"the partitions of {queue!r} are being migrated (`mersal queues migrate`; its "
+            f"exchange {migrating_exchange(queue)!r} exists until it is done): nothing was "
+            "sent; send it again in a moment (the outbox does)"
+        )
 
 
 def partition_routing_key(key: str) -> str:
@@ -218,6 +241,10 @@ class Topology:
         if known is None or (not known[0] and loop.time() - known[1] > PARTITIONED_RECHECK):
             async with self._lock:
                 exists = await self._exchange_exists(partition_exchange(queue))
+                migrating = await self._exchange_exists(migrating_exchange(queue))
+            if migrating:  # looked up after the exchange: a missing one may be migrating
+                self._partitioned.pop(queue, None)
+                raise PartitionsMigrating(queue)
             known = self._partitioned[queue] = (exists, loop.time())
         return partition_exchange(queue) if known[0] else None
 
@@ -232,6 +259,12 @@ class Topology:
 
     async def _partition(self, queue: str, count: int) -> None:
         exchange = partition_exchange(queue)
+        if await self._exchange_exists(migrating_exchange(queue)):
+            raise ConfigurationError(
+                f"the partitions of {queue!r} are being migrated ({migrating_exchange(queue)!r} "
+                "exists): let `mersal queues migrate` finish, or run it again if it was "
+                "interrupted, then start the app"
+            )
         channel = await self._ready_channel()
         try:
             await channel.declare_exchange(exchange, "x-consistent-hash", durable=True)
