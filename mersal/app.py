@@ -39,6 +39,7 @@ from mersal.pipeline import (
     current_message,
     incoming_pipeline,
     outgoing_pipeline,
+    partition_key_text,
 )
 from mersal.plugins import transport_from
 from mersal.retry import RetryPolicy, RetryStep, after_failure, attempts_made, log_failure
@@ -516,7 +517,7 @@ class App:
         self._check_running()
         merged = check_headers(headers) if headers else {}
         if partition_key is not None:
-            merged[Header.PARTITION_KEY] = str(partition_key)
+            merged[Header.PARTITION_KEY] = partition_key_text(partition_key)
         incoming = current_message.get()
         if incoming is not None and incoming.app is not self:
             incoming = None

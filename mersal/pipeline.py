@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from uuid import UUID
 
 from mersal.errors import ConfigurationError, DecodeError, Unsendable
 from mersal.handlers import Handlers
@@ -453,6 +454,23 @@ def check_headers(headers: object) -> dict[str, str]:
                 "and values are strings"
             )
     return copy
+
+
+def partition_key_text(key: object) -> str:
+    """The text a `partition_key=` travels as: a str as it is, an int or a UUID as its str."""
+    if isinstance(key, str):
+        return key
+    if (isinstance(key, int) and not isinstance(key, bool)) or isinstance(key, UUID):
+        return str(key)
+    hint = (
+        "key.decode() if it is text, key.hex() if it is not"
+        if isinstance(key, bytes | bytearray | memoryview)
+        else "str(key), if that is the same for the same key in every process"
+    )
+    raise Unsendable(
+        f"partition_key={key!r:.100} is a {type(key).__name__}: a partition key is text "
+        f"(a str; an int or a UUID is taken as its str): pass {hint}"
+    )
 
 
 def now() -> str:

@@ -36,6 +36,7 @@ from aio_pika.connection import make_url
 from mersal.errors import ConfigurationError, MersalError, Unreachable
 from mersal.transport import mask, split_urls
 from mersal_rabbitmq import patches
+from mersal_rabbitmq.urls import node_urls
 
 log = logging.getLogger("mersal.rabbitmq")
 
@@ -334,7 +335,7 @@ async def close_quietly(channel: AbstractChannel) -> None:
 
 def nodes_of(address: str) -> list[str]:
     """The node URLs of a transport address: one URL, or several separated by `;`."""
-    nodes = [node.strip() for node in split_urls(address) if node.strip()]
+    nodes = node_urls(address)
     if not nodes:
         raise ConfigurationError(
             f"transport {mask(address)!r} names no broker: use amqp://user:password@host/vhost, "
@@ -350,19 +351,28 @@ def nodes_of(address: str) -> list[str]:
 
 
 def take_option(address: str, name: str) -> tuple[str, str | None]:
-    """The address without query option `name` (in every node's URL), and its value if given."""
-    value: str | None = None
+    """The address without query option `name` (in every node's URL), and its value if given.
+
+    Every node must give the same value, or none.
+    """
+    node_urls(address)
+    values: dict[str | None, None] = {}
     nodes = []
     for node in split_urls(address):
         parts = urlsplit(node)
         query = parse_qsl(parts.query, keep_blank_values=True)
-        if not any(key == name for key, _ in query):
-            nodes.append(node)
-            continue
-        value = next(v for k, v in query if k == name)
+        value = next((v for k, v in query if k == name), None)
+        if node.strip():
+            values[value] = None
         kept = urlencode([(key, v) for key, v in query if key != name])
-        nodes.append(parts._replace(query=kept).geturl())
-    return ";".join(nodes), value
+        nodes.append(node if value is None else parts._replace(query=kept).geturl())
+    if len(values) > 1:
+        given = " / ".join("none" if value is None else repr(value) for value in values)
+        raise ConfigurationError(
+            f"the URLs of transport {mask(address)!r} give different {name} options ({given}): "
+            f"give every node the same ?{name}=..., or leave it out of every URL"
+        )
+    return ";".join(nodes), next(iter(values), None)
 
 
 async def _connect(url: Any) -> AbstractConnection:

@@ -9,9 +9,12 @@ queue goes. A message is in one of the two queues, for a moment in both (the rec
 drops the copy). Run again after a crash or an interruption, it picks up where it was.
 
 The apps that consume the queue must be stopped first: a consumer would take messages mid-way
-and keep the queue in use. Stop the apps that send to a partitioned queue too, and any steady
-sender: a round of moving ends only when nothing arrives for a moment, and a partition's
-holding queue takes a slice of the hash exchange's ring of its own while it is bound.
+and keep the queue in use. Each round of moving moves the messages counted at its start;
+messages that keep arriving for ROUNDS rounds stop the run (stop the apps that send straight
+to the queue). The holding queue is unbound before its last round and deleted once empty.
+A partitioned queue's senders may go on: its hash exchange is deleted for the migration (its
+ring would change as partitions are declared again) behind a marker exchange that makes keyed
+sends wait, and made again after with the partitions bound in order, the ring as it was.
 A queue's wait queues are moved before it (quorum ones dead-letter at least once, so they
 wait for it to be back). Moving a quorum queue to classic, stop the apps that send to it too
 and let its wait queues empty first.
@@ -25,10 +28,11 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
+import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel
 
@@ -40,9 +44,12 @@ from mersal_rabbitmq.delays import retry_wait_queues, waiting_for
 from mersal_rabbitmq.management import Management, ManagementUnavailable
 from mersal_rabbitmq.topology import (
     EVENTS,
+    PLUGIN_HINT,
     QUEUE_TYPES,
     QueueShape,
     durable_shape,
+    migrating_exchange,
+    partition_exchange,
     partition_shape,
     wait_shape,
 )
@@ -53,7 +60,10 @@ log = logging.getLogger("mersal.rabbitmq")
 BATCH = 200
 """Messages moved per round: received, published with confirms, then acked at once."""
 IDLE = 0.2
-"""Seconds without a message that end a round of moving (then the broker is asked for its count)."""
+"""Seconds without a message that end a round of moving early (a wait queue's message expired)."""
+ROUNDS = 50
+"""Rounds of moving (each of the messages counted at its start) before messages that keep
+arriving stop the run."""
 HOLDING = ".migrating"
 
 
@@ -126,17 +136,20 @@ async def migrate_all(
         api = Management.of(transport.address, management)
         names = [*_queues_of(app), *await _with_waits(api, queues)]
         await _refuse_consumed(transport, names)
+        paused = await _pause_partitions(transport, names, target)
         migrated = 0
         for name in dict.fromkeys(names):
             if not await _exists(transport, name) and not await _exists(transport, name + HOLDING):
                 continue
-            plan = Plan(name, shape_for(name, target), await _bindings(transport, api, app, name))
-            moved = await migrate(transport, plan)
+            bindings = _unpaused(name, await _bindings(transport, api, app, name), paused)
+            moved = await migrate(transport, Plan(name, shape_for(name, target), bindings))
             if moved is None:
                 print(f"{name}: already {target}")
             else:
                 migrated += 1
                 print(f"{name}: now {target}, {moved} message(s) moved")
+        for base in paused:
+            await _resume_partitions(transport, base)
     finally:
         await transport.stop()
     print(f"migrated {migrated} queue(s) on {mask(transport.address)} to {target}")
@@ -154,6 +167,102 @@ async def _refuse_consumed(transport: RabbitMQTransport, names: Sequence[str]) -
             )
 
 
+async def _pause_partitions(
+    transport: RabbitMQTransport, names: Sequence[str], target: str
+) -> list[str]:
+    """Stop keyed sends to each partitioned queue whose partitions move; those queues.
+
+    RabbitMQ's consistent-hash exchange numbers its ring by the order its queues were bound,
+    and a deleted queue's binding renumbers the rest: while a partition is declared again,
+    keys would land in other partitions, and after, stay there. So the exchange goes for the
+    migration: `migrating_exchange` is declared first, which tells senders to wait (and send
+    again), then the partitions' exchange is deleted; `_resume_partitions` makes it again.
+    """
+    paused: list[str] = []
+    for base in dict.fromkeys(filter(None, map(partitioned_base, names))):
+        marker, exchange = migrating_exchange(base), partition_exchange(base)
+        if not await _exchange_exists(transport, marker):  # else an interrupted run's
+            if not await _exchange_exists(transport, exchange):
+                continue  # not partitioned: only named like a partition
+            partitions = [name for name in names if partitioned_base(name) == base]
+            if not await _any_moves(transport, partitions, target):
+                continue
+            async with _channel(transport) as channel:
+                await channel.declare_exchange(marker, aio_pika.ExchangeType.FANOUT, durable=True)
+        async with _channel(transport) as channel:
+            await channel.exchange_delete(exchange)
+        paused.append(base)
+    return paused
+
+
+async def _resume_partitions(transport: RabbitMQTransport, base: str) -> None:
+    """Make the partitions' exchange again, every partition bound in order; let sends go."""
+    exchange = partition_exchange(base)
+    count = 0
+    while await _exists(transport, partition_queue(base, count)):
+        count += 1
+    before = await _ready_in(transport, base, count)
+    async with _channel(transport) as channel:
+        try:
+            declared = await channel.declare_exchange(exchange, "x-consistent-hash", durable=True)
+        except aiormq.exceptions.ConnectionCommandInvalid as error:
+            raise MersalError(
+                f"RabbitMQ cannot make exchange {exchange!r} again ({error}): {PLUGIN_HINT}; "
+                "then run this again (keyed sends to its queue wait until then)"
+            ) from None
+        for index in range(count):  # in order: the ring as the app made it
+            queue = await channel.get_queue(partition_queue(base, index), ensure=False)
+            await queue.bind(declared, "1")
+        arrived = await _ready_in(transport, base, count) - before
+        await channel.exchange_delete(migrating_exchange(base))
+    if arrived > 0:  # a sender that sent nothing since the pause, while the ring was made
+        log.warning(
+            "%d message(s) reached the partitions of %r while their exchange was made again: "
+            "their keys may be in another partition than their earlier messages",
+            arrived,
+            base,
+        )
+
+
+async def _any_moves(transport: RabbitMQTransport, names: Sequence[str], target: str) -> bool:
+    """Whether one of the queues is to move: it exists as another type, or half-moved."""
+    for name in names:
+        if await _exists(transport, name + HOLDING):
+            return True
+        if await _exists(transport, name) and not await _declares(
+            transport, name, shape_for(name, target)
+        ):
+            return True
+    return False
+
+
+async def _ready_in(transport: RabbitMQTransport, base: str, count: int) -> int:
+    """The messages ready in the first `count` partitions of `base`."""
+    total = 0
+    for index in range(count):
+        looked = await _look(transport, partition_queue(base, index))
+        total += looked.ready if looked is not None else 0
+    return total
+
+
+def _unpaused(
+    name: str, bindings: list[tuple[str, str]], paused: Sequence[str]
+) -> list[tuple[str, str]]:
+    """A queue's bindings but those of a paused partitions' exchange (made again after)."""
+    base = partitioned_base(name)
+    if base is None or base not in paused:
+        return bindings
+    return [b for b in bindings if b[0] not in (partition_exchange(base), migrating_exchange(base))]
+
+
+def partitioned_base(name: str) -> str | None:
+    """The queue that `name` is a partition of, if it is named like one."""
+    base, separator, index = name.rpartition(".partition.")
+    if separator and index.isdigit() and partition_queue(base, int(index)) == name:
+        return base
+    return None
+
+
 def shape_for(name: str, queue_type: str) -> QueueShape:
     """How the queue `name` is declared as `queue_type`: a wait queue, a partition, or plain."""
     waiting = waiting_for(name)
@@ -162,8 +271,7 @@ def shape_for(name: str, queue_type: str) -> QueueShape:
         if destination.startswith(f"{EVENTS}."):
             return wait_shape(queue_type, EVENTS, destination[len(EVENTS) + 1 :], milliseconds)
         return wait_shape(queue_type, "", destination, milliseconds)
-    base, separator, index = name.rpartition(".partition.")
-    if separator and index.isdigit() and partition_queue(base, int(index)) == name:
+    if partitioned_base(name) is not None:
         return partition_shape(queue_type)
     return durable_shape(queue_type)
 
@@ -187,7 +295,7 @@ async def migrate(transport: RabbitMQTransport, plan: Plan) -> int | None:
         await _declare(transport, plan.name, plan.shape)
     for exchange, key in plan.bindings:  # again after a run that stopped before binding it
         await _bind(transport, plan.name, exchange, key)
-    return await _delete_holding(transport, holding, plan.name)
+    return await _delete_holding(transport, holding, plan)
 
 
 async def _drain_and_delete(
@@ -196,7 +304,7 @@ async def _drain_and_delete(
     """Move everything out of `name` and delete it; classic: only while it is empty."""
     moved = 0
     classic = new.arguments["x-queue-type"] == "quorum"  # the old one is the other type
-    while True:
+    for _ in range(ROUNDS):
         moved += await _empty(transport, name, holding)
         try:
             async with _channel(transport) as channel:
@@ -205,40 +313,65 @@ async def _drain_and_delete(
             return moved
         except aiormq.exceptions.ChannelPreconditionFailed:  # a message came meanwhile
             continue
+    raise _still_arriving(name, holding)
 
 
-async def _delete_holding(transport: RabbitMQTransport, holding: str, back_to: str) -> int:
-    """Move what is left to `back_to`, then delete the holding queue.
+async def _delete_holding(transport: RabbitMQTransport, holding: str, plan: Plan) -> int:
+    """Unbind the holding queue, move what it holds to the queue, and delete it once empty.
 
-    The queue is bound again by now: an event that reaches the holding queue after this last
-    move is a copy of one that reached the queue too.
+    Unbound, nothing reaches it any more: the count the broker gives is final.
     """
-    moved = await _empty(transport, holding, back_to)
-    async with _channel(transport) as channel:
-        underlay = await channel.get_underlay_channel()
-        await underlay.queue_delete(holding)
-    return moved
+    for exchange, key in plan.bindings:
+        await _unbind(transport, holding, exchange, key)
+    classic = plan.shape.arguments["x-queue-type"] == "classic"
+    moved = 0
+    for _ in range(ROUNDS):
+        moved += await _empty(transport, holding, plan.name)
+        try:
+            async with _channel(transport) as channel:
+                looked = await _look(transport, holding)
+                if looked is None:
+                    return moved
+                if looked.ready == 0:  # quorum queues cannot be deleted "only if empty"
+                    underlay = await channel.get_underlay_channel()
+                    await underlay.queue_delete(holding, if_empty=classic)
+                    return moved
+        except aiormq.exceptions.ChannelPreconditionFailed:
+            continue
+    raise _still_arriving(holding, plan.name)
 
 
 async def _empty(transport: RabbitMQTransport, source: str, target: str) -> int:
-    """Move messages from `source` to `target` until the broker counts none ready in it."""
+    """Move messages from `source` to `target` until the broker counts none ready in it.
+
+    Each round moves the messages counted at its start, so that one ends while more arrive.
+    """
     moved = 0
-    while True:
-        moved += await _move(transport, source, target)
+    for _ in range(ROUNDS):
         looked = await _look(transport, source)
         if looked is None or looked.ready == 0:
             return moved
+        moved += await _move(transport, source, target, looked.ready)
+    raise _still_arriving(source, target)
 
 
-async def _move(transport: RabbitMQTransport, source: str, target: str) -> int:
-    """Move every message of `source` to `target`: published with confirms, then acked.
+def _still_arriving(source: str, target: str) -> MersalError:
+    return MersalError(
+        f"messages keep arriving at {source!r} ({ROUNDS} rounds of moving did not empty it): "
+        f"stop the apps that send to it, then run this again (what moved is in {target!r}, "
+        "where the next run finds it)"
+    )
+
+
+async def _move(transport: RabbitMQTransport, source: str, target: str, count: int) -> int:
+    """Move up to `count` messages of `source` to `target`: published with confirms, then acked.
 
     A consumer, not `basic.get`, which quorum queues with a single active consumer refuse.
-    It ends when nothing arrived for IDLE seconds.
+    It ends after `count`, or when nothing arrived for IDLE seconds.
     """
     moved = 0
     async with _channel(transport, confirms=True) as channel:  # its close returns the unacked
-        await channel.set_qos(prefetch_count=BATCH)
+        await channel.set_qos(prefetch_count=min(BATCH, count))
         underlay = await channel.get_underlay_channel()
         arrived: asyncio.Queue[aiormq.abc.DeliveredMessage] = asyncio.Queue()
 
@@ -246,7 +379,7 @@ async def _move(transport: RabbitMQTransport, source: str, target: str) -> int:
             arrived.put_nowait(message)
 
         await underlay.basic_consume(source, take)
-        while batch := await _batch(arrived):
+        while moved < count and (batch := await _batch(arrived, count - moved)):
             await _publish_all(underlay, batch, source, target)
             last = batch[-1].delivery_tag
             assert last is not None
@@ -256,11 +389,11 @@ async def _move(transport: RabbitMQTransport, source: str, target: str) -> int:
 
 
 async def _batch(
-    arrived: asyncio.Queue[aiormq.abc.DeliveredMessage],
+    arrived: asyncio.Queue[aiormq.abc.DeliveredMessage], most: int
 ) -> list[aiormq.abc.DeliveredMessage]:
-    """Up to BATCH messages, as many as arrive before IDLE seconds pass without one."""
+    """Up to BATCH (and `most`) messages, as many as arrive before IDLE seconds without one."""
     batch: list[aiormq.abc.DeliveredMessage] = []
-    while len(batch) < BATCH:
+    while len(batch) < min(BATCH, most):
         try:
             batch.append(await asyncio.wait_for(arrived.get(), IDLE))
         except TimeoutError:
@@ -351,6 +484,22 @@ async def _bind(transport: RabbitMQTransport, name: str, exchange: str, key: str
     async with _channel(transport) as channel:
         queue = await channel.get_queue(name, ensure=False)
         await queue.bind(exchange, key)
+
+
+async def _unbind(transport: RabbitMQTransport, name: str, exchange: str, key: str) -> None:
+    async with _channel(transport) as channel:
+        queue = await channel.get_queue(name, ensure=False)
+        with suppress(aiormq.exceptions.ChannelNotFoundEntity):  # no exchange, no binding
+            await queue.unbind(exchange, key)
+
+
+async def _exchange_exists(transport: RabbitMQTransport, name: str) -> bool:
+    async with _channel(transport) as channel:
+        try:
+            await channel.declare_exchange(name, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return False
+        return True
 
 
 async def _bindings(

@@ -19,7 +19,7 @@ from functools import partial
 import aiormq
 from aio_pika.abc import AbstractChannel
 
-from mersal.errors import MersalError, OutcomeUnknown, Unroutable, Unsendable
+from mersal.errors import ConfigurationError, MersalError, OutcomeUnknown, Unroutable, Unsendable
 from mersal.messages import Envelope, describe
 from mersal.transport import Limits, Outgoing, mask, problem_of
 from mersal_rabbitmq.connection import (
@@ -30,7 +30,13 @@ from mersal_rabbitmq.connection import (
     why,
 )
 from mersal_rabbitmq.delays import MAX_WAIT_MS, wait_milliseconds
-from mersal_rabbitmq.topology import EVENTS, Topology, partition_routing_key
+from mersal_rabbitmq.topology import (
+    EVENTS,
+    PLUGIN_HINT,
+    Topology,
+    missing_plugin,
+    partition_routing_key,
+)
 from mersal_rabbitmq.wire import amqp_properties
 
 log = logging.getLogger("mersal.rabbitmq")
@@ -249,12 +255,7 @@ class Publishing:
                     f"the partitions of {outgoing.address!r} are gone (their exchange was "
                     "deleted): send it again, to the queue itself"
                 )
-            if refused_by_broker(error):
-                return Unsendable(
-                    f"RabbitMQ refused {describe(outgoing.envelope.headers)} to "
-                    f"{outgoing.address!r} and closed the channel: {error.__cause__}"
-                )
-            return error
+            return refusal(outgoing, error)
         except MersalError as error:
             return error
         finally:
@@ -353,6 +354,27 @@ def distinct_runs(messages: Sequence[Outgoing]) -> Iterator[list[Outgoing]]:
             seen.add(message_id)
     if run:
         yield run
+
+
+def refusal(outgoing: Outgoing, error: OutcomeUnknown) -> Exception:
+    """What a publish sent alone failed with: the broker's refusal of it, if it was one.
+
+    A node without the consistent-hash plugin refuses what goes through a partitions' exchange
+    (declared from a node that has it): a setting of the broker, so the message is kept to be
+    sent again once the plugin is on, not refused for good.
+    """
+    if not refused_by_broker(error):
+        return error
+    if missing_plugin(error.__cause__):
+        return ConfigurationError(
+            f"RabbitMQ cannot route {describe(outgoing.envelope.headers)} to the partitions of "
+            f"{outgoing.address!r} ({error.__cause__}): the node lacks the consistent-hash "
+            f"exchange plugin; {PLUGIN_HINT}"
+        )
+    return Unsendable(
+        f"RabbitMQ refused {describe(outgoing.envelope.headers)} to "
+        f"{outgoing.address!r} and closed the channel: {error.__cause__}"
+    )
 
 
 def refused_by_broker(result: BaseException | None) -> bool:

@@ -19,7 +19,9 @@ A partitioned queue (`declare(queue, partitions=N)`) also has a consistent-hash 
 send with a partition key goes through the exchange, which hashes the key (the routing key) to
 one partition, so that one consumer at a time, whichever instance it is in, takes each key in
 order. A sender learns that a queue is partitioned by looking for its exchange (again after
-PARTITIONED_RECHECK seconds while it is not).
+PARTITIONED_RECHECK seconds while it is not, and after the exchange was deleted); while
+`mersal queues migrate` moves partitions, its exchange `<queue>.partitions.migrating` exists
+and a keyed send fails with `PartitionsMigrating` (the outbox sends it again later).
 
 Everything is declared on one channel, replaced when an error closed it (RabbitMQ closes it on
 a 406), and remembered: the topology registers with the connection and declares it all again
@@ -61,9 +63,47 @@ PARTITIONED_RECHECK = 30.0
 """Seconds after which a sender looks again whether a queue it found unpartitioned is now."""
 
 
+PLUGIN_HINT = (
+    "enable the plugin on every node (rabbitmq-plugins enable rabbitmq_consistent_hash_exchange)"
+)
+"""What to do when a node cannot make or route through a consistent-hash exchange."""
+
+
+def missing_plugin(error: BaseException | None) -> bool:
+    """Whether RabbitMQ refused a publish because its node lacks the consistent-hash plugin.
+
+    A node without it answers a publish to such an exchange (declared from a node with it)
+    with a 406: "Cannot route message through exchange ...: exchange type x-consistent-hash
+    not found".
+    """
+    text = str(error)
+    return "x-consistent-hash" in text and "not found" in text
+
+
 def partition_exchange(queue: str) -> str:
     """The consistent-hash exchange that splits `queue`'s keyed sends over its partitions."""
     return f"{queue}.partitions"
+
+
+def migrating_exchange(queue: str) -> str:
+    """The exchange that says `queue`'s partitions are being migrated while it exists.
+
+    `mersal queues migrate` declares it, then deletes the partitions' exchange (so that no
+    keyed send lands while the ring of partitions changes), and deletes it last, once the
+    exchange is back with every partition bound in order.
+    """
+    return f"{queue}.partitions.migrating"
+
+
+class PartitionsMigrating(MersalError):
+    """A keyed send waits: the queue's partitions are being migrated (nothing was sent)."""
+
+    def __init__(self, queue: str) -> None:
+        super().__init__(
+            f"the partitions of {queue!r} are being migrated (`mersal queues migrate`; its "
+            f"exchange {migrating_exchange(queue)!r} exists until it is done): nothing was "
+            "sent; send it again in a moment (the outbox does)"
+        )
 
 
 def partition_routing_key(key: str) -> str:
@@ -201,6 +241,10 @@ class Topology:
         if known is None or (not known[0] and loop.time() - known[1] > PARTITIONED_RECHECK):
             async with self._lock:
                 exists = await self._exchange_exists(partition_exchange(queue))
+                migrating = await self._exchange_exists(migrating_exchange(queue))
+            if migrating:  # looked up after the exchange: a missing one may be migrating
+                self._partitioned.pop(queue, None)
+                raise PartitionsMigrating(queue)
             known = self._partitioned[queue] = (exists, loop.time())
         return partition_exchange(queue) if known[0] else None
 
@@ -215,6 +259,12 @@ class Topology:
 
     async def _partition(self, queue: str, count: int) -> None:
         exchange = partition_exchange(queue)
+        if await self._exchange_exists(migrating_exchange(queue)):
+            raise ConfigurationError(
+                f"the partitions of {queue!r} are being migrated ({migrating_exchange(queue)!r} "
+                "exists): let `mersal queues migrate` finish, or run it again if it was "
+                "interrupted, then start the app"
+            )
         channel = await self._ready_channel()
         try:
             await channel.declare_exchange(exchange, "x-consistent-hash", durable=True)
@@ -226,8 +276,7 @@ class Topology:
         except aiormq.exceptions.ConnectionCommandInvalid as error:
             raise ConfigurationError(
                 f"RabbitMQ cannot make exchange {exchange!r} for the partitions of {queue!r} "
-                f"({_reply(error)}): enable the plugin on every node (rabbitmq-plugins enable "
-                "rabbitmq_consistent_hash_exchange)"
+                f"({_reply(error)}): {PLUGIN_HINT}"
             ) from None
         for index in range(count):
             name = partition_queue(queue, index)

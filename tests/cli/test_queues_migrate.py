@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import dataclass
 from uuid import uuid4
 
 import aio_pika
 import pytest
 
+from mersal import App, MersalError, RetryPolicy, Unsendable
+from mersal.transport import partition_queue
 from mersal_rabbitmq.topology import EVENTS
 from tests.cli.conftest import Queues, mersal
-from tests.support import rabbitmqctl_rows
+from tests.support import eventually, rabbitmqctl_rows
 
 pytestmark = pytest.mark.integration
 
@@ -201,3 +205,106 @@ async def test_a_run_stopped_after_deleting_the_queue_is_finished_with_its_bindi
         exchange = await channel.get_exchange(EVENTS)
         await exchange.publish(aio_pika.Message(b"{}", message_id="event"), topic)
     assert await drain(amqp_url, queue) == [*(f"m-{n}" for n in range(4)), "event"]
+
+
+@dataclass
+class Step:
+    """One step of one key's sequence."""
+
+    key: str
+    seq: int
+
+
+async def ignore(message: Step) -> None:
+    """A handler that does nothing."""
+
+
+async def taken(url: str, queue: str) -> list[tuple[str, int]]:
+    """The steps in `queue`, in order (taken by a consumer: a quorum partition refuses get)."""
+    steps: list[tuple[str, int]] = []
+
+    async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        body = json.loads(message.body)
+        steps.append((body["key"], body["seq"]))
+
+    async with await aio_pika.connect(url) as connection:
+        channel = await connection.channel()
+        amqp_queue = await channel.declare_queue(queue, passive=True)
+        count = int(amqp_queue.declaration_result.message_count or 0)
+        await amqp_queue.consume(take, no_ack=True)
+        await eventually(lambda: len(steps) >= count, f"the {count} steps in {queue}")
+    return steps
+
+
+async def test_a_partition_moves_while_keyed_sends_go_on_each_key_in_its_partition_in_order(
+    amqp_url: str, queues: Queues
+) -> None:
+    base = f"q{uuid4().hex[:8]}.orders"
+    partitions = [partition_queue(base, index) for index in range(4)]
+    queues.names |= {base, f"{base}.error", *partitions, *(f"{p}.migrating" for p in partitions)}
+    consumer = App(
+        base,
+        transport=f"{amqp_url}?queue_type=classic",
+        partitions=4,
+        retry=RetryPolicy(error_queue=f"{base}.error"),
+    )
+    consumer.register(Step, ignore)
+    async with consumer:  # the classic partitions and their exchange, as an earlier app left them
+        pass
+    sender = App(f"{base}.sender", transport=amqp_url, consume=False)
+    sender.route(Step, base)
+    keys = [f"k{n}" for n in range(12)]
+    sent: list[tuple[str, int]] = []
+    waits = 0
+    migrated = asyncio.Event()
+
+    async def send(step: Step) -> None:
+        nonlocal waits
+        while True:
+            try:
+                await sender.send(step, partition_key=step.key)
+                sent.append((step.key, step.seq))
+                return
+            except Unsendable:
+                raise
+            except MersalError:  # the partitions are being migrated: again, as the outbox does
+                waits += 1
+                await asyncio.sleep(0.02)
+
+    async def keep_sending() -> None:
+        seq = 0
+        while not migrated.is_set() or seq % 10:
+            for key in keys:
+                await send(Step(key, seq))
+            seq += 1
+
+    try:
+        async with sender:
+            sending = asyncio.create_task(keep_sending())
+            await eventually(lambda: len(sent) >= 10 * len(keys), "steps sent before")
+            code = await mersal(
+                "queues", "migrate", "--transport", amqp_url, "--queue", partitions[1]
+            )
+            migrated.set()
+            await asyncio.wait_for(sending, 30)
+
+        assert code == 0
+        assert waits > 0  # the sender did send during the migration
+        where: dict[str, set[str]] = {}
+        found: set[tuple[str, int]] = set()
+        for partition in partitions:
+            steps = await taken(amqp_url, partition)
+            for key in keys:
+                firsts = list(dict.fromkeys(seq for k, seq in steps if k == key))
+                if firsts:
+                    where.setdefault(key, set()).add(partition)
+                    assert firsts == sorted(firsts), f"{key} out of order in {partition}"
+            found.update(steps)
+        assert found == set(sent)  # nothing lost
+        assert all(len(places) == 1 for places in where.values()), where  # the ring is the same
+        assert partitions[1] in set().union(*where.values())
+    finally:
+        async with await aio_pika.connect(amqp_url) as connection:
+            channel = await connection.channel()
+            await channel.exchange_delete(f"{base}.partitions")
+            await channel.exchange_delete(f"{base}.partitions.migrating")

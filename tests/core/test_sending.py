@@ -16,6 +16,7 @@ from mersal import (
     RequestTimeout,
     UnexpectedReply,
     Unroutable,
+    Unsendable,
     message,
 )
 from mersal.testing import Harness
@@ -208,6 +209,37 @@ async def test_partition_key_travels_as_a_header() -> None:
         await bus.idle()
 
     assert got == ["customer-7"]
+
+
+@pytest.mark.parametrize("key", [b"customer-7", bytearray(b"customer-7"), 7.0, True, object()])
+async def test_a_partition_key_that_is_not_text_is_refused_at_the_call(key: object) -> None:
+    app = App("reminders")
+    app.register(Remind, noop)
+    async with Harness(app) as bus:
+        with pytest.raises(Unsendable, match="a partition key is text") as refused:
+            await app.send_local(Remind("a"), partition_key=key)  # type: ignore[arg-type]
+        await bus.idle()
+
+    assert bus.sent == []
+    if isinstance(key, bytes | bytearray):
+        assert "key.decode()" in str(refused.value)
+
+
+async def test_an_int_or_uuid_partition_key_travels_as_its_text() -> None:
+    got: list[str | None] = []
+
+    async def handle(message: Remind, context: MessageContext) -> None:
+        got.append(context.headers.get(Header.PARTITION_KEY))
+
+    customer = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    app = App("reminders")
+    app.register(Remind, handle)
+    async with Harness(app) as bus:
+        await app.send_local(Remind("a"), partition_key=17)  # type: ignore[arg-type]
+        await app.send_local(Remind("b"), partition_key=customer)  # type: ignore[arg-type]
+        await bus.idle()
+
+    assert got == ["17", str(customer)]
 
 
 async def test_two_apps_exchange_commands_and_events_and_only_subscribers_get_events() -> None:

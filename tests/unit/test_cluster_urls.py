@@ -5,18 +5,81 @@ from pathlib import Path
 import aiormq
 import pytest
 
-from mersal import App, ConfigurationError, RetryPolicy
-from mersal.transport import mask, partition_queue, split_urls
+from mersal import App, ConfigurationError, Header, OutcomeUnknown, RetryPolicy, Unsendable
+from mersal.messages import Envelope
+from mersal.transport import Outgoing, mask, partition_queue, split_urls
 from mersal_rabbitmq import RabbitMQTransport, connection
 from mersal_rabbitmq.connection import nodes_of, take_option
 from mersal_rabbitmq.migrating import _queues_of, shape_for
+from mersal_rabbitmq.publishing import refusal
 from mersal_rabbitmq.topology import partition_routing_key, quorum_refused
 
-THREE = "amqp://u:p1@h1/vh;amqp://u:p2@h2/vh; amqps://u:p3@h3/vh"
+THREE = "amqps://u:p1@h1/vh;amqps://u:p2@h2:5671/vh; amqps://u:p3@h3/vh"
 
 
 def test_urls_separated_by_semicolons_are_the_nodes_in_order() -> None:
-    assert nodes_of(THREE) == ["amqp://u:p1@h1/vh", "amqp://u:p2@h2/vh", "amqps://u:p3@h3/vh"]
+    assert nodes_of(THREE) == [
+        "amqps://u:p1@h1/vh",
+        "amqps://u:p2@h2:5671/vh",
+        "amqps://u:p3@h3/vh",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("address", "written"),
+    [
+        ("amqp://u:p@h1/vh;h2:5672", "amqp://u:***@h1/vh;amqp://u:***@h2:5672/vh"),
+        ("amqp://u:p@h1;h2/vh", "amqp://u:***@h1/vh;amqp://u:***@h2/vh"),
+        (
+            "amqp://h1/vh?heartbeat=5;h2",
+            "amqp://h1/vh?heartbeat=5;amqp://h2/vh?heartbeat=5",
+        ),
+    ],
+)
+def test_a_node_written_without_its_scheme_is_refused_with_the_urls_to_write(
+    address: str, written: str
+) -> None:
+    with pytest.raises(ConfigurationError, match="each node is a full URL") as refused:
+        nodes_of(address)
+
+    assert written in str(refused.value)
+    assert ":p@" not in str(refused.value)
+    with pytest.raises(ConfigurationError, match="each node is a full URL"):
+        RabbitMQTransport(address)
+
+
+def test_a_vhost_whose_name_holds_a_semicolon_is_written_escaped() -> None:
+    assert nodes_of("amqp://h1/a%3Bb;amqp://h2/a%3Bb") == ["amqp://h1/a%3Bb", "amqp://h2/a%3Bb"]
+
+
+def test_nodes_of_other_vhosts_are_refused() -> None:
+    with pytest.raises(ConfigurationError, match=r"different vhosts \('shop' / 'other'\)"):
+        nodes_of("amqp://h1/shop;amqp://h2/other")
+    with pytest.raises(ConfigurationError, match="same /vhost"):
+        nodes_of("amqp://h1/shop;amqp://h2")
+    assert nodes_of("amqp://h1;amqp://h2/;amqp://h3/%2F") == [
+        "amqp://h1",
+        "amqp://h2/",
+        "amqp://h3/%2F",
+    ]
+
+
+def test_plain_and_tls_nodes_in_one_list_are_refused() -> None:
+    with pytest.raises(ConfigurationError, match=r"with TLS \(amqps://.*or to none \(amqp://\)"):
+        nodes_of("amqp://h1/vh;amqps://h2/vh")
+    with pytest.raises(ConfigurationError, match="is not an amqp:// or amqps:// URL"):
+        nodes_of("amqp://h1/vh;http://h2/vh")
+
+
+def test_nodes_with_other_queue_types_are_refused() -> None:
+    for address in (
+        "amqp://h1/vh?queue_type=classic;amqp://h2/vh?queue_type=quorum",
+        "amqp://h1/vh?queue_type=classic;amqp://h2/vh",
+    ):
+        with pytest.raises(ConfigurationError, match=r"same \?queue_type=\.\.\., or leave it out"):
+            RabbitMQTransport(address)
+    same = RabbitMQTransport("amqp://h1/vh?queue_type=classic;amqp://h2/vh?queue_type=classic;")
+    assert same.queue_type == "classic"
 
 
 def test_a_semicolon_not_followed_by_a_url_is_part_of_the_url() -> None:
@@ -129,3 +192,28 @@ def test_migrate_moves_an_apps_wait_queues_before_the_queues_they_feed() -> None
         "orders",
         "orders.error",
     ]
+
+
+def refused_publish(text: str) -> OutcomeUnknown:
+    """A publish whose channel RabbitMQ closed with a 406 saying `text`."""
+    try:
+        raise OutcomeUnknown("lost its channel") from aiormq.exceptions.ChannelPreconditionFailed(
+            text
+        )
+    except OutcomeUnknown as error:
+        return error
+
+
+def test_a_keyed_send_through_a_node_without_the_hash_plugin_is_kept_with_the_plugin_hint() -> None:
+    outgoing = Outgoing("orders", Envelope({Header.PARTITION_KEY: "k"}, b"{}"))
+    refused = refused_publish(
+        "PRECONDITION_FAILED - Cannot route message through exchange 'orders.partitions' in "
+        "vhost 'shop': exchange type x-consistent-hash not found"
+    )
+
+    error = refusal(outgoing, refused)
+
+    assert isinstance(error, ConfigurationError) and not isinstance(error, Unsendable)
+    assert "rabbitmq-plugins enable rabbitmq_consistent_hash_exchange" in str(error)
+    other = refusal(outgoing, refused_publish("PRECONDITION_FAILED - message size 9 is larger"))
+    assert isinstance(other, Unsendable) and "rabbitmq-plugins" not in str(other)

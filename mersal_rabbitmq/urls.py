@@ -1,0 +1,82 @@
+"""The node URLs of a transport address, refused when they cannot be the nodes of one cluster.
+
+Several nodes are full URLs separated by `;` (as kombu takes them). The nodes of one cluster
+serve the same vhosts over the same protocol, so every URL names the same vhost and the same
+scheme (amqp or amqps); a `;` in a host or a path is a node written without its scheme.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import unquote, urlsplit
+
+from mersal.errors import ConfigurationError
+from mersal.transport import mask, split_urls
+
+SCHEMES = ("amqp", "amqps")
+
+
+def node_urls(address: str) -> list[str]:
+    """The URLs of the nodes an address lists, in order; a ConfigurationError if they differ."""
+    nodes = [node.strip() for node in split_urls(address) if node.strip()]
+    for node in nodes:
+        _check_full(address, node)
+    _check_same(address, "schemes", [_scheme(node) for node in nodes], _SCHEME_ADVICE)
+    _check_same(address, "vhosts", [_vhost(node) for node in nodes], _VHOST_ADVICE)
+    return nodes
+
+
+_SCHEME_ADVICE = (
+    "connect to every node with TLS (amqps://, port 5671 by default) or to none (amqp://)"
+)
+_VHOST_ADVICE = (
+    "the nodes of a cluster serve the same vhosts: give every URL the same /vhost (a URL without "
+    "one means '/')"
+)
+
+
+def _check_full(address: str, node: str) -> None:
+    scheme, separator, _ = node.partition("://")
+    if not separator or scheme.lower() not in SCHEMES:
+        raise ConfigurationError(
+            f"{mask(node)!r} in transport {mask(address)!r} is not an amqp:// or amqps:// URL: "
+            "each node is a full URL (amqp://user:password@host:port/vhost), separated by ';'"
+        )
+    parts = urlsplit(node)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    tail = f"{host}{parts.path}{'?' if parts.query else ''}{parts.query}"
+    if ";" not in tail:
+        return
+    pieces = [piece for piece in tail.split(";") if piece]
+    rest = next((piece[_rest_at(piece) :] for piece in pieces if _rest_at(piece) >= 0), "")
+    written = ";".join(
+        f"{parts.scheme}://{userinfo}{at}{piece if _rest_at(piece) >= 0 else piece + rest}"
+        for piece in pieces
+    )
+    raise ConfigurationError(
+        f"transport {mask(address)!r} has a ';' inside one URL, after its host, so the text "
+        f"after it would be part of the host, the vhost or an option: each node is a full URL: "
+        f"{mask(written)} (a ';' in a vhost's name is written %3B)"
+    )
+
+
+def _rest_at(piece: str) -> int:
+    """Where the vhost or the options start in `host[:port]/vhost?options`, or -1."""
+    found = [index for index in (piece.find("/"), piece.find("?")) if index >= 0]
+    return min(found, default=-1)
+
+
+def _check_same(address: str, what: str, values: list[str], advice: str) -> None:
+    if len(set(values)) > 1:
+        named = " / ".join(dict.fromkeys(repr(value) for value in values))
+        raise ConfigurationError(
+            f"the URLs of transport {mask(address)!r} name different {what} ({named}): {advice}"
+        )
+
+
+def _scheme(node: str) -> str:
+    return node.partition("://")[0].lower()
+
+
+def _vhost(node: str) -> str:
+    """The vhost a URL logs in to, as aio-pika reads it (no path, or `/`, is '/')."""
+    return unquote(urlsplit(node).path[1:]) or "/"
