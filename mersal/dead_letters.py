@@ -2,7 +2,9 @@
 
 Everything goes through the Transport protocol: messages are taken from the error queue with a
 consumer and held unacknowledged while they are looked at; what is not replayed or dropped goes
-back with `nack(requeue=True)`, so looking consumes nothing.
+back with `nack(requeue=True)`, so looking consumes nothing. A transport whose broker may count
+those returns and drop a message after some (a RabbitMQ quorum queue with a delivery limit)
+has a `check_give_back(queue)` method that raises `LookingWouldLose` first, and nothing is taken.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ class MissingQueue(Unroutable):
 
     def __init__(self, queue: str) -> None:
         super().__init__(f"no queue named {queue!r} to read dead letters from")
+        self.queue = queue
+
+
+class LookingWouldLose(ConfigurationError):
+    """Messages of this error queue given back could be dropped by the broker: none was taken."""
+
+    def __init__(self, queue: str, reason: str) -> None:
+        super().__init__(f"will not take messages from {queue!r}: {reason}")
         self.queue = queue
 
 
@@ -281,6 +291,9 @@ class DeadLetters:
         Taking stops at `limit` messages or once no delivery came for `idle` seconds.
         """
         check_limit(limit)
+        check = getattr(self.transport, "check_give_back", None)
+        if check is not None:  # the transport knows when a return could lose a message
+            await check(self.queue)
         try:
             consumer = await self.transport.consume(self.queue, prefetch=limit)
         except Unroutable:

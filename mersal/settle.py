@@ -19,7 +19,14 @@ from typing import Any, TypeVar
 
 from mersal.errors import Unroutable, Unsendable
 from mersal.messages import Envelope, Header, describe
-from mersal.transport import Delivery, Outgoing, Transport, fit, limits_of
+from mersal.transport import (
+    Delivery,
+    Outgoing,
+    Transport,
+    declare_error_queue,
+    fit,
+    limits_of,
+)
 
 log = logging.getLogger("mersal.settle")
 
@@ -194,7 +201,7 @@ class Settler:
         try:
             await self.transport.send([Outgoing(self.error_queue, copy)])
         except Unroutable:  # the error queue was deleted since the app declared it
-            await self.transport.declare(self.error_queue)
+            await declare_error_queue(self.transport, self.error_queue)
             await self.transport.send([Outgoing(self.error_queue, copy)])
         except Unsendable as refused:  # whatever the transport does not take: keep the reason
             log.warning("the dead letter was refused (%s); sending it without its headers", refused)
