@@ -190,14 +190,25 @@ def chosen(
 def replayable(envelope: Envelope) -> Envelope:
     """The envelope without the error and retry headers: sent again, it gets every retry anew.
 
-    The message id stays, so an app with an inbox that did handle a copy skips this one.
+    The message id stays, so an app with an inbox that did handle a copy skips this one. The
+    `replays` header counts one more replay: an app that remembers how the failed delivery was
+    to end (its dead letter could not leave) tells the replay from that delivery coming back.
     """
     headers = {
         name: value
         for name, value in envelope.headers.items()
         if name not in ERROR_HEADERS and name not in RETRY_HEADERS
     }
+    headers[Header.REPLAYS] = str(replays(envelope) + 1)
     return Envelope(headers, envelope.body)
+
+
+def replays(envelope: Envelope) -> int:
+    """How often the message was replayed (0 without a readable `replays` header)."""
+    try:
+        return max(int(envelope.headers.get(Header.REPLAYS, "0")), 0)
+    except ValueError:
+        return 0
 
 
 @dataclass(eq=False)
