@@ -74,6 +74,7 @@ from mersal.transport import (
     Limits,
     Outgoing,
     Transport,
+    declare_error_queue,
     limits_of,
     mask,
 )
@@ -577,7 +578,7 @@ class App:
         try:
             if self.consume:
                 await self._declare_input(transport)
-                await transport.declare(self.retry.error_queue)
+                await declare_error_queue(transport, self.retry.error_queue)
                 for message_type in self._subscriptions:
                     await transport.bind(self.name, self.types.name_of(message_type))
             if self.storage is not None:

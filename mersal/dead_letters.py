@@ -2,7 +2,9 @@
 
 Everything goes through the Transport protocol: messages are taken from the error queue with a
 consumer and held unacknowledged while they are looked at; what is not replayed or dropped goes
-back with `nack(requeue=True)`, so looking consumes nothing.
+back with `nack(requeue=True)`, so looking consumes nothing. A transport whose broker may count
+those returns and drop a message after some (a RabbitMQ quorum queue with a delivery limit)
+has a `check_give_back(queue)` method that raises `LookingWouldLose` first, and nothing is taken.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ class MissingQueue(Unroutable):
 
     def __init__(self, queue: str) -> None:
         super().__init__(f"no queue named {queue!r} to read dead letters from")
+        self.queue = queue
+
+
+class LookingWouldLose(ConfigurationError):
+    """Messages of this error queue given back could be dropped by the broker: none was taken."""
+
+    def __init__(self, queue: str, reason: str) -> None:
+        super().__init__(f"will not take messages from {queue!r}: {reason}")
         self.queue = queue
 
 
@@ -180,14 +190,25 @@ def chosen(
 def replayable(envelope: Envelope) -> Envelope:
     """The envelope without the error and retry headers: sent again, it gets every retry anew.
 
-    The message id stays, so an app with an inbox that did handle a copy skips this one.
+    The message id stays, so an app with an inbox that did handle a copy skips this one. The
+    `replays` header counts one more replay: an app that remembers how the failed delivery was
+    to end (its dead letter could not leave) tells the replay from that delivery coming back.
     """
     headers = {
         name: value
         for name, value in envelope.headers.items()
         if name not in ERROR_HEADERS and name not in RETRY_HEADERS
     }
+    headers[Header.REPLAYS] = str(replays(envelope) + 1)
     return Envelope(headers, envelope.body)
+
+
+def replays(envelope: Envelope) -> int:
+    """How often the message was replayed (0 without a readable `replays` header)."""
+    try:
+        return max(int(envelope.headers.get(Header.REPLAYS, "0")), 0)
+    except ValueError:
+        return 0
 
 
 @dataclass(eq=False)
@@ -281,6 +302,9 @@ class DeadLetters:
         Taking stops at `limit` messages or once no delivery came for `idle` seconds.
         """
         check_limit(limit)
+        check = getattr(self.transport, "check_give_back", None)
+        if check is not None:  # the transport knows when a return could lose a message
+            await check(self.queue)
         try:
             consumer = await self.transport.consume(self.queue, prefetch=limit)
         except Unroutable:

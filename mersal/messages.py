@@ -35,6 +35,8 @@ class Header:
     ERROR_ATTEMPTS = "error-attempts"
     ERROR_QUEUE = "error-source-queue"
     FAILED_AT = "failed-at"
+    REPLAYS = "replays"
+    """How often the message was replayed from an error queue: each replay is a fresh try."""
     SAGA_ID = "saga-id"
     """On a saga's timeout: the id of the saga instance it goes back to."""
     SAGA_TYPE = "saga-type"

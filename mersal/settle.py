@@ -19,7 +19,14 @@ from typing import Any, TypeVar
 
 from mersal.errors import Unroutable, Unsendable
 from mersal.messages import Envelope, Header, describe
-from mersal.transport import Delivery, Outgoing, Transport, fit, limits_of
+from mersal.transport import (
+    Delivery,
+    Outgoing,
+    Transport,
+    declare_error_queue,
+    fit,
+    limits_of,
+)
 
 log = logging.getLogger("mersal.settle")
 
@@ -27,6 +34,12 @@ T = TypeVar("T")
 
 MAX_ERROR_TEXT = 4_096
 MAX_TRACEBACK = 16_384
+
+REMEMBER_BYTES = 4 * 1024 * 1024
+"""The most bytes of errors (message and traceback) a Settler remembers by default."""
+
+ENTRY_OVERHEAD = 256
+"""The bytes counted for each remembered outcome besides its texts."""
 
 ERROR_HEADERS = (
     Header.ERROR_TYPE,
@@ -51,6 +64,7 @@ KEPT_HEADERS = (
     Header.CONTENT_TYPE,
     Header.CORRELATION_ID,
     Header.PARTITION_KEY,
+    Header.REPLAYS,
 )
 """Headers a copy keeps (cut if need be) when its headers must shrink to fit the transport."""
 
@@ -123,10 +137,12 @@ class Settler:
     """Carries out outcomes: the one place where a delivery is acked or returned to its queue.
 
     A retry or dead letter that cannot be sent returns the delivery to its queue after `backoff`
-    seconds (the broker will deliver it again), and the outcome is remembered by message id:
-    when the message comes back, its retry or dead letter is sent again without handling it
-    again. One that the transport refuses as it is, is cut down until it fits: a dead letter
-    always leaves.
+    seconds (the broker will deliver it again), and the outcome is remembered for that attempt
+    (`attempt_key`): when the same delivery comes back, its retry or dead letter is sent again
+    without handling it again; a replay or any later attempt of the message is handled. At most
+    `remember` outcomes and `remember_bytes` of their errors are kept, the oldest forgotten
+    first (a forgotten one is handled again). One that the transport refuses as it is, is cut
+    down until it fits: a dead letter always leaves.
     """
 
     def __init__(
@@ -136,19 +152,31 @@ class Settler:
         *,
         backoff: float = 1.0,
         remember: int = 10_000,
+        remember_bytes: int = REMEMBER_BYTES,
     ) -> None:
         self.transport = transport
         self.error_queue = error_queue
         self.backoff = backoff
         self.remember = remember
-        self._unsent: OrderedDict[str, Outcome] = OrderedDict()
+        self.remember_bytes = remember_bytes
+        self._unsent: OrderedDict[AttemptKey, tuple[Outcome, int]] = OrderedDict()
+        self._unsent_bytes = 0
+
+    @property
+    def remembered_bytes(self) -> int:
+        """The size counted for the outcomes remembered now."""
+        return self._unsent_bytes
 
     def unsent(self, delivery: Delivery) -> Outcome | None:
-        """The outcome decided before for this message, whose retry or dead letter failed."""
+        """The outcome decided before for this attempt, whose retry or dead letter failed."""
         if not self._unsent:
             return None
-        message_id = delivery.envelope.headers.get(Header.MESSAGE_ID)
-        return self._unsent.pop(message_id, None) if message_id else None
+        key = attempt_key(delivery.envelope)
+        kept = self._unsent.pop(key, None) if key is not None else None
+        if kept is None:
+            return None
+        self._unsent_bytes -= kept[1]
+        return kept[0]
 
     async def settle(self, delivery: Delivery, outcome: Outcome) -> Verdict:
         """Settle `delivery` as `outcome` says; what was done. Never raises (but cancellation)."""
@@ -178,11 +206,20 @@ class Settler:
         return outcome.verdict
 
     def _keep(self, delivery: Delivery, outcome: Outcome) -> None:
-        message_id = delivery.envelope.headers.get(Header.MESSAGE_ID)
-        if message_id:
-            self._unsent[message_id] = outcome
-            while len(self._unsent) > self.remember:
-                self._unsent.popitem(last=False)
+        key = attempt_key(delivery.envelope)
+        if key is None:
+            return
+        size = remembered_size(key, outcome)
+        if size > self.remember_bytes:
+            return
+        old = self._unsent.pop(key, None)
+        if old is not None:
+            self._unsent_bytes -= old[1]
+        self._unsent[key] = (outcome, size)
+        self._unsent_bytes += size
+        while len(self._unsent) > self.remember or self._unsent_bytes > self.remember_bytes:
+            _, (_, dropped) = self._unsent.popitem(last=False)
+            self._unsent_bytes -= dropped
 
     async def _forward(self, delivery: Delivery, outcome: Outcome) -> None:
         limits = limits_of(self.transport)
@@ -194,12 +231,42 @@ class Settler:
         try:
             await self.transport.send([Outgoing(self.error_queue, copy)])
         except Unroutable:  # the error queue was deleted since the app declared it
-            await self.transport.declare(self.error_queue)
+            await declare_error_queue(self.transport, self.error_queue)
             await self.transport.send([Outgoing(self.error_queue, copy)])
         except Unsendable as refused:  # whatever the transport does not take: keep the reason
             log.warning("the dead letter was refused (%s); sending it without its headers", refused)
             bare = {name: copy.headers[name] for name in KEPT_HEADERS if name in copy.headers}
             await self.transport.send([Outgoing(self.error_queue, fit(Envelope(bare, copy.body)))])
+
+
+AttemptKey = tuple[str, str, str, str]
+"""A delivery attempt: message id, `attempt`, `deliver-at` and `replays` headers."""
+
+
+def attempt_key(envelope: Envelope) -> AttemptKey | None:
+    """What tells this attempt of a message from its others; None without a message id.
+
+    A delivery given back comes again with the same headers; a delayed retry carries its
+    attempt and deliver-at, and a replay from the error queue its count of replays.
+    """
+    headers = envelope.headers
+    message_id = headers.get(Header.MESSAGE_ID)
+    if not message_id:
+        return None
+    return (
+        message_id,
+        headers.get(Header.ATTEMPT, ""),
+        headers.get(Header.DELIVER_AT, ""),
+        headers.get(Header.REPLAYS, ""),
+    )
+
+
+def remembered_size(key: AttemptKey, outcome: Outcome) -> int:
+    """The bytes counted for remembering `outcome` under `key`: its texts and an overhead."""
+    texts = [*key]
+    if outcome.failure is not None:
+        texts += [outcome.failure.type_name, outcome.failure.message, outcome.failure.traceback]
+    return ENTRY_OVERHEAD + sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
 
 
 def retry_copy(envelope: Envelope, outcome: Outcome) -> Envelope:

@@ -10,7 +10,7 @@ import asyncio
 import base64
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.error import HTTPError, URLError
@@ -119,8 +119,32 @@ class Management:
             if isinstance(row, dict) and isinstance(row.get("source"), str) and row["source"]
         )
 
-    def get(self, path: str, query: dict[str, str]) -> Any:
-        """GET `path` (blocking): the JSON answer, or ManagementUnavailable saying why not."""
+    async def queue(self, name: str) -> dict[str, Any] | None:
+        """What the API says about queue `name` (type, arguments, effective policy); None if absent.
+
+        ManagementUnavailable if the API could not be asked.
+        """
+        path = f"/api/queues/{quote(self.vhost, safe='')}/{quote(name, safe='')}"
+        try:
+            async with asyncio.timeout(DEADLINE):
+                info = await in_daemon_thread(self.get, path, {}, True)
+        except TimeoutError:
+            raise ManagementUnavailable(
+                f"the RabbitMQ management API at {self.base} did not answer within "
+                f"{DEADLINE:g}s: {ENABLE}"
+            ) from None
+        if info is not None and not isinstance(info, dict):
+            raise ManagementUnavailable(
+                f"the RabbitMQ management API at {self.base} answered what is not a queue for "
+                f"{name!r}: is it the API's base URL?"
+            )
+        return info
+
+    def get(self, path: str, query: dict[str, str], missing_ok: bool = False) -> Any:
+        """GET `path` (blocking): the JSON answer, or ManagementUnavailable saying why not.
+
+        With `missing_ok`, None for a 404 (what `path` names does not exist).
+        """
         request = Request(f"{self.base}{path}?{urlencode(query)}".rstrip("?"))
         credentials = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
         request.add_header("Authorization", f"Basic {credentials}")
@@ -128,6 +152,8 @@ class Management:
             with urlopen(request, timeout=TIMEOUT) as answer:
                 return json.load(answer)
         except HTTPError as error:
+            if error.code == 404 and missing_ok:
+                return None
             if error.code in (401, 403):
                 raise ManagementUnavailable(
                     f"the RabbitMQ management API at {self.base} refused user {self.user!r} "
@@ -141,6 +167,42 @@ class Management:
             raise ManagementUnavailable(
                 f"the RabbitMQ management API did not answer at {self.base} ({reason}): {ENABLE}"
             ) from None
+
+
+DEFAULT_DELIVERY_LIMIT = 20
+"""The delivery limit RabbitMQ 4.0 and later give a quorum queue that sets none (3.x: none)."""
+
+
+def delivery_limit(info: Mapping[str, Any], version: str) -> int | None:
+    """The delivery limit in effect on a quorum queue the API described; None for no limit.
+
+    The lowest of the queue's `x-delivery-limit` argument and its policies' `delivery-limit`
+    (RabbitMQ applies the lowest); on RabbitMQ 4.0 and later a negative one means none, and
+    a queue that sets none has DEFAULT_DELIVERY_LIMIT.
+    """
+    arguments = info.get("arguments")
+    policy = info.get("effective_policy_definition")
+    values = [
+        value
+        for value in (
+            arguments.get("x-delivery-limit") if isinstance(arguments, Mapping) else None,
+            policy.get("delivery-limit") if isinstance(policy, Mapping) else None,
+            info.get("delivery_limit"),
+        )
+        if isinstance(value, int) and not isinstance(value, bool)
+    ]
+    limits = [value for value in values if value >= 0]
+    if limits:
+        return min(limits)
+    if values or major_version(version) < 4:
+        return None
+    return DEFAULT_DELIVERY_LIMIT
+
+
+def major_version(version: str) -> int:
+    """The major number of a RabbitMQ version such as '3.10.8' (0 if it is not one)."""
+    head = version.strip().partition(".")[0]
+    return int(head) if head.isdigit() else 0
 
 
 class ManagementUnavailable(Exception):

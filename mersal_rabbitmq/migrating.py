@@ -19,6 +19,8 @@ A queue's wait queues are moved before it (quorum ones dead-letter at least once
 wait for it to be back). Moving a quorum queue to classic, stop the apps that send to it too
 and let its wait queues empty first.
 A wait queue's messages start their wait again in the new wait queue: later, never earlier.
+With `--app`, the app's error queue moves to classic whatever `--to` says: an error queue is
+a classic queue, which operators can read without the broker counting deliveries.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def add_queue_commands(commands: argparse._SubParsersAction[Any]) -> None:
     migrate.add_argument(
         "--app",
         metavar="MODULE:APP",
-        help="migrate the app's queue, its partitions, wait queues and error queue",
+        help="migrate the app's queue, its partitions, wait queues and error queue (to classic)",
     )
     migrate.add_argument(
         "--queue", action="append", default=[], metavar="NAME", help="a queue to migrate"
@@ -141,13 +143,14 @@ async def migrate_all(
         for name in dict.fromkeys(names):
             if not await _exists(transport, name) and not await _exists(transport, name + HOLDING):
                 continue
+            kind = "classic" if app is not None and name == _error_queue_of(app) else target
             bindings = _unpaused(name, await _bindings(transport, api, app, name), paused)
-            moved = await migrate(transport, Plan(name, shape_for(name, target), bindings))
+            moved = await migrate(transport, Plan(name, shape_for(name, kind), bindings))
             if moved is None:
-                print(f"{name}: already {target}")
+                print(f"{name}: already {kind}")
             else:
                 migrated += 1
-                print(f"{name}: now {target}, {moved} message(s) moved")
+                print(f"{name}: now {kind}, {moved} message(s) moved")
         for base in paused:
             await _resume_partitions(transport, base)
     finally:
@@ -553,6 +556,11 @@ def _queues_of(app: App | None) -> list[str]:
     # Wait queues first: once of the new (quorum) type they dead-letter at least once, so a
     # message whose wait ends while its queue is declared again waits for it.
     return [*waits, *partitions, app.name, app.retry.error_queue]
+
+
+def _error_queue_of(app: App) -> str | None:
+    """The app's error queue, which is classic whatever the others are (see declare_error_queue)."""
+    return app.retry.error_queue if app.consume else None
 
 
 def _app_queue_type(app: App | None) -> str | None:

@@ -8,7 +8,9 @@ type, which the publisher logs once. `bind(queue, topic)` binds with that exact 
 contain dots, which separate words in topic routing, but a binding key without wildcards still
 only matches itself.
 Queues are durable with `x-queue-type` = `queue_type` (quorum unless the transport says
-classic): replicated on a cluster, and their wait queues dead-letter at least once. A temporary
+classic): replicated on a cluster, and their wait queues dead-letter at least once. Error
+queues are classic whatever `queue_type` says (see `declare_error_queue`), and one that exists
+as quorum is used as it is. A temporary
 queue is an exclusive, auto-delete, non-durable classic queue that goes away with the
 connection. A queue that exists with the other type fails the declaration with the command that
 migrates it; a wait queue of the other type (left by an earlier version) is used as it is.
@@ -214,6 +216,42 @@ class Topology:
 
         await self._through_reconnects(f"declare queue {name!r}", declaring)
         self.queues[name] = shape
+
+    async def declare_error_queue(self, name: str) -> str:
+        """Declare an error queue classic; one that exists as quorum is used as it is. Its type.
+
+        An error queue is a parking lot that operators read without consuming: every message
+        they look at goes back, which a quorum queue counts against its delivery limit.
+        """
+        try:
+            await self.declare(name, durable_shape("classic"))
+            return "classic"
+        except QueueTypeMismatch:
+            await self.declare(name, durable_shape("quorum"))
+        log.warning(
+            "error queue %r is a quorum queue: `mersal dlq` refuses to look at it while a "
+            "delivery limit applies (every look counts as a delivery); `mersal queues migrate "
+            "--queue %s --to classic` moves it",
+            name,
+            name,
+        )
+        return "quorum"
+
+    async def of_type(self, name: str, queue_type: str) -> bool | None:
+        """Whether the durable queue `name` is of `queue_type`; None if there is none.
+
+        It declares the queue as it would be of that type: an equal declaration changes nothing.
+        """
+        async with self._lock:
+            if not await self._exists(name):
+                return None
+            channel = await self._ready_channel()
+            try:
+                arguments: dict[str, Any] = {"x-queue-type": queue_type}
+                await channel.declare_queue(name, durable=True, arguments=arguments)
+            except aiormq.exceptions.ChannelPreconditionFailed:
+                return False
+            return True
 
     async def bind(self, queue: str, topic: str) -> None:
         """Bind a queue to the topic exchange and remember it (again, as `declare`)."""

@@ -21,18 +21,25 @@ from dataclasses import replace
 
 from aio_pika.abc import AbstractChannel, AbstractConnection
 
+from mersal.dead_letters import LookingWouldLose
 from mersal.errors import ConfigurationError, MersalError
 from mersal.transport import Limits, Outgoing, first_failure, mask
 from mersal.transport.status import WAIT, QueueReport, QueueStatus
 from mersal_rabbitmq.connection import CHANNEL_ERRORS, Connection, take_option, why
 from mersal_rabbitmq.consuming import ACK_MODES, RESUBSCRIBE_DELAYS, Consumers, RabbitMQConsumer
 from mersal_rabbitmq.delays import MAX_WAIT_MS, retry_wait_queues, waiting_for
-from mersal_rabbitmq.management import Management
+from mersal_rabbitmq.management import Management, ManagementUnavailable, delivery_limit
 from mersal_rabbitmq.publishing import Publishing
 from mersal_rabbitmq.topology import QUEUE_TYPES, Topology, durable_shape, temporary_shape
-from mersal_rabbitmq.wire import limits_for
+from mersal_rabbitmq.wire import broker_version, limits_for
 
 log = logging.getLogger("mersal.rabbitmq")
+
+TO_CLASSIC = (
+    "Move it to a classic queue, which has no delivery limit (an error queue is classic by "
+    "default; stop the apps that consume it, if any): `mersal queues migrate --queue {queue} "
+    "--to classic --transport URL`; or remove the limit"
+)
 
 
 class RabbitMQTransport:
@@ -167,6 +174,62 @@ class RabbitMQTransport:
             if temporary:
                 raise ConfigurationError(f"temporary queue {queue!r} cannot have partitions")
             await self._topology.partition(queue, partitions)
+
+    async def declare_error_queue(self, queue: str) -> None:
+        """Make sure the error queue `queue` exists: a durable classic queue, whatever queue_type.
+
+        Operators look at dead letters by taking them and giving them back; a quorum queue
+        counts each return as a delivery and drops the message past its delivery limit, a
+        classic one has none (but is not replicated on a cluster). An error queue that exists
+        as a quorum queue is used as it is, with a warning.
+        """
+        self._link.require()
+        await self._topology.declare_error_queue(queue)
+
+    async def check_give_back(self, queue: str, management: str | None = None) -> None:
+        """Raise LookingWouldLose if messages of `queue` given back could be dropped.
+
+        A quorum queue counts every return as a delivery, and drops or dead-letters a message
+        past its delivery limit (a policy's `delivery-limit` or `x-delivery-limit`; 20 by
+        default on RabbitMQ 4). The management API (`management`, default
+        http://<host>:15672) tells the queue's type and limit; without it, only a queue that
+        is classic passes (and a queue the API does not list yet). A missing queue passes:
+        consuming it says so.
+        """
+        self._link.require()
+        api = Management.of(self.address, management)
+        try:
+            info = await api.queue(queue)
+        except ManagementUnavailable as error:
+            if await self._topology.of_type(queue, "classic") is not False:
+                return
+            raise LookingWouldLose(
+                queue,
+                f"it is not a classic queue, and without the management API ({error}) there "
+                "is no telling whether a delivery limit drops the messages given back after "
+                f"a look. {TO_CLASSIC.format(queue=queue)}",
+            ) from None
+        if info is None:  # missing, or too new for the API's statistics (every 5 s)
+            if await self._topology.of_type(queue, "classic") is not False:
+                return
+            raise LookingWouldLose(
+                queue,
+                "it is not a classic queue, and the management API does not list it yet, so "
+                "there is no telling whether a delivery limit drops the messages given back "
+                f"after a look: run this again in a few seconds. {TO_CLASSIC.format(queue=queue)}",
+            )
+        if info.get("type") != "quorum":
+            return
+        limit = delivery_limit(info, broker_version(self._link.current))
+        if limit is None:
+            return
+        raise LookingWouldLose(
+            queue,
+            f"it is a quorum queue with a delivery limit of {limit} (a policy's delivery-limit "
+            "or its x-delivery-limit argument; RabbitMQ 4 sets 20 when none is set), and "
+            "RabbitMQ counts every message given back after a look as a delivery, dropping it "
+            f"past the limit. {TO_CLASSIC.format(queue=queue)}",
+        )
 
     async def bind(self, queue: str, topic: str) -> None:
         """Deliver messages published on `topic` to `queue` too."""

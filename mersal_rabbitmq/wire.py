@@ -105,6 +105,16 @@ def limits_for(connection: AbstractConnection) -> Limits:
     return Limits(max_header_bytes=frame_max - FRAME_SLACK, max_delay=MAX_WAIT_MS / 1000)
 
 
+def broker_version(connection: AbstractConnection | None) -> str:
+    """The RabbitMQ version the broker announced on connecting ('' if unknown)."""
+    underlay = getattr(connection, "transport", None)
+    properties = getattr(getattr(underlay, "connection", None), "server_properties", None)
+    version = properties.get("version") if isinstance(properties, dict) else None
+    if isinstance(version, bytes):
+        version = version.decode("utf-8", "replace")
+    return version if isinstance(version, str) else ""
+
+
 def _short(value: str | None) -> str | None:
     """The value if it fits an AMQP short string (properties); headers carry it regardless."""
     return value if value and len(value.encode()) <= SHORT_STRING else None

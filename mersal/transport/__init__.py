@@ -146,6 +146,20 @@ class Transport(Protocol):
         ...
 
 
+async def declare_error_queue(transport: Transport, queue: str) -> None:
+    """Make sure the error queue `queue` exists, as the kind of queue the transport parks in.
+
+    A transport with a `declare_error_queue(queue)` method (RabbitMQ: a classic queue, which
+    operators can read without the broker counting deliveries) declares it so; others declare
+    it as any queue.
+    """
+    special = getattr(transport, "declare_error_queue", None)
+    if special is None:
+        await transport.declare(queue)
+    else:
+        await special(queue)
+
+
 def limits_of(transport: object) -> Limits:
     """The transport's limits (RabbitMQ's defaults for one that declares none)."""
     limits = getattr(transport, "limits", None)

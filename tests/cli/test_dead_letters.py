@@ -234,8 +234,10 @@ def test_replayable_drops_the_error_and_retry_headers_only() -> None:
         Header.TYPE: "t",
         Header.CORRELATION_ID: "c-1",
         "x-tenant": "acme",
+        Header.REPLAYS: "1",
     }
     assert replayed.body == b"{}"
+    assert replayable(replayed).headers[Header.REPLAYS] == "2"  # each replay a new attempt
 
 
 def test_odd_dead_letters_are_still_shown() -> None:

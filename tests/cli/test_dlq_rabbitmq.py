@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from uuid import uuid4
 
+import aio_pika
 import pytest
 
 from mersal import App, Header, MessageContext, RetryPolicy, message
+from mersal_rabbitmq.management import Management
 from tests.cli.conftest import RABBITMQ_HOST, Queues, mersal
+from tests.cli.test_queues_migrate import queue_types
 from tests.support import eventually, rabbitmqctl
 
 pytestmark = pytest.mark.integration
@@ -286,3 +292,99 @@ def own_vhost() -> Iterator[str]:
         yield f"amqp://guest:guest@{RABBITMQ_HOST}/{name}"
     finally:
         rabbitmqctl("delete_vhost", name)
+
+
+@contextmanager
+def delivery_limit_policy(vhost: str, queue: str, limit: int) -> Iterator[str]:
+    """A policy `delivery-limit: limit` on `queue`, cleared afterwards; its name."""
+    name = f"limit-{uuid4().hex[:8]}"
+    definition = json.dumps({"delivery-limit": limit})
+    pattern = f"^{re.escape(queue)}$"
+    rabbitmqctl("set_policy", "-p", vhost, name, pattern, definition, "--apply-to", "queues")
+    try:
+        yield name
+    finally:
+        rabbitmqctl("clear_policy", "-p", vhost, name)
+
+
+async def policy_is(url: str, queue: str, policy: str | None) -> bool:
+    """Whether the management API says `queue` is under `policy` (None: under none)."""
+    info = await Management.of(url).queue(queue)
+    return info is not None and info.get("policy") == policy
+
+
+async def looked_at_five_times(
+    options: Sequence[str], ids: Sequence[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dlq list`, `show` and a replay and a drop that choose nothing, five times over."""
+    for _ in range(5):
+        assert await mersal("dlq", "list", *options) == 0
+        listed = capsys.readouterr().out.splitlines()
+        assert [line.split()[0] for line in listed[1:-1]] == list(ids)
+        assert await mersal("dlq", "show", ids[-1], *options) == 0
+        assert await mersal("dlq", "replay", "not-one-of-them", *options) == 1
+        assert await mersal("dlq", "drop", "not-one-of-them", "--yes", *options) == 1
+        capsys.readouterr()
+
+
+async def test_the_error_queue_is_classic_and_looking_at_it_under_a_delivery_limit_keeps_all(
+    amqp_url: str, vhost: str, queues: Queues, capsys: pytest.CaptureFixture[str]
+) -> None:
+    orders = orders_app(amqp_url, queues)  # quorum queues: the transport's default
+    app, error = orders.app, orders.error_queue
+    options = ("--transport", amqp_url, "--queue", error)
+    with delivery_limit_policy(vhost, error, 1):  # what a quorum queue would drop by at once
+        async with app:
+            ids = [await app.send(PlaceOrder(f"o-{n}")) for n in range(3)]
+            await eventually(lambda: count_is(queues, error, 3), "three dead letters")
+            types = await queue_types(vhost)
+            assert (types[app.name], types[error]) == ("quorum", "classic")
+
+            await looked_at_five_times(options, ids, capsys)
+            await eventually(lambda: count_is(queues, error, 3), "every dead letter still there")
+
+            orders.broken = False
+            assert await mersal("dlq", "replay", ids[0], *options) == 0
+            assert await mersal("dlq", "drop", ids[1], "--yes", *options) == 0
+            await eventually(lambda: len(orders.handled) == 1, "the replayed message handled")
+            await eventually(lambda: count_is(queues, error, 1), "the one left alone still there")
+    assert [order_id for order_id, _, _ in orders.handled] == ["o-0"]
+
+
+async def test_a_quorum_error_queue_is_used_as_it_is_and_not_looked_at_under_a_delivery_limit(
+    amqp_url: str,
+    vhost: str,
+    queues: Queues,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    orders = orders_app(amqp_url, queues)
+    app, error = orders.app, orders.error_queue
+    options = ("--transport", amqp_url, "--queue", error)
+    async with await aio_pika.connect(amqp_url) as connection:  # left by an earlier release
+        channel = await connection.channel()
+        await channel.declare_queue(error, durable=True, arguments={"x-queue-type": "quorum"})
+    with delivery_limit_policy(vhost, error, 3) as policy:
+        async with app:  # accepted as it is, with a word on what it means
+            ids = [await app.send(PlaceOrder(f"o-{n}")) for n in range(2)]
+            await eventually(lambda: count_is(queues, error, 2), "two dead letters")
+        assert (await queue_types(vhost))[error] == "quorum"
+        assert f"error queue {error!r} is a quorum queue" in caplog.text
+        await eventually(
+            lambda: policy_is(amqp_url, error, policy), "the policy applied", timeout=15
+        )
+
+        for command in (("list",), ("show", ids[0]), ("replay", ids[0]), ("drop", "x", "--yes")):
+            for _ in range(5):
+                assert await mersal("dlq", *command, *options) == 2
+                refused = capsys.readouterr().err
+                assert refused.startswith(
+                    f"mersal: will not take messages from {error!r}: it is a quorum queue with "
+                    "a delivery limit of 3"
+                )
+                assert f"mersal queues migrate --queue {error} --to classic" in refused
+        assert await count_is(queues, error, 2)
+
+    await eventually(lambda: policy_is(amqp_url, error, None), "the policy gone", timeout=15)
+    await looked_at_five_times(options, ids, capsys)  # RabbitMQ 3 sets no limit by itself
+    await eventually(lambda: count_is(queues, error, 2), "every dead letter still there")

@@ -34,8 +34,9 @@ from mersal import (
     Unsendable,
     message,
 )
+from mersal.dead_letters import DeadLetters
 from mersal.pipeline import HandlerTimeout, Next
-from mersal.settle import ACK, ERROR_HEADERS
+from mersal.settle import ACK, ERROR_HEADERS, Failure, Outcome, Settler, Verdict, remembered_size
 from mersal.testing import Harness
 from mersal.transaction import TransactionClosed
 from mersal.transport import Consumer, Outgoing
@@ -429,6 +430,98 @@ async def test_a_dead_letter_that_cannot_leave_returns_the_delivery_once_then_le
     assert transport.refused == 1
     assert settles == [["nack"], ["ack"]]
     assert calls == 1  # its outcome was remembered: the returned delivery is not handled again
+
+
+class AlwaysRefused(DelegatingTransport):
+    """A transport whose broker is away for every send."""
+
+    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
+        """Refuse every message."""
+        return [ConnectionError("the broker is away (on purpose)") for _ in messages]
+
+
+class TakesWhenLet(CountingTransport):
+    """A counting memory transport whose consumers take `allowed` deliveries, then wait."""
+
+    def __init__(self, url: str, *, refuse_to: str | None = None, allowed: int = 1) -> None:
+        super().__init__(url, refuse_to=refuse_to)
+        self.allowed = allowed
+        self.taken = 0
+        self.let = asyncio.Event()
+
+    async def consume(self, queue: str, *, prefetch: int) -> Consumer:
+        """Consume, counting; past `allowed` deliveries, only once `let` is set."""
+        counting = await super().consume(queue, prefetch=prefetch)
+        transport = self
+
+        class Gated:
+            async def get(self) -> Delivery:
+                if transport.taken >= transport.allowed:
+                    await transport.let.wait()
+                transport.taken += 1
+                return await counting.get()
+
+            async def close(self) -> None:
+                await counting.close()
+
+        return Gated()
+
+
+async def test_a_replay_of_a_message_whose_dead_letter_could_not_leave_is_handled(
+    memory_url: str,
+) -> None:
+    broken = True
+    handled: list[int] = []
+
+    async def handle(message: Job) -> None:
+        if broken:
+            raise Broken("until fixed")
+        handled.append(message.n)
+
+    policy = RetryPolicy(immediate=0, delayed=[])
+    first = TakesWhenLet(memory_url, refuse_to="error")  # its dead letter cannot leave
+    second = TakesWhenLet(memory_url)
+    one, other = (
+        App("counted", transport=first, retry=policy),
+        App("counted", transport=second, retry=policy),
+    )
+    for app in (one, other):
+        app.register(Job, handle)
+    async with one:
+        one.settler.backoff = 0.01
+        await one.send_local(Job(1))
+        await eventually(lambda: first.refused == 1 and first.taken == 1, "the dead letter refused")
+        async with other:  # the returned delivery goes to another instance, which dead-letters it
+            await eventually(lambda: len(first.broker.queues["error"]) == 1, "the dead letter")
+            await quiet(first.broker, other)
+        broken = False
+        replays = await DeadLetters(first.inner, "error").replay()
+        assert [replay.done for replay in replays] == [True]
+        first.let.set()  # the instance that remembers the failed attempt takes the replay
+        await eventually(lambda: handled == [1], "the replay handled")
+        await quiet(first.broker, one)
+    assert len(first.broker.queues["error"]) == 0
+
+
+async def test_the_remembered_outcomes_are_bounded_by_bytes(memory_url: str) -> None:
+    transport = MemoryTransport(memory_url)
+    settler = Settler(AlwaysRefused(transport), "error", backoff=0, remember_bytes=100_000)
+    failure = Failure("tests.Broken", "m" * 1_000, "t" * 16_384)
+    kept = 100_000 // remembered_size(("m-10", "", "", ""), Outcome.dead_letter(failure, 1))
+    await transport.start()
+    transport.broker.declare("work")
+    for n in range(50):
+        await transport.send([Outgoing("work", Envelope({Header.MESSAGE_ID: f"m-{n}"}, b"{}"))])
+    consumer = await transport.consume("work", prefetch=100)
+    deliveries = [await consumer.get() for _ in range(50)]
+    for delivery in deliveries:  # every dead letter stays behind
+        assert await settler.settle(delivery, Outcome.dead_letter(failure, 1)) is Verdict.RETURN
+    assert 0 < settler.remembered_bytes <= 100_000 and kept == 5
+    redelivered = [await consumer.get() for _ in range(50)]
+    remembered = [settler.unsent(delivery) is not None for delivery in redelivered]
+    assert remembered == [False] * (50 - kept) + [True] * kept  # the oldest forgotten first
+    assert settler.remembered_bytes == 0
+    await transport.stop()
 
 
 async def test_each_reply_is_settled_once_whether_awaited_late_or_bad(memory_url: str) -> None:

@@ -94,3 +94,33 @@ async def test_an_api_that_trickles_bytes_is_given_up_on_after_the_deadline(
         view = await at(api).look(["orders"], [])
     assert time.monotonic() - started < 5
     assert view.note is not None and "did not answer within 1s" in view.note
+
+
+@pytest.mark.parametrize(
+    ("info", "version", "limit"),
+    [
+        (
+            {"arguments": {"x-queue-type": "quorum"}, "effective_policy_definition": {}},
+            "3.10.8",
+            None,
+        ),
+        ({"arguments": {}, "effective_policy_definition": {"delivery-limit": 3}}, "3.10.8", 3),
+        ({"arguments": {"x-delivery-limit": 5}, "effective_policy_definition": None}, "3.13.1", 5),
+        (
+            {
+                "arguments": {"x-delivery-limit": 5},
+                "effective_policy_definition": {"delivery-limit": 2},
+            },
+            "3.12.0",
+            2,
+        ),
+        ({"arguments": {}, "effective_policy_definition": {}}, "4.0.5", 20),
+        ({"arguments": {}, "effective_policy_definition": {"delivery-limit": -1}}, "4.1.0", None),
+        ({"arguments": {"x-delivery-limit": 0}}, "4.0.0", 0),
+        ({"arguments": {"x-delivery-limit": True}}, "", None),
+    ],
+)
+def test_the_delivery_limit_in_effect_is_the_lowest_set_or_rabbitmq_4s_default(
+    info: dict[str, object], version: str, limit: int | None
+) -> None:
+    assert management.delivery_limit(info, version) == limit
