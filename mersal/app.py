@@ -368,6 +368,7 @@ class App:
                 f"{describe(incoming.headers)} has no reply-to header, so there is nowhere to reply"
             )
         merged = check_headers(headers)
+        merged[Header.REPLY] = "true"
         if incoming.headers.get(Header.TEMPORARY_REPLY_TO) == "true":
             merged[Header.TEMPORARY_REPLY_TO] = "true"
         return await self._emit(message, reply_to, False, merged, partition_key)
