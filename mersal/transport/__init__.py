@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -143,6 +143,15 @@ class Transport(Protocol):
 
     async def consume(self, queue: str, *, prefetch: int) -> Consumer:
         """Start receiving from `queue`."""
+        ...
+
+
+@runtime_checkable
+class BindingPruner(Protocol):
+    """A transport that can drop the bindings of subscriptions an app no longer has."""
+
+    async def prune_bindings(self, queue: str, topics: Collection[str]) -> None:
+        """Stop delivering to `queue` what is published on any topic not in `topics`."""
         ...
 
 
