@@ -69,6 +69,7 @@ from mersal.transaction import (
     id_namespace,
 )
 from mersal.transport import (
+    BindingPruner,
     Consumer,
     Delivery,
     Limits,
@@ -373,6 +374,7 @@ class App:
                 f"{describe(incoming.headers)} has no reply-to header, so there is nowhere to reply"
             )
         merged = check_headers(headers)
+        merged[Header.REPLY] = "true"
         if incoming.headers.get(Header.TEMPORARY_REPLY_TO) == "true":
             merged[Header.TEMPORARY_REPLY_TO] = "true"
         return await self._emit(message, reply_to, False, merged, partition_key)
@@ -579,8 +581,7 @@ class App:
             if self.consume:
                 await self._declare_input(transport)
                 await declare_error_queue(transport, self.retry.error_queue)
-                for message_type in self._subscriptions:
-                    await transport.bind(self.name, self.types.name_of(message_type))
+                await self._bind_subscriptions(transport)
             if self.storage is not None:
                 await self.storage.start()
             if self.consume:
@@ -603,6 +604,14 @@ class App:
             mask(transport.address),
             "" if self.consume else " (send-only)",
         )
+
+    async def _bind_subscriptions(self, transport: Transport) -> None:
+        """Bind the input queue to each subscribed topic, and unbind it from any other."""
+        topics = [self.types.name_of(message_type) for message_type in self._subscriptions]
+        for topic in topics:
+            await transport.bind(self.name, topic)
+        if isinstance(transport, BindingPruner):  # an earlier start may have subscribed to more
+            await transport.prune_bindings(self.name, topics)
 
     async def stop(self) -> None:
         """Stop fetching, finish in-flight messages (within the grace period), disconnect."""

@@ -43,6 +43,8 @@ class Header:
     """On a saga's timeout: the name of the saga type it goes back to."""
     TEMPORARY_REPLY_TO = "temporary-reply-to"
     """"true" on a request whose reply-to queue goes away with the requester, and on its reply."""
+    REPLY = "reply"
+    """"true" on a message sent by `app.reply` (metrics name every reply's destination alike)."""
 
 
 KEY_LENGTH = 255

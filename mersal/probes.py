@@ -2,7 +2,8 @@
 
 `/livez` and `/readyz` answer 200 or 503 with a JSON body naming each failing check and its
 reason (`app.health()`); `/metrics`, when the app's metrics go to Prometheus (the extra
-`mersal[prometheus]`), answers in Prometheus' text format. Served by aiohttp (`mersal[health]`).
+`mersal[prometheus]`), answers in Prometheus' text format, else 404 with what serves it.
+Served by aiohttp (`mersal[health]`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mersal.probes")
 
 HEALTH_EXTRA = "pip install 'mersal[health]'"
+PROMETHEUS_EXTRA = "pip install 'mersal[prometheus]'"
 
 Metrics = Callable[[], tuple[bytes, str]]
 """Renders the current metrics: the body and its content type."""
@@ -47,8 +49,12 @@ async def probes(
 
     server.router.add_get("/livez", _answer(lambda: liveness(app), "live"))
     server.router.add_get("/readyz", _answer(readiness, "ready"))
+    unserved: str | None = None
     if metrics is not None:
         server.router.add_get("/metrics", _metrics(metrics))
+    else:
+        unserved = no_metrics()
+        server.router.add_get("/metrics", _unserved(unserved))
     runner = web.AppRunner(server, access_log=None, handle_signals=False)
     await runner.setup()
     try:
@@ -61,7 +67,15 @@ async def probes(
                 "choose another --health-port"
             ) from None
         bound = _port_of(runner, port)
-        log.info("health endpoints on http://%s:%d/livez and /readyz", host, bound)
+        if unserved is None:
+            log.info("health endpoints on http://%s:%d/livez, /readyz and /metrics", host, bound)
+        else:
+            log.info(
+                "health endpoints on http://%s:%d/livez and /readyz; no /metrics: %s",
+                host,
+                bound,
+                unserved,
+            )
         yield bound
     finally:
         await runner.cleanup()
@@ -91,6 +105,19 @@ def prometheus_metrics(app: App) -> Metrics | None:
     return render
 
 
+def no_metrics() -> str:
+    """Why `/metrics` is not served, and what serves it."""
+    try:
+        import opentelemetry.exporter.prometheus  # noqa: F401
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return f"/metrics needs the prometheus extra, which is not installed: {PROMETHEUS_EXTRA}"
+    return (
+        "/metrics is served when metrics are given: serve(app, ..., "
+        "metrics=prometheus_metrics(app)), as `mersal run --health-port` does"
+    )
+
+
 def _answer(failing: Callable[[], dict[str, str]], which: str) -> Endpoint:
     """An endpoint answering 200 when `failing` names no check, else 503 with the reasons."""
     from aiohttp import web
@@ -115,6 +142,16 @@ def _metrics(metrics: Metrics) -> Endpoint:
         response = web.Response(body=body)
         response.headers["Content-Type"] = content_type
         return response
+
+    return answer
+
+
+def _unserved(reason: str) -> Endpoint:
+    """An endpoint answering 404 with `reason` (what serves it)."""
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=404, text=f"{reason}\n")
 
     return answer
 

@@ -27,7 +27,7 @@ from mersal.commands import align, load_app, positive_seconds
 from mersal.errors import ConfigurationError, MersalError
 from mersal.outbox import Storage, attach_storage
 from mersal.plugins import transport_from
-from mersal.transport import Transport, mask, partition_queue
+from mersal.transport import Transport, mask, partition_queue, split_urls
 from mersal.transport.status import ERROR, INPUT, QUEUE, WAIT, QueueReport, QueueStatus
 
 DEFAULT_TIMEOUT = 10.0
@@ -77,6 +77,68 @@ class StorageInspector(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Naming:
+    """How the commands `mersal status` suggests name the app, the broker and the database.
+
+    A URL is None where the suggested command finds it by itself (the `--app`'s broker,
+    MERSAL_TRANSPORT or MERSAL_DATABASE); a suggested command never shows a password.
+    """
+
+    app: str | None = None
+    """The `module:app` status was given, for `mersal dlq --app`."""
+    app_name: str | None = None
+    transport: str | None = None
+    database: str | None = None
+
+    def dlq_list(self, queue: str) -> str:
+        """The `mersal dlq list` command that lists `queue`, and what to add to it, if anything."""
+        app = f" --app {self.app}" if self.app else ""
+        variable = None if self.app else "MERSAL_TRANSPORT"  # --app's broker wins over it
+        option, note = _url_option("--transport", self.transport, variable)
+        return f"`mersal dlq list{app} --queue {queue}{option}`{note}"
+
+    def outbox_list(self) -> str:
+        """The `mersal outbox list --parked` command for the parked rows, and what to add to it."""
+        app = f" --app {self.app_name}" if self.app_name else ""
+        option, note = _url_option("--database", self.database, "MERSAL_DATABASE")
+        return f"`mersal outbox list --parked{app}{option}`{note}"
+
+
+def _url_option(option: str, url: str | None, variable: str | None) -> tuple[str, str]:
+    """` --option 'URL'` for a suggested command (no password shown), and what to add to it."""
+    if url is None or (variable is not None and url == os.environ.get(variable)):
+        return "", ""
+    shown = without_password(url)
+    if shown == url:
+        return f" {option} '{url}'", ""
+    instead = f", or set {variable} to the URL and leave {option} out" if variable else ""
+    return f" {option} '{shown}'", f" (its URL without the password: add the password{instead})"
+
+
+def without_password(url: str) -> str:
+    """The URL without any password (in its user info, or a query parameter), for commands."""
+    urls = split_urls(url)
+    if len(urls) > 1:
+        return ";".join(without_password(part) for part in urls)
+    masked = mask(url)
+    if masked == url:
+        return url
+    scheme, separator, rest = masked.partition("://")
+    user_info, at, host = rest.rpartition("@")
+    if at:
+        rest = f"{user_info.removesuffix(':***')}@{host}"
+    base, question, query = (scheme + separator + rest).partition("?")
+    query, hash_mark, fragment = query.partition("#")
+    kept = [
+        pair
+        for pair in query.split("&")
+        if not (pair.endswith("=***") and "password" in pair.partition("=")[0].lower())
+    ]
+    query = "&".join(pair for pair in kept if pair)
+    return f"{base}{question if query else ''}{query}{hash_mark}{fragment}"
+
+
 @dataclass
 class Plan:
     """What `mersal status` looks at."""
@@ -89,6 +151,7 @@ class Plan:
     delays: tuple[float, ...] = ()
     database: str | None = None
     management: str | None = None
+    naming: Naming = field(default_factory=Naming)
 
 
 @dataclass
@@ -101,6 +164,7 @@ class Status:
     unacked_note: str | None = None
     database: str | None = None
     storage: StorageStatus | None = None
+    naming: Naming = field(default_factory=Naming)
 
     @property
     def missing(self) -> list[QueueStatus]:
@@ -115,15 +179,14 @@ class Status:
             if queue.role == ERROR and held:
                 problems.append(
                     f"{held} message(s) in the error queue {queue.name!r}: look at them with "
-                    f"`mersal dlq list --queue {queue.name} --transport '{self.broker}'`, then "
-                    "replay them (`mersal dlq replay`)"
+                    f"{self.naming.dlq_list(queue.name)}, then replay them (`mersal dlq replay`)"
                 )
         if self.storage is not None and self.storage.parked:
             of_app = f" of app {self.storage.app!r}" if self.storage.app else ""
             problems.append(
                 f"{self.storage.parked} parked outbox row(s){of_app}: look at them with "
-                f"`mersal outbox list --parked --database '{self.database}'`, fix the cause, "
-                "then `mersal outbox retry` (or `purge`) them"
+                f"{self.naming.outbox_list()}, fix the cause, then `mersal outbox retry` (or "
+                "`purge`) them"
             )
         return problems
 
@@ -229,7 +292,7 @@ def _pending(storage: StorageStatus) -> str:
 
 async def look(plan: Plan) -> Status:
     """Count the plan's queues and its database's outbox and inbox rows; change nothing."""
-    status = Status(app=plan.app.name if plan.app is not None else None)
+    status = Status(app=plan.app.name if plan.app is not None else None, naming=plan.naming)
     if plan.transport is not None:
         status.broker = mask(plan.transport.address)
         report = await queue_report(plan)
@@ -316,14 +379,17 @@ def plan_for(
     elif error_queue is not None:
         named.append((error_queue, ERROR))
     named += [(name, QUEUE) for name in queues]
+    transport = transport or app.transport
+    database = database or app.database
     return Plan(
         app=app,
-        transport=transport or app.transport,
+        transport=transport,
         queues=_distinct(named),
         waits_of=[name for name, role in named if role in (INPUT, QUEUE)],
         delays=tuple(app.retry.delayed),
-        database=database or app.database,
+        database=database,
         management=management,
+        naming=Naming(app_name=app.name, transport=transport.address, database=database),
     )
 
 
@@ -436,6 +502,9 @@ def plan_from(args: argparse.Namespace) -> Plan:
             queues=args.queue,
             management=args.management,
         )
+        own = plan.transport is app.transport  # `mersal dlq --app` uses the app's broker
+        own_broker = None if own or plan.transport is None else plan.transport.address
+        plan.naming = replace(plan.naming, app=args.app, transport=own_broker)
     else:
         plan = plain_plan(args)
     if plan.transport is not None:
@@ -466,6 +535,7 @@ def plain_plan(args: argparse.Namespace) -> Plan:
         waits_of=list(args.queue),
         database=database,
         management=args.management,
+        naming=Naming(transport=transport_url, database=database),
     )
 
 

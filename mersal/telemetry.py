@@ -54,6 +54,9 @@ SCHEMA_URL = "https://opentelemetry.io/schemas/1.44.0"
 RABBITMQ_EVENTS_EXCHANGE = "mersal.events"
 """The exchange `mersal_rabbitmq` publishes events on (a publish's destination names it)."""
 
+REPLY_DESTINATION = "(reply)"
+"""The destination metrics and span names give every reply: reply addresses are unbounded."""
+
 SYSTEMS = {"amqp": "rabbitmq", "amqps": "rabbitmq"}
 """`messaging.system` by transport URL scheme; other schemes name themselves (`memory`)."""
 
@@ -64,6 +67,7 @@ SYSTEM = "messaging.system"
 OPERATION_NAME = "messaging.operation.name"
 OPERATION_TYPE = "messaging.operation.type"
 DESTINATION = "messaging.destination.name"
+TEMPORARY = "messaging.destination.temporary"
 MESSAGE_ID = "messaging.message.id"
 CONVERSATION_ID = "messaging.message.conversation_id"
 BODY_SIZE = "messaging.message.body.size"
@@ -74,6 +78,7 @@ MESSAGE_TYPE = "mersal.message.type"
 ATTEMPT = "mersal.attempt"
 DUPLICATE = "mersal.inbox.duplicate"
 RETRY_KIND = "mersal.retry.kind"
+REPLY = "mersal.reply"
 APP = "mersal.app"
 
 CREATE = "create"
@@ -414,7 +419,7 @@ class OpenTelemetry:
         seconds: float,
     ) -> None:
         """End a send span and count the send, as sent or as failed."""
-        measured = {key: attributes[key] for key in (SYSTEM, OPERATION_NAME, DESTINATION)}
+        measured = _measured(attributes)
         if failure is not None:
             measured[ERROR_TYPE] = _fail(span, failure)
         span.end()
@@ -463,7 +468,7 @@ class OpenTelemetry:
             links=links,
         )
         token = otel_context.attach(trace.set_span_in_context(span, parent))
-        measured = {key: attributes[key] for key in (SYSTEM, OPERATION_NAME, DESTINATION)}
+        measured = _measured(attributes)
         started = time.perf_counter()
         try:
             await next(context)
@@ -556,14 +561,15 @@ def producer_destination(system: str, address: str, publish: bool) -> str:
 def consumer_destination(system: str, delivery: Delivery) -> str:
     """The destination a delivery names: its queue (`exchange:routing key:queue` on RabbitMQ).
 
-    Empty parts are left out, and a routing key that names the queue itself too.
+    Empty parts are left out, and a routing key that names the queue itself too; so is one
+    from another exchange than the events exchange (a partition key, say: it has no bound).
     """
     queue = delivery.queue
     if system != "rabbitmq":
         return queue
     exchange = getattr(delivery, "exchange", "") or ""
     routing_key = getattr(delivery, "routing_key", "") or ""
-    if routing_key == queue:
+    if routing_key == queue or exchange != RABBITMQ_EVENTS_EXCHANGE:
         routing_key = ""
     return ":".join(part for part in (exchange, routing_key, queue) if part)
 
@@ -580,7 +586,25 @@ def _producer_attributes(
     _add_message_attributes(attributes, headers)
     if system == "rabbitmq":
         attributes[ROUTING_KEY] = address
+    if headers.get(Header.REPLY) == "true":
+        attributes[REPLY] = True
+        if headers.get(Header.TEMPORARY_REPLY_TO) == "true":
+            attributes[TEMPORARY] = True
     return attributes
+
+
+def _named_destination(attributes: Mapping[str, str | int]) -> str | int:
+    """The destination a span name and the metrics give: `(reply)` for any reply."""
+    return REPLY_DESTINATION if attributes.get(REPLY) else attributes[DESTINATION]
+
+
+def _measured(attributes: Mapping[str, str | int]) -> dict[str, str | int]:
+    """The attributes a span's metrics are recorded with (a bounded set of values each)."""
+    return {
+        SYSTEM: attributes[SYSTEM],
+        OPERATION_NAME: attributes[OPERATION_NAME],
+        DESTINATION: _named_destination(attributes),
+    }
 
 
 def _add_message_attributes(attributes: dict[str, str | int], headers: Mapping[str, str]) -> None:
@@ -605,7 +629,7 @@ def _add_delivery_attributes(attributes: dict[str, str | int], delivery: Deliver
 
 def _span_name(attributes: Mapping[str, str | int]) -> str:
     """`{operation} {destination}`, as the conventions name messaging spans."""
-    return f"{attributes[OPERATION_NAME]} {attributes[DESTINATION]}"
+    return f"{attributes[OPERATION_NAME]} {_named_destination(attributes)}"
 
 
 def _fail(span: Span, error: BaseException) -> str:

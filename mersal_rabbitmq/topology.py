@@ -263,6 +263,17 @@ class Topology:
         await self._through_reconnects(f"bind queue {queue!r} to {topic!r}", binding)
         self.bindings.setdefault(queue, set()).add(topic)
 
+    async def unbind(self, queue: str, topic: str) -> None:
+        """Stop delivering `topic` to `queue`, and forget the binding (not restored again)."""
+        self.bindings.get(queue, set()).discard(topic)
+
+        async def unbinding() -> None:
+            async with self._lock:
+                amqp_queue = await (await self._ready_channel()).get_queue(queue, ensure=False)
+                await amqp_queue.unbind(EVENTS, topic)
+
+        await self._through_reconnects(f"unbind queue {queue!r} from {topic!r}", unbinding)
+
     async def partition(self, queue: str, count: int) -> list[str]:
         """Split keyed sends to `queue` over `count` partitions; the partitions' names."""
         partitioning = partial(self._locked_partition, queue, count)

@@ -14,8 +14,9 @@ It configures and composes the parts, each in a module of its own:
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
@@ -28,9 +29,15 @@ from mersal.transport.status import WAIT, QueueReport, QueueStatus
 from mersal_rabbitmq.connection import CHANNEL_ERRORS, Connection, take_option, why
 from mersal_rabbitmq.consuming import ACK_MODES, RESUBSCRIBE_DELAYS, Consumers, RabbitMQConsumer
 from mersal_rabbitmq.delays import MAX_WAIT_MS, retry_wait_queues, waiting_for
-from mersal_rabbitmq.management import Management, ManagementUnavailable, delivery_limit
+from mersal_rabbitmq.management import ENABLE, Management, ManagementUnavailable, delivery_limit
 from mersal_rabbitmq.publishing import Publishing
-from mersal_rabbitmq.topology import QUEUE_TYPES, Topology, durable_shape, temporary_shape
+from mersal_rabbitmq.topology import (
+    EVENTS,
+    QUEUE_TYPES,
+    Topology,
+    durable_shape,
+    temporary_shape,
+)
 from mersal_rabbitmq.wire import broker_version, limits_for
 
 log = logging.getLogger("mersal.rabbitmq")
@@ -40,6 +47,8 @@ TO_CLASSIC = (
     "default; stop the apps that consume it, if any): `mersal queues migrate --queue {queue} "
     "--to classic --transport URL`; or remove the limit"
 )
+PRUNE_WAIT = 5.0
+"""Seconds a start waits for the management API to list its queue's bindings."""
 
 
 class RabbitMQTransport:
@@ -238,6 +247,31 @@ class RabbitMQTransport:
             raise ConfigurationError(f"topic {topic!r} has a wildcard word ('*' or '#')")
         await self._topology.bind(queue, topic)
 
+    async def prune_bindings(self, queue: str, topics: Collection[str]) -> None:
+        """Unbind `queue` from the events exchange's topics not in `topics` (each logged).
+
+        A binding from an earlier start outlives a dropped subscription. The management API
+        lists them; when it cannot, a WARNING says what to do. Bindings from other exchanges
+        (partitions, the user's own) are left alone.
+        """
+        self._link.require()
+        api = Management.of(self.address)
+        try:
+            async with asyncio.timeout(PRUNE_WAIT):
+                bound = await api.bindings(queue)
+        except (ManagementUnavailable, TimeoutError) as error:
+            _warn_unpruned(queue, topics, api, str(error) or f"no answer within {PRUNE_WAIT:g}s")
+            return
+        for exchange, topic in bound:
+            if exchange == EVENTS and topic not in topics:
+                await self._topology.unbind(queue, topic)
+                log.info(
+                    "unbound queue %r from %s %r: nothing there subscribes to it any more",
+                    queue,
+                    EVENTS,
+                    topic,
+                )
+
     async def send(self, messages: Sequence[Outgoing]) -> None:
         """Publish all messages, in order, each confirmed by the broker within publish_timeout."""
         first_failure(await self.send_each(messages))
@@ -331,6 +365,28 @@ class RabbitMQTransport:
             yield Topology(link, self.queue_type)
         finally:
             await link.close()
+
+
+def _warn_unpruned(queue: str, topics: Collection[str], api: Management, reason: str) -> None:
+    """Say that bindings of dropped subscriptions may remain, and how to find and remove them."""
+    kept = ", ".join(sorted(topics)) or "(none)"
+    log.warning(
+        "cannot list the bindings of queue %r (%s), so any binding of an event type it no "
+        "longer subscribes to stays, and those events keep arriving and are dead-lettered as "
+        "an unknown type. Enable the management API at %s (rabbitmq-plugins enable "
+        "rabbitmq_management, and a management or monitoring tag for user %r) and each start "
+        "removes them; or list them (rabbitmqctl list_bindings -p %s source_name "
+        "destination_name routing_key) and unbind those from %s to %r whose routing key is "
+        "not one of: %s",
+        queue,
+        reason.removesuffix(f": {ENABLE}"),
+        api.base,
+        api.user,
+        api.vhost,
+        EVENTS,
+        queue,
+        kept,
+    )
 
 
 def _wait_queues(

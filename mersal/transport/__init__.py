@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -158,6 +158,15 @@ async def declare_error_queue(transport: Transport, queue: str) -> None:
         await transport.declare(queue)
     else:
         await special(queue)
+
+
+@runtime_checkable
+class BindingPruner(Protocol):
+    """A transport that can drop the bindings of subscriptions an app no longer has."""
+
+    async def prune_bindings(self, queue: str, topics: Collection[str]) -> None:
+        """Stop delivering to `queue` what is published on any topic not in `topics`."""
+        ...
 
 
 def limits_of(transport: object) -> Limits:

@@ -6,7 +6,7 @@ import asyncio
 import bisect
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from mersal.errors import ConsumerClosed, MersalError, Unroutable, Unsendable
@@ -101,6 +101,12 @@ class MemoryBroker:
         queues = self.bindings.setdefault(topic, [])
         if queue not in queues:
             queues.append(queue)
+
+    def prune(self, queue: str, topics: Collection[str]) -> None:
+        """Stop delivering to `queue` what is published on any topic not in `topics`."""
+        for topic, queues in self.bindings.items():
+            if topic not in topics and queue in queues:
+                queues.remove(queue)
 
     def route(self, outgoing: Outgoing) -> None:
         """Put one message on its queue, or on every queue bound to its topic."""
@@ -320,6 +326,10 @@ class MemoryTransport:
     async def bind(self, queue: str, topic: str) -> None:
         """Deliver what is published on `topic` to `queue`."""
         self.broker.bind(queue, topic)
+
+    async def prune_bindings(self, queue: str, topics: Collection[str]) -> None:
+        """Stop delivering to `queue` what is published on any topic not in `topics`."""
+        self.broker.prune(queue, topics)
 
     async def send(self, messages: Sequence[Outgoing]) -> None:
         """Route each message now (or at its deliver-at time); raise the first failure."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -27,6 +28,7 @@ import pytest
 
 from mersal import App, MersalError, message
 from mersal.errors import Unreachable
+from mersal.probes import prometheus_metrics
 from mersal.runner import serve, start_once, stop_within
 from tests.sql.conftest import postgres_database
 from tests.support import eventually
@@ -360,6 +362,33 @@ async def test_serve_ends_with_1_when_the_app_stops_working_on_its_own() -> None
     async with asyncio.timeout(10):
         assert await served == 1
     assert not app.running
+
+
+async def test_without_the_prometheus_extra_metrics_answers_404_saying_what_serves_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
+    app = App("run-no-metrics", transport=f"memory://run-{uuid4().hex}")
+    app.register(Ping, _ignore)
+    metrics = prometheus_metrics(app)
+    assert metrics is None
+    port = free_port()
+    caplog.set_level(logging.INFO, logger="mersal.probes")
+    served = asyncio.create_task(serve(app, health_port=port, health_host="127.0.0.1"))
+    try:
+        livez = f"http://127.0.0.1:{port}/livez"
+        await eventually(lambda: asyncio.to_thread(_answered, livez), "serving")
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            await asyncio.to_thread(get_text, f"http://127.0.0.1:{port}/metrics")
+        assert answer.value.code == 404
+        assert "pip install 'mersal[prometheus]'" in answer.value.read().decode()
+    finally:
+        served.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await served
+        await app.stop()
+    started = [r.getMessage() for r in caplog.records if r.name == "mersal.probes"]
+    assert any("no /metrics" in line and "mersal[prometheus]" in line for line in started)
 
 
 def test_concurrency_is_set_before_start_and_the_prefetch_follows() -> None:

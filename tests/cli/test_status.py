@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import shlex
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -279,7 +281,7 @@ async def test_messages_in_the_error_queue_need_an_operator(status: Status, own_
     assert run.code == 1
     assert len(run.err) == 1
     assert run.err[0].startswith("mersal: 2 message(s) in the error queue 'payments.error'")
-    assert "mersal dlq list --queue payments.error" in run.err[0]
+    assert "mersal dlq list --queue payments.error --transport " in run.err[0]
     assert "guest:guest" not in run.out + run.err[0]
     rows = [line.split() for line in run.out.splitlines() if line.startswith("payments")]
     assert [row[:3] for row in rows] == [
@@ -315,7 +317,9 @@ async def test_parked_rows_need_an_operator_and_pending_rows_show_their_age(
         assert len(report["reasons"]) == 1
         assert report["reasons"][0].startswith("1 parked outbox row(s)")
         assert run.err == [f"mersal: {report['reasons'][0]}"]
-        assert "mersal outbox list --parked" in run.err[0]
+        argv = suggested(run.err[0], "outbox list")
+        assert argv == ["--parked", "--database", database]
+        assert await mersal("outbox", "list", *argv) == 1  # 1: parked rows need an operator
 
 
 async def test_without_an_app_or_urls_it_says_what_to_pass(
@@ -493,3 +497,57 @@ async def test_app_status_counts_an_in_process_app_on_the_memory_transport() -> 
     assert status.storage is None
     assert status.exit_code == 1
     assert status.reasons()[0].startswith("1 message(s) in the error queue 'orders.error'")
+
+
+def suggested(reason: str, command: str) -> list[str]:
+    """The arguments of the `mersal COMMAND ...` a reason suggests, as a shell would split them."""
+    found = re.search(rf"`mersal {command} ([^`]*)`", reason)
+    assert found is not None, reason
+    return shlex.split(found.group(1))
+
+
+@pytest.mark.integration
+async def test_the_dlq_command_suggested_for_an_app_works_as_printed(
+    status: Status,
+    own_vhost: str,
+    app_module: Callable[..., str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    name = "refunds"
+    target = app_module(name, own_vhost, None)
+    async with load_app(target):
+        pass  # declares the app's input and error queues
+    await put(own_vhost, f"{name}.error", 2)
+
+    run = await status("--app", target)
+
+    assert run.code == 1
+    argv = suggested(run.err[0], "dlq list")
+    assert argv[:2] == ["--app", target]
+    assert "***" not in argv and "--transport" not in argv
+    assert await mersal("dlq", "list", *argv) == 0
+    assert f"2 message(s) in '{name}.error'" in capsys.readouterr().out
+
+
+@pytest.mark.integration
+async def test_suggested_commands_show_no_password_and_say_to_add_it(
+    status: Status, own_vhost: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await declare(own_vhost, "invoices", "invoices.error")
+    await put(own_vhost, "invoices.error", 1)
+    queues = ("--queue", "invoices", "--error-queue", "invoices.error")
+
+    run = await status("--transport", own_vhost, *queues)
+
+    assert run.code == 1
+    argv = suggested(run.err[0], "dlq list")
+    without = own_vhost.replace("guest:guest@", "guest@")
+    assert argv == ["--queue", "invoices.error", "--transport", without]
+    assert "add the password" in run.err[0] and "MERSAL_TRANSPORT" in run.err[0]
+    assert "***" not in run.err[0] and "guest:guest" not in run.err[0]
+
+    monkeypatch.setenv("MERSAL_TRANSPORT", own_vhost)
+    from_environment = await status(*queues)
+
+    assert suggested(from_environment.err[0], "dlq list") == ["--queue", "invoices.error"]
+    assert await mersal("dlq", "list", "--queue", "invoices.error") == 0

@@ -20,6 +20,7 @@ from mersal import (
     message,
 )
 from mersal.testing import Harness
+from mersal.transport.memory import MemoryTransport
 
 
 @message("orders.PlaceOrder.v1")
@@ -294,6 +295,31 @@ async def test_two_apps_exchange_commands_and_events_and_only_subscribers_get_ev
     assert bus.published_of(OrderPlaced) == [OrderPlaced("o-1")]
     assert bus.published_of(PaymentTaken) == [PaymentTaken("o-1")]
     assert bus.dead_lettered == []
+
+
+async def test_a_restart_without_a_subscription_no_longer_receives_its_events() -> None:
+    url = f"memory://sending-{uuid.uuid4().hex}"
+
+    async def ignore(event: object) -> None:
+        return None
+
+    def release(*events: type) -> App:
+        app = App("shipping", transport=url)
+        for event in events:
+            app.register(event, ignore)
+            app.subscribe(event)
+        return app
+
+    async with release(OrderPlaced, PaymentTaken):
+        pass
+    async with release(OrderPlaced) as second:
+        pass
+    async with App("sender", transport=url, consume=False) as sender:
+        await sender.publish(PaymentTaken("o-2"))
+        await sender.publish(OrderPlaced("o-2"))
+
+    assert isinstance(second.transport, MemoryTransport)
+    assert len(second.transport.broker.queues["shipping"]) == 1  # OrderPlaced only
 
 
 async def test_defer_delivers_after_the_delay_and_is_recorded_as_deferred() -> None:

@@ -191,3 +191,29 @@ async def test_an_order_makes_one_trace_from_the_request_to_billing(
 
 def _operation(name: str) -> dict[str, str]:
     return {"messaging.operation.name": name, "messaging.operation.type": name}
+
+
+async def test_keyed_deliveries_of_a_partitioned_queue_are_one_series_per_partition(
+    otel: Recorder, rabbitmq: RabbitMQ
+) -> None:
+    name = f"t{uuid.uuid4().hex[:8]}.orders"
+    retry = RetryPolicy(immediate=0, delayed=[], error_queue=f"{name}.error")
+    app = rabbitmq.app(name, retry=retry, partitions=2)
+    handled: list[str] = []
+
+    async def place(command: PlaceOrder) -> None:
+        handled.append(command.order_id)
+
+    app.register(PlaceOrder, place)
+    app.route(PlaceOrder, name)
+    otel.instrument(app)
+    keys = [f"customer-{number}" for number in range(8)]
+    async with app:
+        for key in keys:
+            await app.send(PlaceOrder(key), partition_key=key)
+        await eventually(lambda: len(handled) == len(keys), "every keyed command handled")
+
+    consumed = otel.points("messaging.client.consumed.messages")
+    destinations = {point.attributes["messaging.destination.name"] for point in consumed}
+    assert destinations <= {f"{name}.partitions:{name}.partition.{n}" for n in range(2)}
+    assert value(consumed) == len(keys)

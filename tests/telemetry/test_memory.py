@@ -164,3 +164,58 @@ async def test_the_metrics_have_the_units_and_buckets_of_the_conventions(otel: R
             7.5,
             10,
         ]
+
+
+@message("tests.telemetry.Quote.v1")
+@dataclass
+class Quote:
+    parcel: str
+
+
+@message("tests.telemetry.Priced.v1")
+@dataclass
+class Priced:
+    parcel: str
+
+
+async def test_replies_to_any_number_of_reply_addresses_are_one_metric_series(
+    otel: Recorder,
+) -> None:
+    url = f"memory://telemetry-{uuid.uuid4().hex}"
+    pricing = App(f"pricing-{uuid.uuid4().hex[:8]}", transport=url)
+
+    async def price(quote: Quote) -> None:
+        await pricing.reply(Priced(quote.parcel))
+
+    pricing.register(Quote, price)
+    pricing.route(Quote, pricing.name)
+    requesters = [App(f"requester-{number}", transport=url) for number in range(3)]
+    for requester in requesters:
+        requester.route(Quote, pricing.name)
+    forged = [f"forged-{number}" for number in range(4)]
+    otel.instrument(pricing)
+    async with pricing:
+        for address in forged:
+            await pricing.transport.declare(address)
+            await pricing.send(Quote(address), headers={"reply-to": address})
+        for requester in requesters:
+            async with requester:
+                assert await requester.request(Quote("p-6"), reply_type=Priced) == Priced("p-6")
+        await eventually(lambda: len(otel.spans("send (reply)")) == 7, "every reply sent")
+
+    sent = otel.points("messaging.client.sent.messages")
+    assert sorted(point.attributes["messaging.destination.name"] for point in sent) == [
+        "(reply)",
+        pricing.name,
+    ]
+    assert value(sent, messaging__destination__name="(reply)") == 7
+    durations = otel.points("messaging.client.operation.duration")
+    assert {point.attributes["messaging.destination.name"] for point in durations} == {
+        "(reply)",
+        pricing.name,
+    }
+    replies = [dict(span.attributes or {}) for span in otel.spans("send (reply)")]
+    assert all(reply["mersal.reply"] is True for reply in replies)
+    assert {reply["messaging.destination.name"] for reply in replies} >= set(forged)
+    temporary = [reply for reply in replies if reply.get("messaging.destination.temporary")]
+    assert len(temporary) == len(requesters)
