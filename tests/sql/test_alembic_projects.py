@@ -32,7 +32,7 @@ ENV = HERE / "alembic_project" / "env.py"
 DOCS = HERE.parents[1] / "docs" / "outbox.md"
 TEMPLATE = Path(alembic.__file__).parent / "templates" / "async" / "script.py.mako"
 NO_CHANGES = "No new upgrade operations detected."
-OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas"}
+OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas", "mersal_schema"}
 
 CUSTOMERS = '''"""Customers."""
 
@@ -195,7 +195,7 @@ async def test_our_branch_in_your_project_upgrades_to_head_after_one_merge(
 ) -> None:
     project = write_project(tmp_path / "project", empty_database, our_branch=True)
     heads = await project.alembic("heads")
-    assert sorted(heads.out.splitlines()) == ["mersal_0002 (mersal) (head)", "u0001 (head)"]
+    assert sorted(heads.out.splitlines()) == ["mersal_0003 (mersal) (head)", "u0001 (head)"]
     refused = await project.alembic("upgrade", "head")
     assert refused.code != 0
     assert refused.out.startswith(
@@ -217,6 +217,7 @@ async def test_our_branch_in_your_project_upgrades_to_head_after_one_merge(
         "mersal_inbox",
         "mersal_outbox",
         "mersal_sagas",
+        "mersal_schema",
     }
     checked = await project.alembic("check")
     assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
@@ -235,15 +236,15 @@ async def test_without_a_merge_upgrade_heads_works_and_check_finds_nothing(
 
     assert await mersal("db", "current", "--database", empty_database) == 0
     assert capsys.readouterr().out == (
-        "mersal_0002 (head), recorded in alembic_version (your Alembic project's)\n"
+        "mersal_0003 (head), recorded in alembic_version (your Alembic project's)\n"
     )
     for action in ("upgrade", "downgrade"):
         arguments = ["base"] if action == "downgrade" else []
         assert await mersal("db", action, *arguments, "--database", empty_database) == 2
         assert capsys.readouterr().err == (
             f"mersal: the tables in {empty_database} are migrated by your own Alembic project "
-            f"(mersal_0002 in alembic_version): {action} them there (`alembic {action} ...`), "
-            f"or take them over with `mersal db stamp mersal_0002 --database '{empty_database}'` "
+            f"(mersal_0003 in alembic_version): {action} them there (`alembic {action} ...`), "
+            f"or take them over with `mersal db stamp mersal_0003 --database '{empty_database}'` "
             "first\n"
         )
     assert await table_names(empty_database) >= OURS
@@ -296,7 +297,7 @@ async def test_tables_you_own_are_refused_by_upgrade_and_recorded_by_stamp(
     assert "mersal_outbox_alembic_version" not in await table_names(empty_database)
 
     assert await mersal("db", "stamp", "head", "--database", empty_database) == 0
-    at_head = f"the outbox, inbox and saga tables in {empty_database} are at mersal_0002 (head)\n"
+    at_head = f"the outbox, inbox and saga tables in {empty_database} are at mersal_0003 (head)\n"
     assert capsys.readouterr().out == at_head
     assert await mersal("db", "upgrade", "--database", empty_database) == 0
     assert capsys.readouterr().out == at_head
@@ -366,10 +367,10 @@ async def test_our_next_revision_reaches_your_project_through_alembic(
 
     if merged:
         assert await start_error(empty_database, memory_url) == (
-            f"the table(s) mersal_sagas do not exist in database {empty_database}: apply "
-            "revision mersal_0002 in your Alembic project: `alembic upgrade head` if it includes "
-            "our versions (after `alembic merge heads` if it shows two heads), else a migration "
-            "of your own that adds the table(s)"
+            "the table(s) mersal_sagas, mersal_schema do not exist in database "
+            f"{empty_database}: apply revision mersal_0003 in your Alembic project: `alembic "
+            "upgrade head` if it includes our versions (after `alembic merge heads` if it shows "
+            "two heads), else a migration of your own that adds the table(s)"
         )
         heads = await project.alembic("heads")
         assert len(heads.out.splitlines()) == 2
@@ -377,10 +378,10 @@ async def test_our_next_revision_reaches_your_project_through_alembic(
         upgraded = await project.alembic("upgrade", "head")
     else:
         assert await start_error(empty_database, memory_url) == (
-            "the tables are at migration mersal_0001, behind mersal_0002 (the table(s) "
-            f"mersal_sagas do not exist yet) in database {empty_database}: they are migrated by "
-            "your own Alembic project: run `alembic upgrade heads` there (after `alembic merge "
-            "heads`, `alembic upgrade head` does it too)"
+            "the tables are at migration mersal_0001, behind mersal_0003 (the table(s) "
+            f"mersal_sagas, mersal_schema do not exist yet) in database {empty_database}: they "
+            "are migrated by your own Alembic project: run `alembic upgrade heads` there (after "
+            "`alembic merge heads`, `alembic upgrade head` does it too)"
         )
         upgraded = await project.alembic("upgrade", "heads")
     assert upgraded.code == 0, upgraded.err
