@@ -533,23 +533,28 @@ def _recorded(
 ) -> Record | None:
     """The version table recording a revision of ours for the tables.
 
-    The pair's own when it exists; else, with the outbox and inbox there, the version table of
-    earlier releases or your Alembic project's `alembic_version`.
+    The pair's own when it holds one; else, with the outbox and inbox there, the version table
+    of earlier releases or your Alembic project's `alembic_version`. An empty own version table
+    (left by `mersal db downgrade base`) counts only when nothing else can have made the
+    tables.
     """
-    if tables.version.name in existing:
-        return Record(tables.version.name, _versions(connection, tables.version.name))
+    own = tables.version.name
+    versions = _versions(connection, own) if own in existing else None
+    if versions:
+        return Record(own, versions)
     if not pair_exists:
         return None  # another version table would be about other tables, or ones now gone
     legacy = legacy_version_table_name(tables.outbox.name)
     if legacy in existing:
-        versions = _versions(connection, legacy)
-        if versions:
-            return Record(legacy, versions)
+        found = _versions(connection, legacy)
+        if found:
+            return Record(legacy, found)
     if SHARED_VERSION_TABLE in existing:
         ours = [v for v in _versions(connection, SHARED_VERSION_TABLE) if is_ours(v)]
         if ours:
             return Record(SHARED_VERSION_TABLE, ours)
-    return None
+        return None  # your Alembic project's history may have made them
+    return Record(own, []) if versions is not None else None
 
 
 def is_ours(revision: str) -> bool:
@@ -631,12 +636,8 @@ def create_schema(connection: Connection, tables: Tables, schema: Schema) -> Non
     version table of earlier releases) is copied over as the head.
     """
     tables.metadata.create_all(connection, tables=list(tables.migrated))
-    record = schema.record
-    own = record if record is not None and record.table == tables.version.name else None
-    if own is None:
-        tables.version.create(connection)
-    elif own.revisions:
-        connection.execute(delete(tables.version))
+    tables.version.create(connection, checkfirst=True)  # one left empty by a downgrade stays
+    connection.execute(delete(tables.version))
     connection.execute(insert(tables.version).values(version_num=HEAD_REVISION))
     record_compatibility(connection, tables.schema, HEAD_REVISION, COMPATIBLE_WITH[HEAD_REVISION])
 
