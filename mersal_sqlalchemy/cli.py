@@ -170,13 +170,13 @@ def run_current(args: argparse.Namespace) -> int:
 def run_check(args: argparse.Namespace) -> int:
     """`mersal db check`: 0 when an app can use the tables, else 1 and what to run."""
     database = _database(args)
-    problem = migrating.check(
+    problem, report = migrating.verdict(
         database, outbox_table=args.outbox_table, inbox_table=args.inbox_table
     )
     if problem is not None:
         print(f"mersal: {problem}", file=sys.stderr)
         return 1
-    print(f"the outbox, inbox and saga tables in {mask(database or '')} are up to date")
+    print(report)
     return 0
 
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import sqlite3
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import (
     Connection,
     Select,
+    Table,
     any_,
     column,
     delete,
@@ -30,18 +33,24 @@ from sqlalchemy.sql.elements import ColumnElement
 from mersal.errors import ConfigurationError, MersalError, Unreachable
 from mersal.transport import mask
 from mersal_sqlalchemy.tables import (
+    COMPATIBLE_WITH,
     DEFAULT_INBOX,
     DEFAULT_OUTBOX,
     HEAD_REVISION,
     REVISIONS,
     SAGAS_SUFFIX,
+    SCHEMA_SUFFIX,
     Tables,
+    compatible,
     legacy_version_table_name,
     made_by,
     revision_rank,
     saga_table_name,
+    schema_table_name,
     version_table_name,
 )
+
+log = logging.getLogger("mersal.sqlalchemy")
 
 CANNOT_CONNECT_NOW = "57P03"
 """PostgreSQL's SQLSTATE for a server that is starting up or shutting down."""
@@ -255,6 +264,9 @@ class Record:
 
     table: str
     revisions: list[str]
+    compatible_with: dict[str, str] = field(default_factory=dict)
+    """Of the recorded revisions this release does not know, those the schema table describes,
+    each with the oldest revision whose code still runs on it."""
 
     @property
     def shared(self) -> bool:
@@ -267,22 +279,45 @@ class Record:
         return [v for v in self.revisions if v not in REVISIONS]
 
     @property
+    def incompatible(self) -> list[str]:
+        """The unknown revisions this release cannot run on, or not known to be able to."""
+        return [v for v in self.unknown if not compatible(v, self.compatible_with.get(v))]
+
+    @property
+    def newer(self) -> bool:
+        """Whether a newer release migrated the tables to a revision this release runs on."""
+        return bool(self.unknown) and not self.incompatible
+
+    @property
     def newest(self) -> str | None:
         """The newest recorded revision (one this release does not know is newer than ours)."""
         return max(self.revisions, key=revision_rank, default=None)
 
     def problem(self) -> str | None:
-        """Why the recorded revision does not fit this release; None when it is the head."""
+        """Why the recorded revision does not fit this release; None when it can run on it."""
         if not self.revisions:
             return f"no migration of the tables is recorded in {self.table}"
-        if HEAD_REVISION in self.revisions:
+        if HEAD_REVISION in self.revisions or self.newer:
             return None
+        needed = self.needs
+        if needed:
+            return (
+                f"the tables are at migration {', '.join(self.unknown)} (in {self.table}), on "
+                f"which only code of {needed} or later runs: this version of mersal_sqlalchemy "
+                f"is at {HEAD_REVISION}"
+            )
         if self.unknown:
             return (
                 f"the tables are at migration {', '.join(self.unknown)} (in {self.table}), which "
                 f"this version of mersal_sqlalchemy does not know (expected {HEAD_REVISION})"
             )
         return f"the tables are at migration {self.revisions[0]}, behind {HEAD_REVISION}"
+
+    @property
+    def needs(self) -> str | None:
+        """The newest revision whose code an incompatible revision needs, when recorded."""
+        needs = [self.compatible_with[v] for v in self.incompatible if v in self.compatible_with]
+        return max(needs, default=None)
 
 
 @dataclass
@@ -361,6 +396,12 @@ class Schema:
         """What fixes `problem()`: the command to run, or what else to do."""
         record = self.record
         upgrade = upgrade_command(database, tables)
+        if record is not None and record.unknown and record.needs:
+            back = db_command(f"downgrade {HEAD_REVISION}", database, tables)
+            return (
+                f"install a newer release of mersal[sqlalchemy], one that knows {record.needs}; "
+                f"or, to run this one, undo the migration with the release that made it: `{back}`"
+            )
         if record is not None and record.unknown:
             return "install the release of mersal[sqlalchemy] that migrated them, or a newer one"
         if record is not None and record.shared:
@@ -396,6 +437,19 @@ class Schema:
         """What the tables lack, in words: "columns", "table(s)", or both."""
         lacking = ["columns"] if self.missing_columns else []
         return " and ".join(lacking + (["table(s)"] if self.missing_tables else []))
+
+    def newer(self, database: str) -> str:
+        """That a newer release migrated the tables to a revision this one runs on, in words."""
+        record = self.record
+        assert record is not None
+        runs = ", ".join(
+            f"{v} runs code of {record.compatible_with[v]} or later" for v in record.unknown
+        )
+        return (
+            f"the tables in {mask(database)} are at migration {', '.join(record.unknown)} (in "
+            f"{record.table}), newer than this version of mersal_sqlalchemy ({HEAD_REVISION}) "
+            f"and compatible with it: {runs}"
+        )
 
     def explain(self, database: str, tables: Tables) -> str | None:
         """The problem and its remedy in one message; None when there is no problem."""
@@ -435,6 +489,8 @@ async def prepare_schema(engine: AsyncEngine, tables: Tables, database: str, cre
     problem = schema.explain(database, tables)
     if problem is not None:
         raise ConfigurationError(problem)
+    if schema.record is not None and schema.record.newer:
+        log.info("%s", schema.newer(database))
 
 
 def read_schema(connection: Connection, tables: Tables) -> Schema:
@@ -459,20 +515,46 @@ def read_schema(connection: Connection, tables: Tables) -> Schema:
 def _record(
     connection: Connection, tables: Tables, existing: set[str], pair_exists: bool
 ) -> Record | None:
-    if tables.version.name in existing:
-        return Record(tables.version.name, _versions(connection, tables.version.name))
+    """Where a revision of ours is recorded for the tables, with what the schema table says."""
+    record = _recorded(connection, tables, existing, pair_exists)
+    if record is None or not record.unknown or tables.schema.name not in existing:
+        return record
+    schema = tables.schema
+    rows = connection.execute(
+        select(schema.c.revision, schema.c.compatible_with).where(
+            schema.c.revision.in_(record.unknown)
+        )
+    )
+    return replace(record, compatible_with={str(r): str(c) for r, c in rows})
+
+
+def _recorded(
+    connection: Connection, tables: Tables, existing: set[str], pair_exists: bool
+) -> Record | None:
+    """The version table recording a revision of ours for the tables.
+
+    The pair's own when it holds one; else, with the outbox and inbox there, the version table
+    of earlier releases or your Alembic project's `alembic_version`. An empty own version table
+    (left by `mersal db downgrade base`) counts only when nothing else can have made the
+    tables.
+    """
+    own = tables.version.name
+    versions = _versions(connection, own) if own in existing else None
+    if versions:
+        return Record(own, versions)
     if not pair_exists:
         return None  # another version table would be about other tables, or ones now gone
     legacy = legacy_version_table_name(tables.outbox.name)
     if legacy in existing:
-        versions = _versions(connection, legacy)
-        if versions:
-            return Record(legacy, versions)
+        found = _versions(connection, legacy)
+        if found:
+            return Record(legacy, found)
     if SHARED_VERSION_TABLE in existing:
         ours = [v for v in _versions(connection, SHARED_VERSION_TABLE) if is_ours(v)]
         if ours:
             return Record(SHARED_VERSION_TABLE, ours)
-    return None
+        return None  # your Alembic project's history may have made them
+    return Record(own, []) if versions is not None else None
 
 
 def is_ours(revision: str) -> bool:
@@ -488,19 +570,29 @@ def _versions(connection: Connection, name: str) -> list[str]:
 def recorded_elsewhere(connection: Connection, outbox: str, inbox: str) -> dict[str, str]:
     """The tables of the pair that another pair's version table records, each with that table.
 
-    A downgrade leaves these: another pair (sharing the outbox, say) still uses them. The saga
-    table counts as recorded by a pair sharing the inbox only at a revision that creates it.
+    A downgrade leaves these: another pair (sharing the outbox, say) still uses them. A table
+    named after the inbox (the saga and schema tables) counts as recorded by a pair sharing the
+    inbox only at a revision that creates it.
     """
     existing = set(inspect(connection).get_table_names())
     own = version_table_name(outbox, inbox)
-    sagas = saga_table_name(inbox)
+    after_inbox = {
+        saga_table_name(inbox): (saga_table_name, SAGAS_SUFFIX),
+        schema_table_name(inbox): (schema_table_name, SCHEMA_SUFFIX),
+    }
     found: dict[str, str] = {}
     for name, revision in made_by(outbox, inbox).items():
         if name not in existing:
             continue
-        naming = _version_tables_naming_sagas if name == sagas else _version_tables_naming
-        candidates = sorted((naming(name, existing) & existing) - {own})
-        recording = [v for v in candidates if _reaches(_versions(connection, v), revision)]
+        if name in after_inbox:
+            candidates = _version_tables_naming_after_inbox(name, *after_inbox[name], existing)
+        else:
+            candidates = _version_tables_naming(name, existing)
+        recording = [
+            v
+            for v in sorted((candidates & existing) - {own})
+            if _reaches(_versions(connection, v), revision)
+        ]
         if recording:
             found[name] = recording[0]
     return found
@@ -520,13 +612,15 @@ def _version_tables_naming(name: str, existing: set[str]) -> set[str]:
     return names
 
 
-def _version_tables_naming_sagas(sagas: str, existing: set[str]) -> set[str]:
-    """The version tables that would record the saga table `sagas`: those of its inbox's pairs.
+def _version_tables_naming_after_inbox(
+    name: str, named: Callable[[str], str], suffix: str, existing: set[str]
+) -> set[str]:
+    """The version tables that would record `name`, a table named after an inbox by `named`.
 
     `mersal_sagas` is the saga table of the inboxes `mersal_inbox` and `mersal`.
     """
-    inboxes = {DEFAULT_INBOX, sagas.removesuffix(SAGAS_SUFFIX)}
-    inboxes = {inbox for inbox in inboxes if saga_table_name(inbox) == sagas}
+    inboxes = {DEFAULT_INBOX, name.removesuffix(suffix)}
+    inboxes = {inbox for inbox in inboxes if named(inbox) == name}
     return {version_table_name(other, inbox) for inbox in inboxes for other in existing - {inbox}}
 
 
@@ -542,10 +636,18 @@ def create_schema(connection: Connection, tables: Tables, schema: Schema) -> Non
     version table of earlier releases) is copied over as the head.
     """
     tables.metadata.create_all(connection, tables=list(tables.migrated))
-    record = schema.record
-    own = record if record is not None and record.table == tables.version.name else None
-    if own is None:
-        tables.version.create(connection)
-    elif own.revisions:
-        connection.execute(delete(tables.version))
+    tables.version.create(connection, checkfirst=True)  # one left empty by a downgrade stays
+    connection.execute(delete(tables.version))
     connection.execute(insert(tables.version).values(version_num=HEAD_REVISION))
+    record_compatibility(connection, tables.schema, HEAD_REVISION, COMPATIBLE_WITH[HEAD_REVISION])
+
+
+def record_compatibility(
+    connection: Connection, schema: Table, revision: str, compatible_with: str
+) -> None:
+    """Record in the schema table that code of `compatible_with` or later runs on `revision`."""
+    recorded = select(schema.c.revision).where(schema.c.revision == revision)
+    if connection.execute(recorded).first() is None:
+        connection.execute(
+            insert(schema).values(revision=revision, compatible_with=compatible_with)
+        )

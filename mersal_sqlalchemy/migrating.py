@@ -112,7 +112,10 @@ def upgrade(
         _alembic("upgrade", database, lambda command: command.upgrade(config, revision, sql=True))
         return ""
     database = _online(database)
-    took_over = _take_over(database, tables, config, look(database, tables, create=True))
+    before = look(database, tables, create=True)
+    if before.record is not None and before.record.unknown:
+        return _newer(database, tables, before) + ": nothing to upgrade"
+    took_over = _take_over(database, tables, config, before)
     _alembic("upgrade", database, lambda command: command.upgrade(config, revision))
     after = look(database, tables)
     if after.record is not None and HEAD_REVISION in after.record.revisions:
@@ -155,6 +158,13 @@ def downgrade(
             f"is nothing to downgrade{owned}"
         )
     _refuse_shared(record, database, tables, "downgrade")
+    if record.unknown:
+        raise MersalError(
+            f"the tables in {mask(database)} are at migration {', '.join(record.unknown)}, "
+            f"which this version of mersal_sqlalchemy does not know: downgrade them with the "
+            f"release that migrated them (`{db_command(f'downgrade {revision}', database, tables)}`"
+            " there)"
+        )
     dropped = _dropped(tables, record.newest, _target(config, revision, record.newest))
     left = _before_drop(database, tables, dropped, force) if dropped else ""
     took_over = _take_over(database, tables, config, schema)
@@ -197,7 +207,9 @@ def current(
     record = schema.record
     if record is not None and record.revisions:
         where = record.table + (" (your Alembic project's)" if record.shared else "")
-        return f"{', '.join(_named(v) for v in record.revisions)}, recorded in {where}"
+        return f"{', '.join(_named(v) for v in record.revisions)}, recorded in {where}" + (
+            _compatibility(record)
+        )
     if schema.reached is not None and schema.alembic_project:
         return (
             f"no revision recorded; {_pair(tables)} exist (made by your Alembic project, whose "
@@ -212,10 +224,21 @@ def current(
 def check(
     database: str | None, *, outbox_table: str = DEFAULT_OUTBOX, inbox_table: str = DEFAULT_INBOX
 ) -> str | None:
-    """What keeps an app from using the tables, with the fix; None when they are up to date."""
+    """What keeps an app from using the tables, with the fix; None when it can use them."""
+    return verdict(database, outbox_table=outbox_table, inbox_table=inbox_table)[0]
+
+
+def verdict(
+    database: str | None, *, outbox_table: str = DEFAULT_OUTBOX, inbox_table: str = DEFAULT_INBOX
+) -> tuple[str | None, str]:
+    """What keeps an app from using the tables (None: nothing), and how they are, in words."""
     database = _online(database)
     tables = make_tables(outbox_table, inbox_table)
-    return look(database, tables).explain(database, tables)
+    schema = look(database, tables)
+    problem = schema.explain(database, tables)
+    if schema.record is not None and schema.record.newer:
+        return problem, schema.newer(database)
+    return problem, f"the outbox, inbox and saga tables in {mask(database)} are up to date"
 
 
 def history() -> None:
@@ -284,6 +307,27 @@ def _take_over(database: str, tables: Tables, config: Config, schema: Schema) ->
         found = f"found {_pair(tables)} without a revision of ours (made by your own migration?)"
     _alembic("stamp", database, lambda command: command.stamp(config, revisions))
     return f"{found}: recorded them at {', '.join(revisions)} in {tables.version.name}\n"
+
+
+def _newer(database: str, tables: Tables, schema: Schema) -> str:
+    """That a newer release migrated the tables, in words; a MersalError if this one cannot run."""
+    problem = schema.explain(database, tables)
+    if problem is not None:
+        raise MersalError(problem)
+    return schema.newer(database)
+
+
+def _compatibility(record: Record) -> str:
+    """What this release makes of recorded revisions it does not know, in words ('' for none)."""
+    if not record.unknown:
+        return ""
+    if record.newer:
+        runs = ", ".join(record.compatible_with[v] for v in record.unknown)
+        return f" (newer than this release's {HEAD_REVISION}; code of {runs} or later runs on it)"
+    newer = f" (newer than this release's {HEAD_REVISION}"
+    if record.needs:
+        return f"{newer}; it needs code of {record.needs} or later)"
+    return f"{newer}, or unknown to it; no compatibility recorded)"
 
 
 def _project_tables(database: str, tables: Tables, reached: str) -> str:

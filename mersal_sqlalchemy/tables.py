@@ -30,21 +30,34 @@ DEFAULT_OUTBOX = "mersal_outbox"
 DEFAULT_INBOX = "mersal_inbox"
 DEFAULT_SAGAS = "mersal_sagas"
 SAGAS_SUFFIX = "_sagas"
+DEFAULT_SCHEMA = "mersal_schema"
+SCHEMA_SUFFIX = "_schema"
 
-HEAD_REVISION = "mersal_0002"
+HEAD_REVISION = "mersal_0003"
 """The Alembic revision (in migrations/versions) the tables below correspond to."""
 
-REVISIONS = ("mersal_0001", HEAD_REVISION)
+REVISIONS = ("mersal_0001", "mersal_0002", HEAD_REVISION)
 """Every revision of ours, oldest first."""
 
-PAIR_REVISION, SAGAS_REVISION = REVISIONS
-"""The revisions that create the outbox and inbox, and the saga table."""
+PAIR_REVISION, SAGAS_REVISION, SCHEMA_REVISION = REVISIONS[:3]
+"""The revisions that create the outbox and inbox, the saga table, and the schema table."""
+
+COMPATIBLE_WITH = {
+    "mersal_0001": "mersal_0001",
+    "mersal_0002": "mersal_0001",
+    "mersal_0003": "mersal_0001",
+}
+"""Each revision of ours, with the oldest revision whose code still runs on it.
+
+The same as each revision file's `compatible_with`, and what it records in the schema table.
+"""
 
 APP_LENGTH = 200
 MESSAGE_ID_LENGTH = 255
 CORRELATION_LENGTH = 255
 SAGA_NAME_LENGTH = 200
 SAGA_ID_LENGTH = 36
+REVISION_LENGTH = 32
 
 VERSION_SUFFIX = "alembic_version"
 VERSION_NAME_LENGTH = 59
@@ -88,11 +101,12 @@ def check_pair(outbox: str, inbox: str) -> None:
     """A ConfigurationError unless the outbox, the inbox and its saga table are three tables."""
     if outbox == inbox:
         raise ConfigurationError(f"the outbox and the inbox need two tables, not both {outbox!r}")
-    if outbox == saga_table_name(inbox):
-        raise ConfigurationError(
-            f"the outbox {outbox!r} would be the saga table of the inbox {inbox!r}: "
-            "choose another name for one of them"
-        )
+    for what, name in (("saga", saga_table_name(inbox)), ("schema", schema_table_name(inbox))):
+        if outbox == name:
+            raise ConfigurationError(
+                f"the outbox {outbox!r} would be the {what} table of the inbox {inbox!r}: "
+                "choose another name for one of them"
+            )
 
 
 def saga_table_name(inbox: str) -> str:
@@ -107,9 +121,33 @@ def saga_table_name(inbox: str) -> str:
     return DEFAULT_SAGAS if inbox == DEFAULT_INBOX else f"{inbox}{SAGAS_SUFFIX}"
 
 
+def schema_table_name(inbox: str) -> str:
+    """The table recording which releases can run on the tables of the inbox `inbox`.
+
+    `mersal_schema` beside the default inbox, else `<inbox>_schema`: it follows the inbox, as
+    the saga table does.
+    """
+    check_identifier(inbox, "inbox table")
+    return DEFAULT_SCHEMA if inbox == DEFAULT_INBOX else f"{inbox}{SCHEMA_SUFFIX}"
+
+
 def made_by(outbox: str, inbox: str) -> dict[str, str]:
     """The pair's tables (its version table aside), each with the revision of ours creating it."""
-    return {outbox: PAIR_REVISION, inbox: PAIR_REVISION, saga_table_name(inbox): SAGAS_REVISION}
+    return {
+        outbox: PAIR_REVISION,
+        inbox: PAIR_REVISION,
+        saga_table_name(inbox): SAGAS_REVISION,
+        schema_table_name(inbox): SCHEMA_REVISION,
+    }
+
+
+def compatible(revision: str, compatible_with: str | None) -> bool:
+    """Whether this release can run on tables at `revision`, which runs code at `compatible_with`.
+
+    A revision of ours it knows is the head or behind it (a separate question); one it does
+    not know runs this release's code if the oldest code it runs is not newer than ours.
+    """
+    return revision in REVISIONS or compatible_with in REVISIONS
 
 
 def revision_rank(revision: str) -> int:
@@ -157,6 +195,7 @@ class Tables:
     inbox: Table
     version: Table
     sagas: Table
+    schema: Table
 
     @property
     def channel(self) -> str:
@@ -164,9 +203,9 @@ class Tables:
         return self.outbox.name
 
     @property
-    def migrated(self) -> tuple[Table, Table, Table]:
+    def migrated(self) -> tuple[Table, Table, Table, Table]:
         """The tables our revisions create (the version table aside), oldest first."""
-        return (self.outbox, self.inbox, self.sagas)
+        return (self.outbox, self.inbox, self.sagas, self.schema)
 
     @property
     def made_by(self) -> dict[str, str]:
@@ -181,8 +220,9 @@ def make_tables(
 ) -> Tables:
     """The outbox, inbox and saga tables on `metadata` (a new MetaData unless given).
 
-    The saga table is named after the inbox (`saga_table_name`). The version table stays on a
-    MetaData of its own: Alembic keeps it, not your models.
+    The saga and schema tables are named after the inbox (`saga_table_name`,
+    `schema_table_name`). The version table stays on a MetaData of its own: Alembic keeps it,
+    not your models.
     """
     check_identifier(outbox, "outbox table")
     check_identifier(inbox, "inbox table")
@@ -194,6 +234,7 @@ def make_tables(
         inbox_table(inbox, metadata),
         version_table(version_table_name(outbox, inbox), MetaData()),
         saga_table(saga_table_name(inbox), metadata),
+        schema_table(schema_table_name(inbox), metadata),
     )
 
 
@@ -266,6 +307,20 @@ def saga_table(name: str, metadata: MetaData) -> Table:
     )
     Index(f"ix_{name}_id", table.c.id, unique=True)
     return table
+
+
+def schema_table(name: str, metadata: MetaData) -> Table:
+    """The schema table: each revision of ours applied, with the oldest revision it runs code of.
+
+    An older release that finds a revision it does not know reads here whether it can run on
+    it, without that revision's file.
+    """
+    return Table(
+        name,
+        metadata,
+        Column("revision", String(REVISION_LENGTH), primary_key=True),
+        Column("compatible_with", String(REVISION_LENGTH), nullable=False),
+    )
 
 
 def version_table(name: str, metadata: MetaData) -> Table:

@@ -2,7 +2,8 @@
 
 In your `env.py`, pass `include_object` to `context.configure`, so that autogenerate and
 `alembic check` leave our tables and version tables alone; to run our revisions from your
-project, add `VERSIONS` to your `version_locations`.
+project, add `VERSIONS_RESOURCE` (`mersal_sqlalchemy.migrations:versions`, Alembic's
+package-resource form) to your `version_locations`.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
-from sqlalchemy import inspect
+from sqlalchemy import MetaData, inspect
 from sqlalchemy.sql.schema import SchemaItem
 
+from mersal_sqlalchemy import database
 from mersal_sqlalchemy.database import recorded_elsewhere
 from mersal_sqlalchemy.tables import (
     DEFAULT_INBOX,
@@ -23,6 +25,8 @@ from mersal_sqlalchemy.tables import (
     legacy_version_table_name,
     migration_table_names,
     saga_table_name,
+    schema_table,
+    schema_table_name,
     version_table_name,
 )
 
@@ -30,7 +34,14 @@ SCRIPTS = Path(__file__).resolve().parent
 """Our Alembic script directory (env.py and versions), as `mersal db` uses it."""
 
 VERSIONS = SCRIPTS / "versions"
-"""Our revisions: the directory to add to your `version_locations`."""
+"""Our revisions' directory, where this installation has it."""
+
+VERSIONS_RESOURCE = "mersal_sqlalchemy.migrations:versions"
+"""Our revisions as a package resource: what to add to your `version_locations`.
+
+Alembic finds the directory wherever the package is installed, so the setting survives a new
+virtualenv, a Docker image or a Python upgrade, which an absolute path does not.
+"""
 
 IncludeObject = Callable[[SchemaItem, str | None, str, bool, SchemaItem | None], bool]
 
@@ -40,11 +51,12 @@ def include_object_for(outbox: str = DEFAULT_OUTBOX, inbox: str = DEFAULT_INBOX)
     """An Alembic `include_object` hook that keeps autogenerate off these tables of ours.
 
     It hides their version tables always, and the outbox, inbox and saga tables when they are
-    in the database but not on your metadata (created by our migrations); when you put them on
+    in the database but not on your metadata (created by our migrations: the saga and schema
+    tables follow the inbox's name); when you put them on
     your metadata (`make_tables(metadata=...)`), they are compared like your own tables.
     """
     versions = {version_table_name(outbox, inbox), legacy_version_table_name(outbox)}
-    tables = {outbox, inbox, saga_table_name(inbox)}
+    tables = {outbox, inbox, saga_table_name(inbox), schema_table_name(inbox)}
 
     def include(
         item: SchemaItem,
@@ -110,3 +122,20 @@ def shared(outbox: str, inbox: str) -> dict[str, str]:
     if context.is_offline_mode():
         return {}
     return recorded_elsewhere(op.get_bind(), outbox, inbox)
+
+
+def record_compatibility(revision: str, compatible_with: str) -> None:
+    """Record that code of `compatible_with` or later runs on `revision` (for our revision files).
+
+    Every revision from `mersal_0003` on calls it at the end of its `upgrade()`, with its own
+    `revision` and `compatible_with`: an older release that finds the revision reads there
+    whether it can run on the tables, without the revision's file.
+    """
+    from alembic import context, op
+
+    _, inbox = table_names()
+    schema = schema_table(schema_table_name(inbox), MetaData())
+    if context.is_offline_mode():
+        op.bulk_insert(schema, [{"revision": revision, "compatible_with": compatible_with}])
+        return
+    database.record_compatibility(op.get_bind(), schema, revision, compatible_with)

@@ -7,14 +7,23 @@ about them.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aio_pika
 import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from alembic.runtime.environment import EnvironmentContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, MetaData
 
 from docs.samples import (
+    alembic_env,
     cluster,
     handlers,
     inbox,
@@ -30,6 +39,8 @@ from docs.samples import (
     testing,
     transactions,
 )
+from mersal_sqlalchemy import make_engine
+from mersal_sqlalchemy.cli import alembic_config, upgrade
 from tests.conftest import RABBITMQ_HOST
 from tests.sql.conftest import postgres_database
 
@@ -133,6 +144,42 @@ async def test_a_hot_saga_counts_every_row_once(on: str, sqlite: str) -> None:
 async def test_a_hot_saga_counts_every_row_once_on_postgresql() -> None:
     async with postgres_database(migrate=True) as database:  # rows wait on FOR UPDATE
         assert await sagas.import_batch(60, database) == [sagas.BatchImported("b-1", 60)]
+
+
+@dataclass
+class AlembicContext:
+    """What an env.py passes to Alembic's `context.configure`."""
+
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def configure(self, **options: Any) -> None:
+        """Keep the options."""
+        self.options = options
+
+
+def proposed(connection: Connection, include: bool) -> list[Any]:
+    """What autogenerate proposes for an empty metadata, configured by the sample or without."""
+    context = AlembicContext()
+    alembic_env.run_on(context, connection, MetaData())
+    if not include:
+        del context.options["include_object"]
+    config = alembic_config(None)  # an Alembic run in progress, as when env.py runs
+    with EnvironmentContext(config, ScriptDirectory.from_config(config)):
+        migration = MigrationContext.configure(connection, opts=context.options)
+        diffs: list[Any] = compare_metadata(migration, context.options["target_metadata"])
+        return diffs
+
+
+async def test_alembic_env(sqlite: str) -> None:
+    await asyncio.to_thread(upgrade, sqlite)
+    engine = make_engine(sqlite)
+    try:
+        async with engine.connect() as connection:
+            assert await connection.run_sync(proposed, True) == []
+            dropped = {diff[1].name for diff in await connection.run_sync(proposed, False)}
+    finally:
+        await engine.dispose()
+    assert dropped >= {"mersal_outbox", "mersal_inbox", "mersal_sagas", "mersal_schema"}
 
 
 async def test_repositories(sqlite: str) -> None:

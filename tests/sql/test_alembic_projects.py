@@ -19,20 +19,23 @@ from pathlib import Path
 
 import alembic
 import pytest
+from alembic.util import coerce_resource_to_filename
 from sqlalchemy import inspect
 
 from mersal import ConfigurationError
 from mersal.cli import main
 from mersal_sqlalchemy import make_engine
-from mersal_sqlalchemy.migrations import VERSIONS
+from mersal_sqlalchemy.migrations import VERSIONS, VERSIONS_RESOURCE
 from tests.sql.support import Probe, orders_app
 
 HERE = Path(__file__).parent
 ENV = HERE / "alembic_project" / "env.py"
 DOCS = HERE.parents[1] / "docs" / "outbox.md"
+MIGRATIONS_PAGE = HERE.parents[1] / "docs" / "setup" / "migrations.md"
+ENV_SAMPLE = HERE.parents[1] / "docs" / "samples" / "alembic_env.py"
 TEMPLATE = Path(alembic.__file__).parent / "templates" / "async" / "script.py.mako"
 NO_CHANGES = "No new upgrade operations detected."
-OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas"}
+OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas", "mersal_schema"}
 
 CUSTOMERS = '''"""Customers."""
 
@@ -94,6 +97,10 @@ def downgrade() -> None:
 
 OWN_TABLES = 'make_tables("{outbox}", "{inbox}", metadata=Base.metadata)\n'
 
+SEPARATOR = "path_separator = space"
+OUR_BRANCH = "version_locations = %(here)s/alembic/versions mersal_sqlalchemy.migrations:versions"
+"""Our versions by package name, as the docs show it: no path to site-packages."""
+
 
 @dataclass(frozen=True)
 class Ran:
@@ -151,12 +158,11 @@ def write_project(
         "[alembic]",
         "script_location = %(here)s/alembic",
         "prepend_sys_path = .",
-        "path_separator = os",
+        SEPARATOR,
         f"sqlalchemy.url = {database}",
     ]
     if our_branch:
-        ours = str(VERSIONS).replace("%", "%%")
-        lines.append(f"version_locations = %(here)s/alembic/versions{os.pathsep}{ours}")
+        lines.append(OUR_BRANCH)
     lines += [f"{name} = {value}" for name, value in (options or {}).items()]
     (root / "alembic.ini").write_text("\n".join(lines) + "\n")
     return Project(root)
@@ -183,6 +189,25 @@ async def app_starts(database: str, memory_url: str, **options: str) -> bool:
         return app.running
 
 
+def test_the_docs_add_our_versions_by_package_name_as_tested() -> None:
+    for page in (DOCS, MIGRATIONS_PAGE):
+        text = page.read_text()
+        assert SEPARATOR in text and OUR_BRANCH in text, page
+        assert "site-packages/mersal_sqlalchemy" not in text, page
+    assert coerce_resource_to_filename(VERSIONS_RESOURCE) == VERSIONS
+    assert OUR_BRANCH.endswith(f" {VERSIONS_RESOURCE}")
+
+
+def test_the_migrations_page_shows_include_object_before_anything_else() -> None:
+    text = MIGRATIONS_PAGE.read_text()
+    first_block = text.index("```")
+    shown = text.index('--8<-- "docs/samples/alembic_env.py:configure"')
+    assert first_block < shown < text.index("```", first_block + 3)
+    assert first_block < text.index("version_locations")
+    assert first_block < text.index("make_tables")
+    assert "include_object=include_object" in ENV_SAMPLE.read_text()  # tested in tests/docs
+
+
 def test_the_env_py_in_the_docs_is_the_one_tested() -> None:
     pattern = r"```python\n(\"\"\"Your Alembic project's env\.py.*?)```"
     shown = re.search(pattern, DOCS.read_text(), re.DOTALL)
@@ -195,7 +220,7 @@ async def test_our_branch_in_your_project_upgrades_to_head_after_one_merge(
 ) -> None:
     project = write_project(tmp_path / "project", empty_database, our_branch=True)
     heads = await project.alembic("heads")
-    assert sorted(heads.out.splitlines()) == ["mersal_0002 (mersal) (head)", "u0001 (head)"]
+    assert sorted(heads.out.splitlines()) == ["mersal_0003 (mersal) (head)", "u0001 (head)"]
     refused = await project.alembic("upgrade", "head")
     assert refused.code != 0
     assert refused.out.startswith(
@@ -217,6 +242,7 @@ async def test_our_branch_in_your_project_upgrades_to_head_after_one_merge(
         "mersal_inbox",
         "mersal_outbox",
         "mersal_sagas",
+        "mersal_schema",
     }
     checked = await project.alembic("check")
     assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
@@ -235,15 +261,15 @@ async def test_without_a_merge_upgrade_heads_works_and_check_finds_nothing(
 
     assert await mersal("db", "current", "--database", empty_database) == 0
     assert capsys.readouterr().out == (
-        "mersal_0002 (head), recorded in alembic_version (your Alembic project's)\n"
+        "mersal_0003 (head), recorded in alembic_version (your Alembic project's)\n"
     )
     for action in ("upgrade", "downgrade"):
         arguments = ["base"] if action == "downgrade" else []
         assert await mersal("db", action, *arguments, "--database", empty_database) == 2
         assert capsys.readouterr().err == (
             f"mersal: the tables in {empty_database} are migrated by your own Alembic project "
-            f"(mersal_0002 in alembic_version): {action} them there (`alembic {action} ...`), "
-            f"or take them over with `mersal db stamp mersal_0002 --database '{empty_database}'` "
+            f"(mersal_0003 in alembic_version): {action} them there (`alembic {action} ...`), "
+            f"or take them over with `mersal db stamp mersal_0003 --database '{empty_database}'` "
             "first\n"
         )
     assert await table_names(empty_database) >= OURS
@@ -296,7 +322,7 @@ async def test_tables_you_own_are_refused_by_upgrade_and_recorded_by_stamp(
     assert "mersal_outbox_alembic_version" not in await table_names(empty_database)
 
     assert await mersal("db", "stamp", "head", "--database", empty_database) == 0
-    at_head = f"the outbox, inbox and saga tables in {empty_database} are at mersal_0002 (head)\n"
+    at_head = f"the outbox, inbox and saga tables in {empty_database} are at mersal_0003 (head)\n"
     assert capsys.readouterr().out == at_head
     assert await mersal("db", "upgrade", "--database", empty_database) == 0
     assert capsys.readouterr().out == at_head
@@ -366,10 +392,10 @@ async def test_our_next_revision_reaches_your_project_through_alembic(
 
     if merged:
         assert await start_error(empty_database, memory_url) == (
-            f"the table(s) mersal_sagas do not exist in database {empty_database}: apply "
-            "revision mersal_0002 in your Alembic project: `alembic upgrade head` if it includes "
-            "our versions (after `alembic merge heads` if it shows two heads), else a migration "
-            "of your own that adds the table(s)"
+            "the table(s) mersal_sagas, mersal_schema do not exist in database "
+            f"{empty_database}: apply revision mersal_0003 in your Alembic project: `alembic "
+            "upgrade head` if it includes our versions (after `alembic merge heads` if it shows "
+            "two heads), else a migration of your own that adds the table(s)"
         )
         heads = await project.alembic("heads")
         assert len(heads.out.splitlines()) == 2
@@ -377,14 +403,62 @@ async def test_our_next_revision_reaches_your_project_through_alembic(
         upgraded = await project.alembic("upgrade", "head")
     else:
         assert await start_error(empty_database, memory_url) == (
-            "the tables are at migration mersal_0001, behind mersal_0002 (the table(s) "
-            f"mersal_sagas do not exist yet) in database {empty_database}: they are migrated by "
-            "your own Alembic project: run `alembic upgrade heads` there (after `alembic merge "
-            "heads`, `alembic upgrade head` does it too)"
+            "the tables are at migration mersal_0001, behind mersal_0003 (the table(s) "
+            f"mersal_sagas, mersal_schema do not exist yet) in database {empty_database}: they "
+            "are migrated by your own Alembic project: run `alembic upgrade heads` there (after "
+            "`alembic merge heads`, `alembic upgrade head` does it too)"
         )
         upgraded = await project.alembic("upgrade", "heads")
     assert upgraded.code == 0, upgraded.err
     assert await table_names(empty_database) >= OURS
     checked = await project.alembic("check")
     assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
+    assert await app_starts(empty_database, memory_url)
+
+
+async def test_after_mersal_db_downgrade_base_your_project_takes_the_tables_over(
+    empty_database: str, tmp_path: Path, memory_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """From `mersal db` to our branch in your project: the empty version table is no dead end."""
+    assert await mersal("db", "upgrade", "--database", empty_database) == 0
+    assert await mersal("db", "downgrade", "base", "--database", empty_database) == 0
+    assert await table_names(empty_database) == {"mersal_outbox_alembic_version"}
+
+    project = write_project(tmp_path / "project", empty_database, our_branch=True)
+    assert (await project.alembic("merge", "-m", "include mersal", "heads")).code == 0
+    upgraded = await project.alembic("upgrade", "head")
+    assert upgraded.code == 0, upgraded.err
+    assert await table_names(empty_database) >= OURS
+    checked = await project.alembic("check")
+    assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
+    assert await app_starts(empty_database, memory_url)
+    capsys.readouterr()
+    assert await mersal("db", "check", "--database", empty_database) == 0
+    assert capsys.readouterr().out == (
+        f"the outbox, inbox and saga tables in {empty_database} are up to date\n"
+    )
+    assert await mersal("db", "upgrade", "--database", empty_database) == 2
+    assert capsys.readouterr().err == refused_take_over(empty_database)
+
+
+async def test_an_empty_version_table_without_the_tables_is_a_fresh_database(
+    empty_database: str, memory_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert await mersal("db", "upgrade", "--database", empty_database) == 0
+    assert await mersal("db", "downgrade", "base", "--database", empty_database) == 0
+    capsys.readouterr()
+    assert await mersal("db", "check", "--database", empty_database) == 1
+    assert capsys.readouterr().err == (
+        "mersal: the table(s) mersal_outbox, mersal_inbox, mersal_sagas, mersal_schema do not "
+        f"exist in database {empty_database}: run `mersal db upgrade --database "
+        f"'{empty_database}'`\n"
+    )
+    async with orders_app(empty_database, memory_url, Probe(), create_tables=True) as app:
+        assert app.running  # created them, as on a fresh database
+    assert await mersal("db", "current", "--database", empty_database) == 0
+    assert capsys.readouterr().out == (
+        "mersal_0003 (head), recorded in mersal_outbox_alembic_version\n"
+    )
+    assert await mersal("db", "downgrade", "base", "--database", empty_database) == 0
+    assert await mersal("db", "upgrade", "--database", empty_database) == 0
     assert await app_starts(empty_database, memory_url)

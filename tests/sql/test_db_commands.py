@@ -50,7 +50,7 @@ class Ran:
 
 Mersal = Callable[..., Awaitable[Ran]]
 
-OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas"}
+OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas", "mersal_schema"}
 
 
 @pytest.fixture
@@ -120,21 +120,21 @@ async def test_an_empty_database_is_reported_and_stamping_it_is_refused(
     current = await mersal("db", "current", "--database", db)
     assert (current.code, current.out) == (
         0,
-        "no revision recorded; the table(s) mersal_outbox, mersal_inbox, mersal_sagas do not "
-        "exist\n",
+        "no revision recorded; the table(s) mersal_outbox, mersal_inbox, mersal_sagas, "
+        "mersal_schema do not exist\n",
     )
     check = await mersal("db", "check", "--database", db)
     assert check.code == 1
     assert check.said == (
-        "mersal: the table(s) mersal_outbox, mersal_inbox, mersal_sagas do not exist in "
-        f"database {db}: run `mersal db upgrade --database '{db}'`"
+        "mersal: the table(s) mersal_outbox, mersal_inbox, mersal_sagas, mersal_schema do not "
+        f"exist in database {db}: run `mersal db upgrade --database '{db}'`"
     )
     stamp = await mersal("db", "stamp", "--database", db)
     assert stamp.code == 2
     assert stamp.said == (
-        f"mersal: the table(s) mersal_outbox, mersal_inbox, mersal_sagas do not exist in {db}: "
-        f"create them with `mersal db upgrade --database '{db}'` rather than record a revision "
-        "for them"
+        "mersal: the table(s) mersal_outbox, mersal_inbox, mersal_sagas, mersal_schema do not "
+        f"exist in {db}: create them with `mersal db upgrade --database '{db}'` rather than "
+        "record a revision for them"
     )
     assert await tables_in(db) == set()
 
@@ -144,14 +144,14 @@ async def test_upgrade_current_check_stamp_and_downgrade_in_turn(
 ) -> None:
     db = empty_database
     run = mersal
-    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0002 (head)\n"
+    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0003 (head)\n"
     at_base = f"the outbox, inbox and saga tables in {db} are at base (no revision recorded)\n"
 
     upgraded = await run("db", "upgrade", "--database", db)
     assert (upgraded.code, upgraded.out) == (0, at_head)
     assert await tables_in(db) == {*OURS, "mersal_outbox_alembic_version"}
     current = await run("db", "current", "--database", db)
-    assert current.out == "mersal_0002 (head), recorded in mersal_outbox_alembic_version\n"
+    assert current.out == "mersal_0003 (head), recorded in mersal_outbox_alembic_version\n"
     check = await run("db", "check", "--database", db)
     assert (check.code, check.out) == (
         0,
@@ -182,7 +182,9 @@ async def test_history_lists_our_revisions_without_a_database(mersal: Mersal) ->
     history = await mersal("db", "history")
     assert (history.code, history.out) == (
         0,
-        "mersal_0001 -> mersal_0002 (mersal) (head), The saga table.\n"
+        "mersal_0002 -> mersal_0003 (mersal) (head), The schema table: which releases can run "
+        "on the tables.\n"
+        "mersal_0001 -> mersal_0002 (mersal), The saga table.\n"
         "<base> -> mersal_0001 (mersal), The outbox and inbox tables.\n",
     )
 
@@ -259,7 +261,7 @@ async def test_commands_on_a_missing_sqlite_file_do_not_create_it(
         ),
         pytest.param(
             ["stamp", "--sql", "--dialect", "sqlite"],
-            ["INSERT INTO mersal_outbox_alembic_version (version_num) VALUES ('mersal_0002')"],
+            ["INSERT INTO mersal_outbox_alembic_version (version_num) VALUES ('mersal_0003')"],
             id="stamp",
         ),
     ],
@@ -283,7 +285,9 @@ async def test_sql_between_the_revisions_touches_only_the_saga_table(mersal: Mer
     assert "sagas" not in up.out
     assert "mersal_0002" not in up.out
 
-    down = await mersal("db", "downgrade", "--sql", "head:mersal_0001", "--dialect", "sqlite")
+    down = await mersal(
+        "db", "downgrade", "--sql", "mersal_0002:mersal_0001", "--dialect", "sqlite"
+    )
     assert down.code == 0, down.err
     dropped = re.findall(r"^DROP TABLE (\w+);$", down.out, re.MULTILINE)
     assert dropped == ["mersal_sagas"]
@@ -318,7 +322,8 @@ async def test_a_migrated_outbox_beside_an_unmigrated_inbox_is_fixed_by_the_comm
     names = {"outbox_table": "billing_outbox", "inbox_table": "billing_inbox"}
     message = await start_error(db, memory_url, **names)
     assert message == (
-        f"the table(s) billing_inbox, billing_inbox_sagas do not exist in database {db}: run "
+        f"the table(s) billing_inbox, billing_inbox_sagas, billing_inbox_schema do not exist in "
+        f"database {db}: run "
         f"`mersal db upgrade --database '{db}' --outbox-table billing_outbox --inbox-table "
         "billing_inbox`"
     )
@@ -329,9 +334,9 @@ async def test_a_migrated_outbox_beside_an_unmigrated_inbox_is_fixed_by_the_comm
     if made_by == "the release before":  # the first pair is behind, at mersal_0001
         message = await start_error(db, memory_url, outbox_table="billing_outbox")
         assert message == (
-            "the tables are at migration mersal_0001, behind mersal_0002 (the table(s) "
-            f"mersal_sagas do not exist yet) in database {db}: run `mersal db upgrade "
-            f"--database '{db}' --outbox-table billing_outbox`"
+            "the tables are at migration mersal_0001, behind mersal_0003 (the table(s) "
+            f"mersal_sagas, mersal_schema do not exist yet) in database {db}: run `mersal db "
+            f"upgrade --database '{db}' --outbox-table billing_outbox`"
         )
         [command] = suggested(message)
         assert (await mersal(*command)).code == 0
@@ -355,7 +360,7 @@ async def test_tables_of_your_own_that_lack_a_column_are_not_recorded_at_the_hea
 
     if alembic_project:
         remedy = (
-            "apply revision mersal_0002 in your Alembic project: `alembic upgrade head` if it "
+            "apply revision mersal_0003 in your Alembic project: `alembic upgrade head` if it "
             "includes our versions (after `alembic merge heads` if it shows two heads), else a "
             "migration of your own that adds the columns"
         )
@@ -380,7 +385,7 @@ async def test_tables_of_your_own_that_lack_a_column_are_not_recorded_at_the_hea
     assert (stamp.code, stamp.said) == (
         2,
         "mersal: table mersal_outbox has no column(s) parked_reason, so it is not at "
-        "mersal_0002: record the revision it is at",
+        "mersal_0003: record the revision it is at",
     )
 
 
@@ -491,8 +496,8 @@ async def test_tables_made_without_alembic_are_taken_over_by_upgrade(
     assert (upgraded.code, upgraded.out) == (
         0,
         "found mersal_outbox and mersal_inbox without a revision of ours (made by your own "
-        "migration?): recorded them at mersal_0002 in mersal_outbox_alembic_version\n"
-        f"the outbox, inbox and saga tables in {db} are at mersal_0002 (head)\n",
+        "migration?): recorded them at mersal_0003 in mersal_outbox_alembic_version\n"
+        f"the outbox, inbox and saga tables in {db} are at mersal_0003 (head)\n",
     )
 
 
@@ -543,7 +548,7 @@ async def test_four_upgrades_at_once_on_a_fresh_database_all_succeed(
     db = empty_postgres_url
     inboxes = [f"inbox_{n}" if shared else "billing_inbox" for n in range(4)]
     results = await upgrade_at_once(db, [pair(inbox) for inbox in inboxes])
-    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0002 (head)\n"
+    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0003 (head)\n"
     assert [(code, out.endswith(at_head)) for code, out, _ in results] == [(0, True)] * 4, results
     for inbox in set(inboxes):
         assert await starts(db, memory_url, outbox_table="billing_outbox", inbox_table=inbox)
@@ -611,7 +616,7 @@ async def test_upgrade_from_base_creates_the_saga_table_and_records_the_head(
     assert await indexes_of(db, "mersal_sagas") == [("ix_mersal_sagas_id", ["id"], True)]
     assert await rows_in(db, "mersal_outbox_alembic_version") == 1
     current = await mersal("db", "current", "--database", db)
-    assert current.out == "mersal_0002 (head), recorded in mersal_outbox_alembic_version\n"
+    assert current.out == "mersal_0003 (head), recorded in mersal_outbox_alembic_version\n"
     await add_saga_row(db)
     with pytest.raises(IntegrityError):  # the same saga of the same app, correlated alike
         await add_saga_row(db)
@@ -631,8 +636,9 @@ async def test_tables_at_the_first_revision_fail_the_start_until_upgraded(
     assert current.out == "mersal_0001, recorded in mersal_outbox_alembic_version\n"
 
     advice = (
-        "the tables are at migration mersal_0001, behind mersal_0002 (the table(s) mersal_sagas "
-        f"do not exist yet) in database {db}: run `mersal db upgrade --database '{db}'`"
+        "the tables are at migration mersal_0001, behind mersal_0003 (the table(s) mersal_sagas, "
+        f"mersal_schema do not exist yet) in database {db}: run `mersal db upgrade --database "
+        f"'{db}'`"
     )
     assert await start_error(db, memory_url) == advice
     check = await mersal("db", "check", "--database", db)
@@ -641,7 +647,7 @@ async def test_tables_at_the_first_revision_fail_the_start_until_upgraded(
     upgraded = await mersal(*command)
     assert (upgraded.code, upgraded.out) == (
         0,
-        f"the outbox, inbox and saga tables in {db} are at mersal_0002 (head)\n",
+        f"the outbox, inbox and saga tables in {db} are at mersal_0003 (head)\n",
     )
     assert "mersal_sagas" in await tables_in(db)
     assert await indexes_of(db, "mersal_sagas") == [("ix_mersal_sagas_id", ["id"], True)]
@@ -662,23 +668,27 @@ async def test_downgrading_to_the_first_revision_drops_only_the_saga_table(
     )
     assert await tables_in(db) == {"mersal_outbox", "mersal_inbox", "mersal_outbox_alembic_version"}
     assert await rows_in(db, "mersal_outbox") == 1
-    assert "behind mersal_0002" in await start_error(db, memory_url)
+    assert "behind mersal_0003" in await start_error(db, memory_url)
 
     assert (await mersal("db", "upgrade", "--database", db)).code == 0
     assert await starts(db, memory_url)
     assert await rows_in(db, "mersal_outbox") == 1
 
 
-async def test_one_step_back_drops_only_the_saga_table(empty_database: str, mersal: Mersal) -> None:
+async def test_each_step_back_drops_only_the_table_of_its_revision(
+    empty_database: str, mersal: Mersal
+) -> None:
     db = empty_database
     assert (await mersal("db", "upgrade", "--database", db)).code == 0
     await add_outbox_row(db, "mersal_outbox")  # no refusal: the outbox stays
-    back = await mersal("db", "downgrade", "-1", "--database", db)
-    assert (back.code, back.out) == (
-        0,
-        f"the outbox, inbox and saga tables in {db} are at mersal_0001\n",
-    ), back.err
-    assert "mersal_sagas" not in await tables_in(db)
+    for revision, dropped in (("mersal_0002", "mersal_schema"), ("mersal_0001", "mersal_sagas")):
+        before = await tables_in(db)
+        back = await mersal("db", "downgrade", "-1", "--database", db)
+        assert (back.code, back.out) == (
+            0,
+            f"the outbox, inbox and saga tables in {db} are at {revision}\n",
+        ), back.err
+        assert await tables_in(db) == before - {dropped}
     refused = await mersal("db", "downgrade", "-1", "--database", db)
     assert (refused.code, refused.said) == (
         2,
@@ -720,6 +730,7 @@ async def test_the_saga_table_of_other_table_names_is_named_after_the_inbox(
         "billing_outbox",
         "billing_inbox",
         "billing_inbox_sagas",
+        "billing_inbox_schema",
         "billing_outbox_billing_inbox_alembic_version",
     }
     indexes = await indexes_of(db, "billing_inbox_sagas")
@@ -748,6 +759,8 @@ async def test_pairs_sharing_an_inbox_share_its_saga_table_and_downgrades_leave_
         0,
         "left shared_inbox_sagas: shipping_outbox_shared_inbox_alembic_version records it for "
         "another pair of tables\n"
+        "left shared_inbox_schema: shipping_outbox_shared_inbox_alembic_version records it for "
+        "another pair of tables\n"
         f"the outbox, inbox and saga tables in {db} are at mersal_0001\n",
     )
     assert "shared_inbox_sagas" in await tables_in(db)
@@ -758,8 +771,10 @@ async def test_pairs_sharing_an_inbox_share_its_saga_table_and_downgrades_leave_
         "left shared_inbox: billing_outbox_shared_inbox_alembic_version records it for another "
         "pair of tables\n"
         f"the outbox, inbox and saga tables in {db} are at base (no revision recorded)\n",
-    ), down.err  # the billing pair, at mersal_0001, has no saga table: it went
-    assert not {"shipping_outbox", "shared_inbox_sagas"} & await tables_in(db)
+    ), down.err  # the billing pair, at mersal_0001, has no saga or schema table: they went
+    assert not {"shipping_outbox", "shared_inbox_sagas", "shared_inbox_schema"} & await tables_in(
+        db
+    )
     assert {"billing_outbox", "shared_inbox"} <= await tables_in(db)
 
     names = {"outbox_table": "billing_outbox", "inbox_table": "shared_inbox"}
@@ -783,7 +798,7 @@ async def test_the_start_brings_tables_at_the_first_revision_to_the_head_when_cr
     assert await indexes_of(db, "mersal_sagas") == [("ix_mersal_sagas_id", ["id"], True)]
     assert await rows_in(db, "mersal_outbox") == 1
     current = await mersal("db", "current", "--database", db)
-    assert current.out == "mersal_0002 (head), recorded in mersal_outbox_alembic_version\n"
+    assert current.out == "mersal_0003 (head), recorded in mersal_outbox_alembic_version\n"
     down = await mersal("db", "downgrade", "mersal_0001", "--database", db)
     assert down.code == 0, down.err  # what the start made, the revision undoes
     assert "mersal_sagas" not in await tables_in(db)
@@ -819,10 +834,10 @@ async def test_tables_of_your_own_without_the_saga_table_are_upgraded_from_the_f
     upgrade = await mersal("db", "upgrade", "--database", db)
     if alembic_project:
         assert check.said == (
-            f"mersal: the table(s) mersal_sagas do not exist in database {db}: apply revision "
-            "mersal_0002 in your Alembic project: `alembic upgrade head` if it includes our "
-            "versions (after `alembic merge heads` if it shows two heads), else a migration of "
-            "your own that adds the table(s)"
+            f"mersal: the table(s) mersal_sagas, mersal_schema do not exist in database {db}: "
+            "apply revision mersal_0003 in your Alembic project: `alembic upgrade head` if it "
+            "includes our versions (after `alembic merge heads` if it shows two heads), else a "
+            "migration of your own that adds the table(s)"
         )
         assert (upgrade.code, upgrade.said) == (
             2,
@@ -835,24 +850,24 @@ async def test_tables_of_your_own_without_the_saga_table_are_upgraded_from_the_f
         head = await mersal("db", "stamp", "head", "--database", db)
         assert (head.code, head.said) == (
             2,
-            f"mersal: the table(s) mersal_sagas do not exist in {db}, so the tables are not at "
-            f"mersal_0002: record the revision they are at with `mersal db stamp mersal_0001 "
-            f"--database '{db}'`, then run `mersal db upgrade --database '{db}'`",
+            f"mersal: the table(s) mersal_sagas, mersal_schema do not exist in {db}, so the "
+            "tables are not at mersal_0003: record the revision they are at with `mersal db "
+            f"stamp mersal_0001 --database '{db}'`, then run `mersal db upgrade --database '{db}'`",
         )
         for command in suggested(head.said):
             ran = await mersal(*command)
             assert ran.code == 0, ran.err
-        assert ran.out == f"the outbox, inbox and saga tables in {db} are at mersal_0002 (head)\n"
+        assert ran.out == f"the outbox, inbox and saga tables in {db} are at mersal_0003 (head)\n"
     else:
         assert check.said == (
-            f"mersal: the table(s) mersal_sagas do not exist in database {db}: run "
-            f"`mersal db upgrade --database '{db}'`"
+            f"mersal: the table(s) mersal_sagas, mersal_schema do not exist in database {db}: "
+            f"run `mersal db upgrade --database '{db}'`"
         )
         assert (upgrade.code, upgrade.out) == (
             0,
             "found mersal_outbox and mersal_inbox without a revision of ours (made by your own "
             "migration?): recorded them at mersal_0001 in mersal_outbox_alembic_version\n"
-            f"the outbox, inbox and saga tables in {db} are at mersal_0002 (head)\n",
+            f"the outbox, inbox and saga tables in {db} are at mersal_0003 (head)\n",
         )
     assert "mersal_sagas" in await tables_in(db)
     assert await starts(db, memory_url)

@@ -16,9 +16,11 @@ from mersal_sqlalchemy import HEAD_REVISION, attach, make_engine, make_tables
 from mersal_sqlalchemy.cli import alembic_config, upgrade
 from mersal_sqlalchemy.migrations import include_object_for
 from mersal_sqlalchemy.tables import (
+    COMPATIBLE_WITH,
     REVISIONS,
     migration_table_names,
     saga_table_name,
+    schema_table_name,
     version_table_name,
 )
 from tests.sql.conftest import sqlite_file
@@ -65,7 +67,7 @@ async def schema_of(database: str) -> dict[str, Any]:
         await engine.dispose()
 
 
-OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas"}
+OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas", "mersal_schema"}
 
 
 def with_password(url: str, password: str) -> str:
@@ -95,7 +97,7 @@ async def test_db_upgrade_on_an_empty_database_creates_the_tables(
         ("created_at", "TIMESTAMP", False),
         ("updated_at", "TIMESTAMP", False),
     ]
-    said = f"the outbox, inbox and saga tables in {empty_postgres_url} are at mersal_0002 (head)\n"
+    said = f"the outbox, inbox and saga tables in {empty_postgres_url} are at mersal_0003 (head)\n"
     assert capsys.readouterr().out == said
     # a second run finds nothing to do
     assert await asyncio.to_thread(main, ["db", "upgrade", "--database", empty_postgres_url]) == 0
@@ -202,7 +204,18 @@ def test_the_head_revision_in_the_code_is_the_head_of_the_migrations() -> None:
     scripts = ScriptDirectory.from_config(alembic_config("sqlite:///unused.db", "a", "b"))
     assert scripts.get_heads() == [HEAD_REVISION]
     walked = [script.revision for script in scripts.walk_revisions()]
-    assert walked == list(reversed(REVISIONS)) == ["mersal_0002", "mersal_0001"]
+    assert walked == list(reversed(REVISIONS)) == ["mersal_0003", "mersal_0002", "mersal_0001"]
+
+
+def test_each_revision_declares_the_compatibility_the_code_records() -> None:
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory.from_config(alembic_config("sqlite:///unused.db", "a", "b"))
+    declared = {
+        script.revision: script.module.compatible_with for script in scripts.walk_revisions()
+    }
+    assert declared == COMPATIBLE_WITH
+    assert all(COMPATIBLE_WITH[revision] in REVISIONS for revision in REVISIONS)
 
 
 @pytest.mark.parametrize(
@@ -244,8 +257,10 @@ def test_the_saga_table_has_the_columns_the_saga_store_uses() -> None:
     )
 
 
-@pytest.mark.parametrize(("outbox", "inbox"), [("orders_sagas", "orders"), ("x", "x")])
-def test_an_outbox_named_like_the_inbox_or_its_saga_table_is_refused(
+@pytest.mark.parametrize(
+    ("outbox", "inbox"), [("orders_sagas", "orders"), ("orders_schema", "orders"), ("x", "x")]
+)
+def test_an_outbox_named_like_the_inbox_or_its_saga_or_schema_table_is_refused(
     outbox: str, inbox: str
 ) -> None:
     with pytest.raises(ConfigurationError, match="the outbox"):
@@ -254,12 +269,13 @@ def test_an_outbox_named_like_the_inbox_or_its_saga_table_is_refused(
         migration_table_names({"outbox_table": outbox, "inbox_table": inbox})
 
 
-def test_include_object_hides_the_saga_table_our_migrations_made() -> None:
+def test_include_object_hides_the_saga_and_schema_tables_our_migrations_made() -> None:
     include = include_object_for("billing_outbox", "billing_inbox")
-    sagas = make_tables("billing_outbox", "billing_inbox").sagas
-    assert not include(sagas, "billing_inbox_sagas", "table", True, None)
-    assert include(sagas, "billing_inbox_sagas", "table", True, sagas)  # on your metadata
-    assert include(sagas, "mersal_sagas", "table", True, None)  # another pair's
+    tables = make_tables("billing_outbox", "billing_inbox")
+    for table, other in ((tables.sagas, "mersal_sagas"), (tables.schema, "mersal_schema")):
+        assert not include(table, table.name, "table", True, None)
+        assert include(table, table.name, "table", True, table)  # on your metadata
+        assert include(table, other, "table", True, None)  # another pair's
 
 
 @pytest.mark.parametrize(
@@ -436,6 +452,7 @@ async def test_a_database_the_release_before_migrated_is_behind_until_upgraded(
     flags = [part for k, v in names.items() for part in (f"--{k.replace('_', '-')}", v)]
     outbox = names.get("outbox_table", "mersal_outbox")
     sagas = saga_table_name(names.get("inbox_table", "mersal_inbox"))
+    schema = schema_table_name(names.get("inbox_table", "mersal_inbox"))
     engine = make_engine(db)
     async with engine.begin() as connection:
         await connection.execute(
@@ -450,15 +467,15 @@ async def test_a_database_the_release_before_migrated_is_behind_until_upgraded(
         await behind.start()
     upgrade_command = " ".join(["mersal db upgrade --database", f"'{db}'", *flags])
     assert str(raised.value) == (
-        "the tables are at migration mersal_0001, behind mersal_0002 (the table(s) "
-        f"{sagas} do not exist yet) in database {db}: run `{upgrade_command}`"
+        "the tables are at migration mersal_0001, behind mersal_0003 (the table(s) "
+        f"{sagas}, {schema} do not exist yet) in database {db}: run `{upgrade_command}`"
     )
 
     capsys.readouterr()
     assert await asyncio.to_thread(main, ["db", "current", "--database", db, *flags]) == 0
     assert capsys.readouterr().out == f"mersal_0001, recorded in {outbox}_alembic_version\n"
     assert await asyncio.to_thread(main, ["db", "upgrade", "--database", db, *flags]) == 0
-    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0002 (head)\n"
+    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0003 (head)\n"
     assert capsys.readouterr().out == found + at_head
     assert await asyncio.to_thread(main, ["db", "upgrade", "--database", db, *flags]) == 0
     assert capsys.readouterr().out == at_head

@@ -18,6 +18,8 @@ revision: str = "mersal_0001"
 down_revision: str | None = None
 branch_labels: str | Sequence[str] | None = ("mersal",)
 depends_on: str | Sequence[str] | None = None
+compatible_with: str = "mersal_0001"
+"""The oldest revision whose code runs on this one: itself, the first."""
 
 
 def upgrade() -> None:

@@ -19,6 +19,8 @@ revision: str = "mersal_0002"
 down_revision: str | None = "mersal_0001"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+compatible_with: str = "mersal_0001"
+"""The oldest revision whose code runs on this one: it only adds a table."""
 
 
 def upgrade() -> None:
