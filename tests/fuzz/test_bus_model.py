@@ -551,6 +551,23 @@ class BusModel(RuleBasedStateMachine):
 
         self.run(restart())
 
+    @rule(
+        fails=st.lists(st.sampled_from([1, 2, ALWAYS]), min_size=1, max_size=3),
+        moment=st.sampled_from([0.5, 0.95, 1.0, 1.05, 1.1, 1.5]),
+    )
+    def restart_while_hanging(self, fails: list[int], moment: float) -> None:
+        """Stop the app about when hanging handlers run out of time, then start a new one."""
+
+        async def restart() -> None:
+            for n in fails:
+                spec = {"fails": n, "kind": "hang", "effect": "row", "publish": False}
+                await self._send(self.plain({**spec, "copies": 1, "child": True}))
+            await asyncio.sleep(moment * HANDLER_TIMEOUT)
+            await self.running.stop()
+            await self._start()
+
+        self.run(restart())
+
     def blocker(self, step: str, tally: str, fails: int, kind: str) -> Intent:
         """An intent whose handler blocks after its effect (a saga's method must run for it)."""
         if step == "work":
