@@ -1,11 +1,14 @@
 """Every intent ends once: a model of the bus under failures, copies, restarts and replays.
 
 Hypothesis drives an app on a private memory broker and a SQLite file through a random mix of
-steps: commands sent and events published (each an *intent* with an id and an effect: a row, or
-a counter raised, written through the message's AsyncSession), handlers that fail (raise,
-cancel, or hang past `handler_timeout`) a few times or always, copies of one message id, the
-app stopped while a handler is blocked and a new app started on the same broker and database,
-a saga's events and timeouts, and dead letters replayed once their handler is fixed.
+steps: commands sent, deferred and published (each an *intent* with an id and an effect: a row,
+or a counter raised, written through the message's AsyncSession; some send a child intent
+through the outbox), handlers that fail (raise, cancel, or hang past `handler_timeout`) a few
+times or always, copies of one message id, the app stopped while a handler is blocked or about
+when hanging ones time out and a new app started on the same broker and database (the memory
+transport returns a stopped app's unacknowledged deliveries to their queue), a saga's events,
+completion and timeouts, and dead letters replayed (`mersal.dead_letters.DeadLetters`) once
+their handler is fixed.
 
 After every step the app must come to rest, and then every intent's effect happened exactly
 once or the intent waits in the error queue with a reason, never both and never neither; and
