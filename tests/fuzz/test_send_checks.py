@@ -65,7 +65,9 @@ def near_misses(draw: st.DrawFn) -> Outgoing:
     return Outgoing(address, Envelope(headers, body), draw(st.booleans()))
 
 
-@settings(max_examples=10_000 if EXPLORE else 1_000, derandomize=not EXPLORE, database=None)
+@settings(
+    max_examples=10_000 if EXPLORE else 1_000, derandomize=not EXPLORE, database=None, deadline=None
+)
 @given(outgoing=near_misses(), limits=LIMITS)
 def test_the_fast_check_never_passes_what_the_rules_refuse(
     outgoing: Outgoing, limits: Limits
