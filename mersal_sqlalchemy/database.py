@@ -66,6 +66,8 @@ DRIVERS = {
 DIALECTS = ("postgresql", "sqlite")
 """The SQL dialects Mersal supports."""
 
+ENDING = "mersal.ending"
+"""Set in a message session's `info` once it is ending: nothing more goes through it."""
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 SQLITE_MIN_VERSION = (3, 35, 0)  # UPDATE ... RETURNING
 SHARED_VERSION_TABLE = "alembic_version"

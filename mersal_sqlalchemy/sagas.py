@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from mersal.errors import ConcurrencyConflict, MersalError
 from mersal.pipeline import MessageContext
 from mersal.sagas import StoredSaga
-from mersal_sqlalchemy.database import is_postgresql
+from mersal_sqlalchemy.database import ENDING, is_postgresql
 
 T = TypeVar("T")
 
@@ -113,8 +113,6 @@ class SqlSagaStore:
             return _stored((await connection.execute(query)).first())
 
     def _session(self, context: MessageContext | None) -> AsyncSession | None:
-        from mersal_sqlalchemy.storage import ENDING  # storage imports this module
-
         if context is None:
             return None
         try:

@@ -24,6 +24,7 @@ from mersal.status import StorageStatus
 from mersal.transaction import Commit, Hook, Transaction
 from mersal.transport import Outgoing
 from mersal_sqlalchemy.database import (
+    ENDING,
     autocommits,
     database_url,
     is_postgresql,
@@ -47,7 +48,6 @@ SESSION = "mersal_sqlalchemy.session"
 """The key of the message's AsyncSession in `MessageContext.items`."""
 
 GUARDED = "mersal.guarded"
-ENDING = "mersal.ending"
 ROLLED_BACK = "mersal.rolled_back"
 SENDS = "mersal.sends"
 SAVEPOINTS = "mersal.savepoints"
