@@ -4,6 +4,7 @@ import os
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 from uuid import uuid4
 
 import pytest
@@ -86,11 +87,35 @@ async def transport(transport_factory: MakeTransport) -> Transport:
     return await transport_factory()
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The ledger line of each chaos or cluster scenario that got as far as counting."""
+LEDGER = "chaos ledger"
+"""The name under which a test's report carries its scenarios' ledger lines."""
+ledger_lines: list[str] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
+    """Carry ledger lines in the report, and captured text that xdist can send (no surrogates)."""
+    report = yield
     from tests.chaos.ledger import LEDGER_LINES  # imported late: it needs asyncpg
 
-    if LEDGER_LINES:
-        terminalreporter.section("chaos ledger")
-        for line in LEDGER_LINES:
+    while LEDGER_LINES:
+        report.user_properties.append((LEDGER, LEDGER_LINES.pop(0)))
+    report.sections = [(name, _sendable(text)) for name, text in report.sections]
+    return report
+
+
+def _sendable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Collect the ledger lines of each test, from this process or an xdist worker."""
+    ledger_lines.extend(value for name, value in report.user_properties if name == LEDGER)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The ledger line of each chaos or cluster scenario that got as far as counting."""
+    if ledger_lines:
+        terminalreporter.section(LEDGER)
+        for line in ledger_lines:
             terminalreporter.write_line(line)
