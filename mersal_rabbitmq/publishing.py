@@ -250,10 +250,10 @@ class Publishing:
             await self._publish(publisher, outgoing, deadline)
         except OutcomeUnknown as error:
             gone = isinstance(error.__cause__, aiormq.exceptions.ChannelNotFoundEntity)
-            if gone and self._topology.forget_partitions(outgoing.address):
+            if gone and _keyed(outgoing) and self._topology.forget_partitions(outgoing.address):
                 return OutcomeUnknown(
-                    f"the partitions of {outgoing.address!r} are gone (their exchange was "
-                    "deleted): send it again, to the queue itself"
+                    f"the exchange of the partitions of {outgoing.address!r} is gone (deleted, "
+                    "or being made again): send it again"
                 )
             return refusal(outgoing, error)
         except MersalError as error:
@@ -299,6 +299,12 @@ class Publishing:
         elif outgoing.publish:  # an event nobody subscribes to is fine: say so, once
             self._nobody_subscribes(outgoing.address)
             return
+        elif exchange != "":  # a partitions' exchange without partitions: being made again
+            self._topology.forget_partitions(outgoing.address)
+            raise OutcomeUnknown(
+                f"no partition of {outgoing.address!r} took {_what(outgoing)} (their exchange "
+                "is being made again?): send it again"
+            )
         raise Unroutable(
             f"no queue named {outgoing.address!r}: start the app that owns it, or check the route"
         )
@@ -395,6 +401,11 @@ async def _until_connected(opening: Callable[[], Awaitable[Publisher]]) -> Publi
         except CHANNEL_ERRORS as error:
             log.debug("no publishing channel yet (%s)", why(error))
             await asyncio.sleep(0.1)
+
+
+def _keyed(outgoing: Outgoing) -> bool:
+    """Whether `outgoing` went through a partitions' exchange, if its queue has one."""
+    return outgoing.envelope.partition_key is not None and not outgoing.publish
 
 
 def _what(outgoing: Outgoing) -> str:

@@ -23,7 +23,13 @@ one partition, so that one consumer at a time, whichever instance it is in, take
 order. A sender learns that a queue is partitioned by looking for its exchange (again after
 PARTITIONED_RECHECK seconds while it is not, and after the exchange was deleted); while
 `mersal queues migrate` moves partitions, its exchange `<queue>.partitions.migrating` exists
-and a keyed send fails with `PartitionsMigrating` (the outbox sends it again later).
+and a keyed send fails with `PartitionsMigrating` (the outbox sends it again later). The ring
+numbers partitions in the order they were bound, and a deleted queue's binding renumbers the
+rest: a partition declared again (deleted while the app runs, or found missing at start) would
+be bound last and move keys for good, so the exchange is made again with every partition bound
+in order, behind the same marker, by one instance at a time (it holds the exclusive queue
+`<queue>.partitions.lock`); keyed sends of this process wait meanwhile, and a keyed send that
+meets the exchange missing or without partitions fails with `OutcomeUnknown`, to be sent again.
 
 Everything is declared on one channel, replaced when an error closed it (RabbitMQ closes it on
 a 406), and remembered: the topology registers with the connection and declares it all again
@@ -95,6 +101,11 @@ def migrating_exchange(queue: str) -> str:
     exchange is back with every partition bound in order.
     """
     return f"{queue}.partitions.migrating"
+
+
+def ring_lock(queue: str) -> str:
+    """The exclusive queue an instance holds while it binds `queue`'s partitions again."""
+    return f"{queue}.partitions.lock"
 
 
 class PartitionsMigrating(MersalError):
@@ -189,6 +200,7 @@ class Topology:
         self.partitions: dict[str, int] = {}
         """The partitioned queues declared here, and how many partitions each has."""
         self._partitioned: dict[str, tuple[bool, float]] = {}  # looked up: whether, and when
+        self._rebuilding: dict[str, asyncio.Event] = {}  # set once the ring is made again
 
     async def start(self) -> None:
         """Declare the topic exchange; from now on, everything again after each reconnect."""
@@ -284,6 +296,9 @@ class Topology:
     async def partitioned(self, queue: str) -> str | None:
         """The exchange of `queue`'s partitions if it has any, else None (looked up, cached)."""
         if queue in self.partitions:
+            rebuilding = self._rebuilding.get(queue)
+            if rebuilding is not None:
+                await rebuilding.wait()
             return partition_exchange(queue)
         loop = asyncio.get_running_loop()
         known = self._partitioned.get(queue)
@@ -298,9 +313,12 @@ class Topology:
         return partition_exchange(queue) if known[0] else None
 
     def forget_partitions(self, queue: str) -> bool:
-        """Look again whether `queue` has partitions; whether it was thought to have them."""
+        """Look again whether `queue` has partitions; whether it was thought to have them.
+
+        Partitions declared here are not forgotten: their exchange is made again here.
+        """
         known = self._partitioned.pop(queue, None)
-        return known is not None and known[0]
+        return queue in self.partitions or (known is not None and known[0])
 
     async def _locked_partition(self, queue: str, count: int) -> None:
         async with self._lock:
@@ -308,12 +326,14 @@ class Topology:
 
     async def _partition(self, queue: str, count: int) -> None:
         exchange = partition_exchange(queue)
-        if await self._exchange_exists(migrating_exchange(queue)):
+        marked = await self._exchange_exists(migrating_exchange(queue))
+        if marked and queue not in self.partitions:
             raise ConfigurationError(
                 f"the partitions of {queue!r} are being migrated ({migrating_exchange(queue)!r} "
                 "exists): let `mersal queues migrate` finish, or run it again if it was "
                 "interrupted, then start the app"
             )
+        existed = await self._exchange_exists(exchange)
         channel = await self._ready_channel()
         try:
             await channel.declare_exchange(exchange, "x-consistent-hash", durable=True)
@@ -327,12 +347,20 @@ class Topology:
                 f"RabbitMQ cannot make exchange {exchange!r} for the partitions of {queue!r} "
                 f"({_reply(error)}): {PLUGIN_HINT}"
             ) from None
+        created: list[int] = []
         for index in range(count):
             name = partition_queue(queue, index)
             shape = partition_shape(self._queue_type)
+            if not await self._exists(name):
+                created.append(index)
             await self._declare(name, shape)
             self.queues[name] = shape
-            await self._bind_partition(name, exchange)
+        if marked or (existed and created and len(created) + created[0] < count):
+            # a partition came back before others, or a rebuild was under way (or cut short)
+            await self._rebuild_ring(queue, count)
+        else:  # in order, as every instance binds: a ring that was made in order stays so
+            for index in range(count):
+                await self._bind_partition(partition_queue(queue, index), exchange)
         extra = partition_queue(queue, count)
         if await self._exists(extra):
             raise ConfigurationError(
@@ -341,6 +369,50 @@ class Topology:
                 "stop every instance, move the messages of the extra partitions into "
                 f"{queue!r} and delete those queues"
             )
+
+    async def _rebuild_ring(self, queue: str, count: int) -> None:
+        """Make the partitions' exchange again with every partition bound in index order.
+
+        RabbitMQ's consistent-hash exchange numbers its ring in the order queues were bound, and
+        a deleted queue's binding renumbers the rest: a partition declared again would be bound
+        last, and keys would move for good. As `mersal queues migrate` does, the marker exchange
+        makes keyed sends wait (here and elsewhere) while the exchange is deleted and made
+        again, bound in order. An exclusive queue lets one instance at a time do it.
+        """
+        done = self._rebuilding[queue] = asyncio.Event()
+        try:
+            await self._take_ring_lock(queue)
+            channel = await self._ready_channel()
+            marker = migrating_exchange(queue)
+            await channel.declare_exchange(marker, aio_pika.ExchangeType.FANOUT, durable=True)
+            await channel.exchange_delete(partition_exchange(queue))
+            await channel.declare_exchange(
+                partition_exchange(queue), "x-consistent-hash", durable=True
+            )
+            for index in range(count):
+                await self._bind_partition(partition_queue(queue, index), partition_exchange(queue))
+            await channel.exchange_delete(marker)
+            await channel.queue_delete(ring_lock(queue))
+            log.warning(
+                "a partition of %r was declared again: made its exchange again with every "
+                "partition bound in order, so that each key keeps its partition",
+                queue,
+            )
+        finally:
+            del self._rebuilding[queue]
+            done.set()
+
+    async def _take_ring_lock(self, queue: str) -> None:
+        """Declare the exclusive queue that one instance at a time holds while it rebuilds."""
+        while True:
+            channel = await self._ready_channel()
+            try:
+                await channel.declare_queue(
+                    ring_lock(queue), exclusive=True, auto_delete=True, durable=False
+                )
+                return
+            except aiormq.exceptions.ChannelLockedResource:  # another instance rebuilds
+                await asyncio.sleep(RETRY_PAUSE)
 
     async def _bind_partition(self, name: str, exchange: str) -> None:
         amqp_queue = await (await self._ready_channel()).get_queue(name, ensure=False)
@@ -425,12 +497,20 @@ class Topology:
         if shape is None:
             return
         async with self._lock:
-            await self._declare(name, shape)
+            base = self._partitioned_by(name)
+            if base is not None and not await self._exists(name):
+                await self._partition(base, self.partitions[base])  # the ring, in order
+            else:
+                await self._declare(name, shape)
             for topic in sorted(self.bindings.get(name, ())):
                 await self._bind(name, topic)
-            for queue, count in self.partitions.items():
-                if name in (partition_queue(queue, index) for index in range(count)):
-                    await self._bind_partition(name, partition_exchange(queue))
+
+    def _partitioned_by(self, name: str) -> str | None:
+        """The queue whose partition `name` is, if it is one declared here."""
+        for queue, count in self.partitions.items():
+            if name in (partition_queue(queue, index) for index in range(count)):
+                return queue
+        return None
 
     async def restore(self) -> None:
         """Declare everything remembered again (after a reconnect); log what fails."""
