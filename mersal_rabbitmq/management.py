@@ -99,6 +99,21 @@ class Management:
 
         ManagementUnavailable if the API could not be asked.
         """
+        return sorted((str(row["source"]), _routing_key(row)) for row in await self._bound(queue))
+
+    async def plain_bindings(self, queue: str) -> list[tuple[str, str]]:
+        """Those of `bindings` that have no arguments (only such a binding is unbound by its key).
+
+        ManagementUnavailable if the API could not be asked.
+        """
+        return sorted(
+            (str(row["source"]), _routing_key(row))
+            for row in await self._bound(queue)
+            if not row.get("arguments")
+        )
+
+    async def _bound(self, queue: str) -> list[dict[str, Any]]:
+        """The API's rows for the bindings of `queue` from a named exchange."""
         path = f"/api/queues/{quote(self.vhost, safe='')}/{quote(queue, safe='')}/bindings"
         try:
             async with asyncio.timeout(DEADLINE):
@@ -113,11 +128,11 @@ class Management:
                 f"the RabbitMQ management API at {self.base} answered what is not a list of "
                 f"bindings for queue {queue!r}"
             )
-        return sorted(
-            (str(row["source"]), str(row.get("routing_key", "")))
+        return [
+            row
             for row in rows
             if isinstance(row, dict) and isinstance(row.get("source"), str) and row["source"]
-        )
+        ]
 
     async def queue(self, name: str) -> dict[str, Any] | None:
         """What the API says about queue `name` (type, arguments, effective policy); None if absent.
@@ -171,6 +186,10 @@ class Management:
 
 DEFAULT_DELIVERY_LIMIT = 20
 """The delivery limit RabbitMQ 4.0 and later give a quorum queue that sets none (3.x: none)."""
+
+
+def _routing_key(row: Mapping[str, Any]) -> str:
+    return str(row.get("routing_key", ""))
 
 
 def delivery_limit(info: Mapping[str, Any], version: str) -> int | None:

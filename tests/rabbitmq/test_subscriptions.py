@@ -82,6 +82,28 @@ async def test_a_start_unbinds_the_events_its_release_no_longer_subscribes_to(
     await queue.unbind(audit, CANCELLED)
 
 
+async def test_a_start_leaves_events_bindings_that_mersal_does_not_make(
+    url: str, broker: Broker, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = f"{prefix}.shipping"
+    async with release(name, url, broker, Shipped):
+        pass
+    events = await broker.channel.get_exchange(EVENTS)
+    queue = await broker.channel.get_queue(name, ensure=False)
+    await queue.bind(events, "audit.#")  # the user's own, with a wildcard
+    await queue.bind(events, CANCELLED, arguments={"x-note": "kept by ops"})
+    caplog.set_level(logging.INFO, logger="mersal.rabbitmq")
+
+    async with release(name, url, broker, Shipped):
+        pass
+
+    bound = await Management.of(url).bindings(name)
+    assert (EVENTS, "audit.#") in bound and (EVENTS, CANCELLED) in bound
+    assert not [r for r in caplog.records if "unbound" in r.message]
+    await queue.unbind(events, "audit.#")
+    await queue.unbind(events, CANCELLED, arguments={"x-note": "kept by ops"})
+
+
 async def test_without_the_management_api_a_start_says_how_to_remove_old_bindings(
     url: str,
     broker: Broker,
