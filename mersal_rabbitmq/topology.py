@@ -50,7 +50,7 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel
 
-from mersal.errors import ConfigurationError, MersalError, Unroutable
+from mersal.errors import ConfigurationError, MersalError, Unreachable, Unroutable
 from mersal.transport import mask, partition_queue
 from mersal.transport.status import QueueStatus
 from mersal_rabbitmq.connection import Connection, closed_under, why
@@ -205,7 +205,7 @@ class Topology:
     async def start(self) -> None:
         """Declare the topic exchange; from now on, everything again after each reconnect."""
         self._connection.register("declaring the topology", self.restore)
-        await self.declare_exchange()
+        await self.through_reconnects(f"declare exchange {EVENTS!r}", self.declare_exchange)
 
     async def declare_exchange(self) -> None:
         """Declare the durable topic exchange that publishes go through."""
@@ -226,7 +226,7 @@ class Topology:
             async with self._lock:
                 await self._declare(name, shape)
 
-        await self._through_reconnects(f"declare queue {name!r}", declaring)
+        await self.through_reconnects(f"declare queue {name!r}", declaring)
         self.queues[name] = shape
 
     async def declare_error_queue(self, name: str) -> str:
@@ -272,7 +272,7 @@ class Topology:
             async with self._lock:
                 await self._bind(queue, topic)
 
-        await self._through_reconnects(f"bind queue {queue!r} to {topic!r}", binding)
+        await self.through_reconnects(f"bind queue {queue!r} to {topic!r}", binding)
         self.bindings.setdefault(queue, set()).add(topic)
 
     async def unbind(self, queue: str, topic: str) -> None:
@@ -284,12 +284,12 @@ class Topology:
                 amqp_queue = await (await self._ready_channel()).get_queue(queue, ensure=False)
                 await amqp_queue.unbind(EVENTS, topic)
 
-        await self._through_reconnects(f"unbind queue {queue!r} from {topic!r}", unbinding)
+        await self.through_reconnects(f"unbind queue {queue!r} from {topic!r}", unbinding)
 
     async def partition(self, queue: str, count: int) -> list[str]:
         """Split keyed sends to `queue` over `count` partitions; the partitions' names."""
         partitioning = partial(self._locked_partition, queue, count)
-        await self._through_reconnects(f"partition queue {queue!r}", partitioning)
+        await self.through_reconnects(f"partition queue {queue!r}", partitioning)
         self.partitions[queue] = count
         return [partition_queue(queue, index) for index in range(count)]
 
@@ -303,9 +303,15 @@ class Topology:
         loop = asyncio.get_running_loop()
         known = self._partitioned.get(queue)
         if known is None or (not known[0] and loop.time() - known[1] > PARTITIONED_RECHECK):
-            async with self._lock:
-                exists = await self._exchange_exists(partition_exchange(queue))
-                migrating = await self._exchange_exists(migrating_exchange(queue))
+            exists = migrating = False
+
+            async def looking() -> None:
+                nonlocal exists, migrating
+                async with self._lock:
+                    exists = await self._exchange_exists(partition_exchange(queue))
+                    migrating = await self._exchange_exists(migrating_exchange(queue))
+
+            await self.through_reconnects(f"look for the partitions of {queue!r}", looking)
             if migrating:  # looked up after the exchange: a missing one may be migrating
                 self._partitioned.pop(queue, None)
                 raise PartitionsMigrating(queue)
@@ -426,12 +432,12 @@ class Topology:
             return False
         return True
 
-    async def _through_reconnects(
+    async def through_reconnects(
         self, what: str, declaration: Callable[[], Awaitable[None]]
     ) -> None:
         """Run a declaration; if the connection closes under it, again once reconnected.
 
-        Declarations are idempotent. Up to RECONNECT_WAIT seconds; then a MersalError.
+        Declarations are idempotent. Up to RECONNECT_WAIT seconds; then `Unreachable`.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RECONNECT_WAIT
@@ -441,7 +447,7 @@ class Topology:
                     await declaration()
                 return
             except TimeoutError as error:
-                raise MersalError(
+                raise Unreachable(
                     f"could not {what}: the connection to RabbitMQ did not come back within "
                     f"{RECONNECT_WAIT:g}s; is RabbitMQ at {mask(self._connection.address)} up?"
                 ) from error
@@ -451,7 +457,8 @@ class Topology:
                 raise
             except BaseException as error:  # what aiormq raises for a close, or not ours
                 channel = self._channel
-                if closed_under(error, channel is None or channel.is_closed, what) is None:
+                closed = channel is None or channel.is_closed or not self._connection.connected
+                if closed_under(error, closed, what) is None:
                     raise
                 failure = error
             log.info("could not %s (%s); again once reconnected", what, why(failure))

@@ -571,6 +571,22 @@ async def test_a_declaration_while_the_connection_is_lost_waits_for_the_reconnec
     assert received == ["m-0", "m-1", "m-2"]
 
 
+async def test_consuming_while_the_connection_is_lost_waits_for_the_reconnect(
+    make_transport: Make, prefix: str, vhost: str
+) -> None:
+    """Not aiormq's AMQPConnectionError: app.start looks for partitions and consumes through."""
+    queues = [f"{prefix}.in-{n}" for n in range(3)]
+    transport = await started(make_transport, *queues)
+    for queue in queues:
+        rabbitmqctl("close_all_connections", "-p", vhost, "test")  # the close waits unread
+        consumer = await transport.consume(queue, prefetch=1)
+        await transport.send([Outgoing(queue, envelope(f"m-{queue}"))])
+        delivery = await asyncio.wait_for(consumer.get(), 10)
+        assert delivery.envelope.message_id == f"m-{queue}"
+        await delivery.ack()
+        await consumer.close()
+
+
 async def test_a_send_right_after_the_broker_closed_the_connection_waits_for_it(
     make_transport: Make, broker: Broker, prefix: str, vhost: str
 ) -> None:
