@@ -238,7 +238,31 @@ class Publishing:
         return [_result(result) for result in results]
 
     async def _send_alone(self, outgoing: Outgoing, deadline: float) -> Exception | None:
-        """Publish one message on a channel of its own: the broker's refusal is then its own."""
+        """Publish one message on a channel of its own: the broker's refusal is then its own.
+
+        An event refused because the events exchange is gone (deleted) is published again
+        once the exchange and this transport's bindings are declared again.
+        """
+        result = await self._send_alone_once(outgoing, deadline)
+        if not (outgoing.publish and missing_exchange(result, EVENTS)):
+            return result
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._topology.restore_events()
+        except (TimeoutError, MersalError) as error:
+            return OutcomeUnknown(
+                f"exchange {EVENTS!r} is gone and declaring it again failed ({why(error)}): "
+                "send it again"
+            )
+        log.warning(
+            "exchange %r was gone (deleted?): declared it again, with this app's bindings; the "
+            "queues of other apps lost their bindings to it, and the events they subscribe to "
+            "reach them again once they restart or reconnect",
+            EVENTS,
+        )
+        return await self._send_alone_once(outgoing, deadline)
+
+    async def _send_alone_once(self, outgoing: Outgoing, deadline: float) -> Exception | None:
         try:
             async with asyncio.timeout_at(deadline):
                 publisher = await _until_connected(self._open_publisher)
@@ -255,6 +279,8 @@ class Publishing:
                     f"the exchange of the partitions of {outgoing.address!r} is gone (deleted, "
                     "or being made again): send it again"
                 )
+            if outgoing.publish and missing_exchange(error, EVENTS):
+                return error
             return refusal(outgoing, error)
         except MersalError as error:
             return error
@@ -381,6 +407,14 @@ def refusal(outgoing: Outgoing, error: OutcomeUnknown) -> Exception:
         f"RabbitMQ refused {describe(outgoing.envelope.headers)} to "
         f"{outgoing.address!r} and closed the channel: {error.__cause__}"
     )
+
+
+def missing_exchange(result: BaseException | None, exchange: str) -> bool:
+    """Whether a publish failed because the broker has no exchange named `exchange`."""
+    cause = result.__cause__ if isinstance(result, OutcomeUnknown) else None
+    return isinstance(
+        cause, aiormq.exceptions.ChannelNotFoundEntity
+    ) and f"exchange '{exchange}'" in str(cause)
 
 
 def refused_by_broker(result: BaseException | None) -> bool:

@@ -219,6 +219,13 @@ class Topology:
                     "delete it so that it is declared again as a durable topic exchange"
                 ) from None
 
+    async def restore_events(self) -> None:
+        """Declare the events exchange again, and the bindings to it made here (it was deleted)."""
+        await self.through_reconnects(f"declare exchange {EVENTS!r}", self.declare_exchange)
+        for queue, topics in list(self.bindings.items()):
+            for topic in sorted(topics):
+                await self.bind(queue, topic)
+
     async def declare(self, name: str, shape: QueueShape) -> None:
         """Declare a queue and remember it (again, if the connection was lost meanwhile)."""
 
