@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -67,6 +68,8 @@ LOST = (ConnectionError, aiormq.exceptions.ChannelInvalidStateError)
 RECONNECT_WAIT = 10.0
 """Seconds a declaration waits for a lost connection to come back."""
 RETRY_PAUSE = 0.2
+MATCH_ROUNDS = 20
+"""Arguments of an existing queue taken over, one a declaration, to tell its type."""
 PARTITIONED_RECHECK = 30.0
 """Seconds after which a sender looks again whether a queue it found unpartitioned is now."""
 
@@ -260,17 +263,27 @@ class Topology:
         """Whether the durable queue `name` is of `queue_type`; None if there is none.
 
         It declares the queue as it would be of that type: an equal declaration changes nothing.
+        RabbitMQ names one inequivalent argument at a time, so each other argument it names
+        (`x-max-length`, `x-queue-mode`, ...) is taken as the queue has it, and the queue is
+        declared again: only a different `x-queue-type` makes it another type.
         """
         async with self._lock:
             if not await self._exists(name):
                 return None
-            channel = await self._ready_channel()
-            try:
-                arguments: dict[str, Any] = {"x-queue-type": queue_type}
-                await channel.declare_queue(name, durable=True, arguments=arguments)
-            except aiormq.exceptions.ChannelPreconditionFailed:
-                return False
-            return True
+            arguments: dict[str, Any] = {"x-queue-type": queue_type}
+            for _ in range(MATCH_ROUNDS):
+                channel = await self._ready_channel()
+                try:
+                    await channel.declare_queue(name, durable=True, arguments=arguments)
+                except aiormq.exceptions.ChannelPreconditionFailed as error:
+                    found = inequivalent(error)
+                    if found is None or found[0] == "x-queue-type" or found[0] in arguments:
+                        return False
+                    argument, value = found
+                    arguments[argument] = value
+                    continue
+                return True
+            return False
 
     async def bind(self, queue: str, topic: str) -> None:
         """Bind a queue to the topic exchange and remember it (again, as `declare`)."""
@@ -654,6 +667,28 @@ def quorum_refused(name: str, error: BaseException) -> ConfigurationError | None
         "enable_feature_flag all); or use classic queues: RabbitMQTransport(url, "
         "queue_type='classic') or ?queue_type=classic in the transport URL"
     )
+
+
+_INEQUIVALENT = re.compile(
+    r"inequivalent arg '(?P<name>x-[^']+)' for queue .*: received .* but current is "
+    r"the value '(?P<value>.*)' of type '(?P<type>\w+)'$"
+)
+_INTEGERS = ("byte", "short", "signedint", "long", "unsignedbyte", "unsignedshort", "unsignedint")
+
+
+def inequivalent(error: BaseException) -> tuple[str, Any] | None:
+    """The argument a 406 says the queue has otherwise, and its value there; None if unread."""
+    match = _INEQUIVALENT.search(str(error))
+    if match is None:
+        return None
+    kind, value = match["type"], match["value"]
+    if kind == "longstr":
+        return match["name"], value
+    if kind == "bool" and value in ("true", "false"):
+        return match["name"], value == "true"
+    if kind in _INTEGERS and value.lstrip("-").isdigit():
+        return match["name"], int(value)
+    return None
 
 
 def _type_of(shape: QueueShape) -> str:
