@@ -207,7 +207,7 @@ class RabbitMQTransport:
         consuming it says so.
         """
         self._link.require()
-        api = Management.of(self.address, management)
+        api = self.management_api(management)
         try:
             info = await api.queue(queue)
         except ManagementUnavailable as error:
@@ -257,7 +257,7 @@ class RabbitMQTransport:
         word), without arguments. Others (partitions, the user's own) are left alone.
         """
         self._link.require()
-        api = Management.of(self.address)
+        api = self.management_api()
         try:
             async with asyncio.timeout(PRUNE_WAIT):
                 bound = await api.plain_bindings(queue)
@@ -303,6 +303,11 @@ class RabbitMQTransport:
                 )
         return await self._consumers.consume(queue, prefetch, self.resubscribe_delays)
 
+    def management_api(self, management: str | None = None) -> Management:
+        """The management API: `management`, or that of the node connected to (then the others)."""
+        node = self._link.nodes[self._link.index] if self._link.connected else None
+        return Management.of(self.address, management, node=node)
+
     # Parts for callers that work below the Transport protocol.
 
     def forget(self, consumer: RabbitMQConsumer) -> None:
@@ -337,7 +342,7 @@ class RabbitMQTransport:
         API (`management`, default http://<host>:15672) for unacked ones, None when it does not
         answer. A transport never started looks over a connection of its own.
         """
-        api = Management.of(self.address, management)
+        api = self.management_api(management)
         async with self._looking() as topology:
             view = await api.look(names, waits_of)
             waits = _wait_queues(waits_of, delays, view.waits, set(names))
