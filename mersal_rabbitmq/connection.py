@@ -45,6 +45,9 @@ RECONNECT_INTERVAL = 1.0
 unless the URL's `reconnect_interval` says otherwise; each further such round doubles it."""
 MAX_PAUSE = 30.0
 """The longest pause between two rounds of reconnect attempts."""
+MAX_OPTION_SECONDS = 3600.0
+"""The longest `reconnect_interval` a URL may give (longer is a mistake: an app that never
+tries again)."""
 CONNECT_TIMEOUT = 10.0
 """Seconds one attempt to connect to a node may take (a node can take the TCP connection and
 never answer): then the next node is tried."""
@@ -341,13 +344,28 @@ def nodes_of(address: str) -> list[str]:
             f"transport {mask(address)!r} names no broker: use amqp://user:password@host/vhost, "
             "or several such URLs separated by ';' for a cluster"
         )
-    queries = {urlsplit(node).query for node in nodes}
-    if len(queries) > 1:
+    queries = {urlsplit(node).query: _options(node) for node in nodes}
+    if len(set(queries.values())) > 1:
         raise ConfigurationError(
             f"the URLs of {mask(address)!r} carry different query options "
             f"({' / '.join(sorted(queries))}): give every node the same ones"
         )
     return nodes
+
+
+def _options(node: str) -> tuple[tuple[str, str], ...]:
+    """A URL's query options as they are read: in any order, numbers by their value."""
+    query = parse_qsl(urlsplit(node).query, keep_blank_values=True)
+    return tuple(sorted((key, str(_value(value))) for key, value in query))
+
+
+def _value(value: str) -> object:
+    """A number as its value (2 and 2.0 are one), other text as it is."""
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return number if number == number else value
 
 
 def take_option(address: str, name: str) -> tuple[str, str | None]:
@@ -356,23 +374,23 @@ def take_option(address: str, name: str) -> tuple[str, str | None]:
     Every node must give the same value, or none.
     """
     node_urls(address)
-    values: dict[str | None, None] = {}
+    values: dict[object, str | None] = {}  # each value as read: as written the first time
     nodes = []
     for node in split_urls(address):
         parts = urlsplit(node)
         query = parse_qsl(parts.query, keep_blank_values=True)
         value = next((v for k, v in query if k == name), None)
         if node.strip():
-            values[value] = None
+            values.setdefault(None if value is None else _value(value), value)
         kept = urlencode([(key, v) for key, v in query if key != name])
         nodes.append(node if value is None else parts._replace(query=kept).geturl())
     if len(values) > 1:
-        given = " / ".join("none" if value is None else repr(value) for value in values)
+        given = " / ".join("none" if value is None else repr(value) for value in values.values())
         raise ConfigurationError(
             f"the URLs of transport {mask(address)!r} give different {name} options ({given}): "
             f"give every node the same ?{name}=..., or leave it out of every URL"
         )
-    return ";".join(nodes), next(iter(values), None)
+    return ";".join(nodes), next(iter(values.values()), None)
 
 
 async def _connect(url: Any) -> AbstractConnection:
@@ -397,15 +415,15 @@ async def _close_lost(connection: AbstractConnection | None) -> None:
 
 
 def _seconds(value: str, name: str) -> float:
-    """A URL option's number of seconds."""
+    """A URL option's number of seconds: more than 0, at most MAX_OPTION_SECONDS."""
     try:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
+    if not 0 < seconds <= MAX_OPTION_SECONDS:
         raise ConfigurationError(
-            f"{name}={value!r} in the transport URL is not a number of seconds: "
-            f"write {name}=1 (or any positive number)"
+            f"{name}={value!r} in the transport URL is not a number of seconds from 0 to "
+            f"{MAX_OPTION_SECONDS:g}: write {name}=1 (or any such number)"
         )
     return seconds
 

@@ -396,24 +396,33 @@ class Consumers:
     async def consume(
         self, queue: str, prefetch: int, delays: Sequence[float] = RESUBSCRIBE_DELAYS
     ) -> RabbitMQConsumer:
-        """A started consumer of an existing `queue` (and its partitions), `prefetch` each."""
+        """A started consumer of an existing `queue` (and its partitions), `prefetch` each.
+
+        A connection lost meanwhile is waited for, as a declaration waits for it.
+        """
         count = self._topology.partitions.get(queue, 0)
-        consumer = RabbitMQConsumer(
-            self,
-            queue,
-            prefetch,
-            ack_mode=self._ack_mode,
-            delays=delays,
-            partitions=[partition_queue(queue, index) for index in range(count)],
-        )
-        try:
-            await consumer.start()
-        except aiormq.exceptions.ChannelNotFoundEntity:
-            raise Unroutable(
-                f"no queue named {queue!r} to consume from: declare it first"
-            ) from None
-        self._live.add(consumer)
-        return consumer
+        started: list[RabbitMQConsumer] = []
+
+        async def starting() -> None:
+            consumer = RabbitMQConsumer(
+                self,
+                queue,
+                prefetch,
+                ack_mode=self._ack_mode,
+                delays=delays,
+                partitions=[partition_queue(queue, index) for index in range(count)],
+            )
+            try:
+                await consumer.start()  # closes what it opened if it fails
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                raise Unroutable(
+                    f"no queue named {queue!r} to consume from: declare it first"
+                ) from None
+            started.append(consumer)
+
+        await self._topology.through_reconnects(f"consume {queue!r}", starting)
+        self._live.add(started[0])
+        return started[0]
 
     async def abandon(self) -> None:
         """Stop every consumer at once (the connection is about to close)."""

@@ -11,7 +11,7 @@ import base64
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.error import HTTPError, URLError
 from urllib.parse import quote, unquote, urlencode, urlsplit
@@ -39,23 +39,30 @@ class Management:
     vhost: str
     user: str
     password: str = field(repr=False)
+    others: tuple[str, ...] = ()
+    """The base URLs asked, in order, when `base` does not answer (the other nodes')."""
 
     @classmethod
-    def of(cls, amqp_url: str, management: str | None = None) -> Management:
-        """The API of the broker at `amqp_url` (the first of a `;` list), or at `management`.
+    def of(
+        cls, amqp_url: str, management: str | None = None, *, node: str | None = None
+    ) -> Management:
+        """The API of the broker at `amqp_url`, or at `management`.
 
-        `management` may carry a user and password; the AMQP URL's are used otherwise.
+        Of a `;` list of nodes: the API of `node` (the one connected to) if given, else of the
+        first; the others' when it does not answer. `management` may carry a user and
+        password; the AMQP URL's are used otherwise.
         """
-        amqp = urlsplit(split_urls(amqp_url)[0].strip())
+        nodes = [url.strip() for url in split_urls(amqp_url) if url.strip()] or [amqp_url]
+        if node is not None and node in nodes:
+            nodes.remove(node)
+            nodes.insert(0, node)
+        amqp = urlsplit(nodes[0])
         vhost = unquote(amqp.path[1:]) if len(amqp.path) > 1 else "/"
         user = unquote(amqp.username or "guest")
         password = unquote(amqp.password or "guest")
         if management is None:
-            secure = amqp.scheme.lower() == "amqps"
-            port = TLS_PORT if secure else PORT
-            host = amqp.hostname or "localhost"
-            host = f"[{host}]" if ":" in host else host  # an IPv6 address
-            return cls(f"{'https' if secure else 'http'}://{host}:{port}", vhost, user, password)
+            bases = list(dict.fromkeys(_api_base(url) for url in nodes))
+            return cls(bases[0], vhost, user, password, tuple(bases[1:]))
         given = urlsplit(management if "://" in management else f"http://{management}")
         if given.username:
             user, password = unquote(given.username), unquote(given.password or "")
@@ -99,6 +106,21 @@ class Management:
 
         ManagementUnavailable if the API could not be asked.
         """
+        return sorted((str(row["source"]), _routing_key(row)) for row in await self._bound(queue))
+
+    async def plain_bindings(self, queue: str) -> list[tuple[str, str]]:
+        """Those of `bindings` that have no arguments (only such a binding is unbound by its key).
+
+        ManagementUnavailable if the API could not be asked.
+        """
+        return sorted(
+            (str(row["source"]), _routing_key(row))
+            for row in await self._bound(queue)
+            if not row.get("arguments")
+        )
+
+    async def _bound(self, queue: str) -> list[dict[str, Any]]:
+        """The API's rows for the bindings of `queue` from a named exchange."""
         path = f"/api/queues/{quote(self.vhost, safe='')}/{quote(queue, safe='')}/bindings"
         try:
             async with asyncio.timeout(DEADLINE):
@@ -113,11 +135,11 @@ class Management:
                 f"the RabbitMQ management API at {self.base} answered what is not a list of "
                 f"bindings for queue {queue!r}"
             )
-        return sorted(
-            (str(row["source"]), str(row.get("routing_key", "")))
+        return [
+            row
             for row in rows
             if isinstance(row, dict) and isinstance(row.get("source"), str) and row["source"]
-        )
+        ]
 
     async def queue(self, name: str) -> dict[str, Any] | None:
         """What the API says about queue `name` (type, arguments, effective policy); None if absent.
@@ -143,8 +165,18 @@ class Management:
     def get(self, path: str, query: dict[str, str], missing_ok: bool = False) -> Any:
         """GET `path` (blocking): the JSON answer, or ManagementUnavailable saying why not.
 
-        With `missing_ok`, None for a 404 (what `path` names does not exist).
+        With `missing_ok`, None for a 404 (what `path` names does not exist). A base that does
+        not answer at all is passed over for the next of `others`.
         """
+        try:
+            return self._get(path, query, missing_ok)
+        except _NoAnswer as error:
+            if not self.others:
+                raise ManagementUnavailable(str(error)) from None
+        following = replace(self, base=self.others[0], others=self.others[1:])
+        return following.get(path, query, missing_ok)
+
+    def _get(self, path: str, query: dict[str, str], missing_ok: bool) -> Any:
         request = Request(f"{self.base}{path}?{urlencode(query)}".rstrip("?"))
         credentials = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
         request.add_header("Authorization", f"Basic {credentials}")
@@ -164,13 +196,30 @@ class Management:
             ) from None
         except (URLError, OSError, ValueError) as error:
             reason = getattr(error, "reason", error)
-            raise ManagementUnavailable(
+            raise _NoAnswer(
                 f"the RabbitMQ management API did not answer at {self.base} ({reason}): {ENABLE}"
             ) from None
 
 
+class _NoAnswer(Exception):
+    """The API did not answer at one base URL."""
+
+
+def _api_base(amqp_url: str) -> str:
+    """The management API's base URL on the host of an AMQP URL."""
+    amqp = urlsplit(amqp_url)
+    secure = amqp.scheme.lower() == "amqps"
+    host = amqp.hostname or "localhost"
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address
+    return f"{'https' if secure else 'http'}://{host}:{TLS_PORT if secure else PORT}"
+
+
 DEFAULT_DELIVERY_LIMIT = 20
 """The delivery limit RabbitMQ 4.0 and later give a quorum queue that sets none (3.x: none)."""
+
+
+def _routing_key(row: Mapping[str, Any]) -> str:
+    return str(row.get("routing_key", ""))
 
 
 def delivery_limit(info: Mapping[str, Any], version: str) -> int | None:

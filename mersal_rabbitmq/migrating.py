@@ -135,7 +135,7 @@ async def migrate_all(
     """Migrate the app's queues and `queues` to `target`; 0 when every one is of that type."""
     await transport.start()
     try:
-        api = Management.of(transport.address, management)
+        api = transport.management_api(management)
         names = [*_queues_of(app), *await _with_waits(api, queues)]
         await _refuse_consumed(transport, names)
         paused = await _pause_partitions(transport, names, target)

@@ -25,13 +25,13 @@ APPLIED = "mersal_patched"
 OWN = contextvars.ContextVar("mersal_rabbitmq_own_connection", default=False)
 """True in the tasks of Mersal's connections (their attempts and readers), else False."""
 CLIENT_LOG = "aiormq.connection"
-"""aiormq's logger, which says ERROR for every failed TCP connect."""
+"""aiormq's logger, which says ERROR for every failed TCP connect and every broker's close."""
 
 
 def own_context() -> contextvars.Context:
     """A context to open one of Mersal's connections in; installs the workarounds (once)."""
     tolerate_text_that_is_not_utf8()
-    keep_failed_connects_to_mersals_line()
+    keep_lost_connections_to_mersals_line()
     context = contextvars.copy_context()
     context.run(OWN.set, True)
     return context
@@ -88,23 +88,38 @@ def lenient_table(value: bytes) -> tuple[int, dict[str, Any]]:
     return end, table
 
 
-def keep_failed_connects_to_mersals_line() -> None:
-    """Drop aiormq's ERROR line for each failed TCP connect of Mersal's connections.
+def keep_lost_connections_to_mersals_line() -> None:
+    """Drop aiormq's lines for a failed connect or a lost connection of Mersal's connections.
 
-    The connection logs one line per round of attempts, naming each node's reason; aiormq's
-    line for every attempt (one a second, with every node down) says nothing more. Other code's
-    connections keep it.
+    The connection logs one WARNING per lost connection (with the broker's reason) and one
+    line per round of reconnect attempts, naming each node's reason; aiormq's ERROR for every
+    failed attempt (one a second, with every node down), its ERROR for the broker's close and
+    its WARNING with a traceback for the socket's end say nothing more. A reader that ended on
+    anything but a lost connection (a malformed frame) keeps its line, and so do other code's
+    connections.
     """
     client = logging.getLogger(CLIENT_LOG)
-    if not any(isinstance(each, _OwnFailedConnects) for each in client.filters):
-        client.addFilter(_OwnFailedConnects())
+    if not any(isinstance(each, _OwnConnectionNoise) for each in client.filters):
+        client.addFilter(_OwnConnectionNoise())
 
 
-class _OwnFailedConnects(logging.Filter):
-    """Lets through every record but aiormq's failed connect in Mersal's context."""
+NOISE = ("error when creating transport", "Unexpected connection close from remote")
+"""How the lines of aiormq that Mersal's own say again begin."""
+READER_ENDED = "Cancelling cause reader exited abnormally"
+
+
+class _OwnConnectionNoise(logging.Filter):
+    """Lets through every record but aiormq's connect and close lines in Mersal's context."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (OWN.get() and str(record.msg).startswith("error when creating transport"))
+        if not OWN.get():
+            return True
+        text = str(record.msg)
+        if text.startswith(NOISE):
+            return False
+        if text.startswith(READER_ENDED) and record.exc_info:
+            return not isinstance(record.exc_info[1], ConnectionError)
+        return True
 
 
 async def guard(channel: AbstractChannel) -> None:

@@ -238,7 +238,31 @@ class Publishing:
         return [_result(result) for result in results]
 
     async def _send_alone(self, outgoing: Outgoing, deadline: float) -> Exception | None:
-        """Publish one message on a channel of its own: the broker's refusal is then its own."""
+        """Publish one message on a channel of its own: the broker's refusal is then its own.
+
+        An event refused because the events exchange is gone (deleted) is published again
+        once the exchange and this transport's bindings are declared again.
+        """
+        result = await self._send_alone_once(outgoing, deadline)
+        if not (outgoing.publish and missing_exchange(result, EVENTS)):
+            return result
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._topology.restore_events()
+        except (TimeoutError, MersalError) as error:
+            return OutcomeUnknown(
+                f"exchange {EVENTS!r} is gone and declaring it again failed ({why(error)}): "
+                "send it again"
+            )
+        log.warning(
+            "exchange %r was gone (deleted?): declared it again, with this app's bindings; the "
+            "queues of other apps lost their bindings to it, and the events they subscribe to "
+            "reach them again once they restart or reconnect",
+            EVENTS,
+        )
+        return await self._send_alone_once(outgoing, deadline)
+
+    async def _send_alone_once(self, outgoing: Outgoing, deadline: float) -> Exception | None:
         try:
             async with asyncio.timeout_at(deadline):
                 publisher = await _until_connected(self._open_publisher)
@@ -250,11 +274,13 @@ class Publishing:
             await self._publish(publisher, outgoing, deadline)
         except OutcomeUnknown as error:
             gone = isinstance(error.__cause__, aiormq.exceptions.ChannelNotFoundEntity)
-            if gone and self._topology.forget_partitions(outgoing.address):
+            if gone and _keyed(outgoing) and self._topology.forget_partitions(outgoing.address):
                 return OutcomeUnknown(
-                    f"the partitions of {outgoing.address!r} are gone (their exchange was "
-                    "deleted): send it again, to the queue itself"
+                    f"the exchange of the partitions of {outgoing.address!r} is gone (deleted, "
+                    "or being made again): send it again"
                 )
+            if outgoing.publish and missing_exchange(error, EVENTS):
+                return error
             return refusal(outgoing, error)
         except MersalError as error:
             return error
@@ -299,6 +325,12 @@ class Publishing:
         elif outgoing.publish:  # an event nobody subscribes to is fine: say so, once
             self._nobody_subscribes(outgoing.address)
             return
+        elif exchange != "":  # a partitions' exchange without partitions: being made again
+            self._topology.forget_partitions(outgoing.address)
+            raise OutcomeUnknown(
+                f"no partition of {outgoing.address!r} took {_what(outgoing)} (their exchange "
+                "is being made again?): send it again"
+            )
         raise Unroutable(
             f"no queue named {outgoing.address!r}: start the app that owns it, or check the route"
         )
@@ -377,6 +409,14 @@ def refusal(outgoing: Outgoing, error: OutcomeUnknown) -> Exception:
     )
 
 
+def missing_exchange(result: BaseException | None, exchange: str) -> bool:
+    """Whether a publish failed because the broker has no exchange named `exchange`."""
+    cause = result.__cause__ if isinstance(result, OutcomeUnknown) else None
+    return isinstance(
+        cause, aiormq.exceptions.ChannelNotFoundEntity
+    ) and f"exchange '{exchange}'" in str(cause)
+
+
 def refused_by_broker(result: BaseException | None) -> bool:
     """Whether a publish failed because the broker closed its channel in answer to a refusal."""
     return isinstance(result, OutcomeUnknown) and isinstance(result.__cause__, BROKER_REFUSALS)
@@ -395,6 +435,11 @@ async def _until_connected(opening: Callable[[], Awaitable[Publisher]]) -> Publi
         except CHANNEL_ERRORS as error:
             log.debug("no publishing channel yet (%s)", why(error))
             await asyncio.sleep(0.1)
+
+
+def _keyed(outgoing: Outgoing) -> bool:
+    """Whether `outgoing` went through a partitions' exchange, if its queue has one."""
+    return outgoing.envelope.partition_key is not None and not outgoing.publish
 
 
 def _what(outgoing: Outgoing) -> str:

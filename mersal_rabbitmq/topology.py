@@ -23,7 +23,13 @@ one partition, so that one consumer at a time, whichever instance it is in, take
 order. A sender learns that a queue is partitioned by looking for its exchange (again after
 PARTITIONED_RECHECK seconds while it is not, and after the exchange was deleted); while
 `mersal queues migrate` moves partitions, its exchange `<queue>.partitions.migrating` exists
-and a keyed send fails with `PartitionsMigrating` (the outbox sends it again later).
+and a keyed send fails with `PartitionsMigrating` (the outbox sends it again later). The ring
+numbers partitions in the order they were bound, and a deleted queue's binding renumbers the
+rest: a partition declared again (deleted while the app runs, or found missing at start) would
+be bound last and move keys for good, so the exchange is made again with every partition bound
+in order, behind the same marker, by one instance at a time (it holds the exclusive queue
+`<queue>.partitions.lock`); keyed sends of this process wait meanwhile, and a keyed send that
+meets the exchange missing or without partitions fails with `OutcomeUnknown`, to be sent again.
 
 Everything is declared on one channel, replaced when an error closed it (RabbitMQ closes it on
 a 406), and remembered: the topology registers with the connection and declares it all again
@@ -35,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -44,7 +51,7 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel
 
-from mersal.errors import ConfigurationError, MersalError, Unroutable
+from mersal.errors import ConfigurationError, MersalError, Unreachable, Unroutable
 from mersal.transport import mask, partition_queue
 from mersal.transport.status import QueueStatus
 from mersal_rabbitmq.connection import Connection, closed_under, why
@@ -61,6 +68,8 @@ LOST = (ConnectionError, aiormq.exceptions.ChannelInvalidStateError)
 RECONNECT_WAIT = 10.0
 """Seconds a declaration waits for a lost connection to come back."""
 RETRY_PAUSE = 0.2
+MATCH_ROUNDS = 20
+"""Arguments of an existing queue taken over, one a declaration, to tell its type."""
 PARTITIONED_RECHECK = 30.0
 """Seconds after which a sender looks again whether a queue it found unpartitioned is now."""
 
@@ -95,6 +104,11 @@ def migrating_exchange(queue: str) -> str:
     exchange is back with every partition bound in order.
     """
     return f"{queue}.partitions.migrating"
+
+
+def ring_lock(queue: str) -> str:
+    """The exclusive queue an instance holds while it binds `queue`'s partitions again."""
+    return f"{queue}.partitions.lock"
 
 
 class PartitionsMigrating(MersalError):
@@ -189,11 +203,12 @@ class Topology:
         self.partitions: dict[str, int] = {}
         """The partitioned queues declared here, and how many partitions each has."""
         self._partitioned: dict[str, tuple[bool, float]] = {}  # looked up: whether, and when
+        self._rebuilding: dict[str, asyncio.Event] = {}  # set once the ring is made again
 
     async def start(self) -> None:
         """Declare the topic exchange; from now on, everything again after each reconnect."""
         self._connection.register("declaring the topology", self.restore)
-        await self.declare_exchange()
+        await self.through_reconnects(f"declare exchange {EVENTS!r}", self.declare_exchange)
 
     async def declare_exchange(self) -> None:
         """Declare the durable topic exchange that publishes go through."""
@@ -207,6 +222,13 @@ class Topology:
                     "delete it so that it is declared again as a durable topic exchange"
                 ) from None
 
+    async def restore_events(self) -> None:
+        """Declare the events exchange again, and the bindings to it made here (it was deleted)."""
+        await self.through_reconnects(f"declare exchange {EVENTS!r}", self.declare_exchange)
+        for queue, topics in list(self.bindings.items()):
+            for topic in sorted(topics):
+                await self.bind(queue, topic)
+
     async def declare(self, name: str, shape: QueueShape) -> None:
         """Declare a queue and remember it (again, if the connection was lost meanwhile)."""
 
@@ -214,7 +236,7 @@ class Topology:
             async with self._lock:
                 await self._declare(name, shape)
 
-        await self._through_reconnects(f"declare queue {name!r}", declaring)
+        await self.through_reconnects(f"declare queue {name!r}", declaring)
         self.queues[name] = shape
 
     async def declare_error_queue(self, name: str) -> str:
@@ -241,17 +263,27 @@ class Topology:
         """Whether the durable queue `name` is of `queue_type`; None if there is none.
 
         It declares the queue as it would be of that type: an equal declaration changes nothing.
+        RabbitMQ names one inequivalent argument at a time, so each other argument it names
+        (`x-max-length`, `x-queue-mode`, ...) is taken as the queue has it, and the queue is
+        declared again: only a different `x-queue-type` makes it another type.
         """
         async with self._lock:
             if not await self._exists(name):
                 return None
-            channel = await self._ready_channel()
-            try:
-                arguments: dict[str, Any] = {"x-queue-type": queue_type}
-                await channel.declare_queue(name, durable=True, arguments=arguments)
-            except aiormq.exceptions.ChannelPreconditionFailed:
-                return False
-            return True
+            arguments: dict[str, Any] = {"x-queue-type": queue_type}
+            for _ in range(MATCH_ROUNDS):
+                channel = await self._ready_channel()
+                try:
+                    await channel.declare_queue(name, durable=True, arguments=arguments)
+                except aiormq.exceptions.ChannelPreconditionFailed as error:
+                    found = inequivalent(error)
+                    if found is None or found[0] == "x-queue-type" or found[0] in arguments:
+                        return False
+                    argument, value = found
+                    arguments[argument] = value
+                    continue
+                return True
+            return False
 
     async def bind(self, queue: str, topic: str) -> None:
         """Bind a queue to the topic exchange and remember it (again, as `declare`)."""
@@ -260,7 +292,7 @@ class Topology:
             async with self._lock:
                 await self._bind(queue, topic)
 
-        await self._through_reconnects(f"bind queue {queue!r} to {topic!r}", binding)
+        await self.through_reconnects(f"bind queue {queue!r} to {topic!r}", binding)
         self.bindings.setdefault(queue, set()).add(topic)
 
     async def unbind(self, queue: str, topic: str) -> None:
@@ -272,25 +304,34 @@ class Topology:
                 amqp_queue = await (await self._ready_channel()).get_queue(queue, ensure=False)
                 await amqp_queue.unbind(EVENTS, topic)
 
-        await self._through_reconnects(f"unbind queue {queue!r} from {topic!r}", unbinding)
+        await self.through_reconnects(f"unbind queue {queue!r} from {topic!r}", unbinding)
 
     async def partition(self, queue: str, count: int) -> list[str]:
         """Split keyed sends to `queue` over `count` partitions; the partitions' names."""
         partitioning = partial(self._locked_partition, queue, count)
-        await self._through_reconnects(f"partition queue {queue!r}", partitioning)
+        await self.through_reconnects(f"partition queue {queue!r}", partitioning)
         self.partitions[queue] = count
         return [partition_queue(queue, index) for index in range(count)]
 
     async def partitioned(self, queue: str) -> str | None:
         """The exchange of `queue`'s partitions if it has any, else None (looked up, cached)."""
         if queue in self.partitions:
+            rebuilding = self._rebuilding.get(queue)
+            if rebuilding is not None:
+                await rebuilding.wait()
             return partition_exchange(queue)
         loop = asyncio.get_running_loop()
         known = self._partitioned.get(queue)
         if known is None or (not known[0] and loop.time() - known[1] > PARTITIONED_RECHECK):
-            async with self._lock:
-                exists = await self._exchange_exists(partition_exchange(queue))
-                migrating = await self._exchange_exists(migrating_exchange(queue))
+            exists = migrating = False
+
+            async def looking() -> None:
+                nonlocal exists, migrating
+                async with self._lock:
+                    exists = await self._exchange_exists(partition_exchange(queue))
+                    migrating = await self._exchange_exists(migrating_exchange(queue))
+
+            await self.through_reconnects(f"look for the partitions of {queue!r}", looking)
             if migrating:  # looked up after the exchange: a missing one may be migrating
                 self._partitioned.pop(queue, None)
                 raise PartitionsMigrating(queue)
@@ -298,9 +339,12 @@ class Topology:
         return partition_exchange(queue) if known[0] else None
 
     def forget_partitions(self, queue: str) -> bool:
-        """Look again whether `queue` has partitions; whether it was thought to have them."""
+        """Look again whether `queue` has partitions; whether it was thought to have them.
+
+        Partitions declared here are not forgotten: their exchange is made again here.
+        """
         known = self._partitioned.pop(queue, None)
-        return known is not None and known[0]
+        return queue in self.partitions or (known is not None and known[0])
 
     async def _locked_partition(self, queue: str, count: int) -> None:
         async with self._lock:
@@ -308,12 +352,14 @@ class Topology:
 
     async def _partition(self, queue: str, count: int) -> None:
         exchange = partition_exchange(queue)
-        if await self._exchange_exists(migrating_exchange(queue)):
+        marked = await self._exchange_exists(migrating_exchange(queue))
+        if marked and queue not in self.partitions:
             raise ConfigurationError(
                 f"the partitions of {queue!r} are being migrated ({migrating_exchange(queue)!r} "
                 "exists): let `mersal queues migrate` finish, or run it again if it was "
                 "interrupted, then start the app"
             )
+        existed = await self._exchange_exists(exchange)
         channel = await self._ready_channel()
         try:
             await channel.declare_exchange(exchange, "x-consistent-hash", durable=True)
@@ -327,12 +373,20 @@ class Topology:
                 f"RabbitMQ cannot make exchange {exchange!r} for the partitions of {queue!r} "
                 f"({_reply(error)}): {PLUGIN_HINT}"
             ) from None
+        created: list[int] = []
         for index in range(count):
             name = partition_queue(queue, index)
             shape = partition_shape(self._queue_type)
+            if not await self._exists(name):
+                created.append(index)
             await self._declare(name, shape)
             self.queues[name] = shape
-            await self._bind_partition(name, exchange)
+        if marked or (existed and created and len(created) + created[0] < count):
+            # a partition came back before others, or a rebuild was under way (or cut short)
+            await self._rebuild_ring(queue, count)
+        else:  # in order, as every instance binds: a ring that was made in order stays so
+            for index in range(count):
+                await self._bind_partition(partition_queue(queue, index), exchange)
         extra = partition_queue(queue, count)
         if await self._exists(extra):
             raise ConfigurationError(
@@ -341,6 +395,50 @@ class Topology:
                 "stop every instance, move the messages of the extra partitions into "
                 f"{queue!r} and delete those queues"
             )
+
+    async def _rebuild_ring(self, queue: str, count: int) -> None:
+        """Make the partitions' exchange again with every partition bound in index order.
+
+        RabbitMQ's consistent-hash exchange numbers its ring in the order queues were bound, and
+        a deleted queue's binding renumbers the rest: a partition declared again would be bound
+        last, and keys would move for good. As `mersal queues migrate` does, the marker exchange
+        makes keyed sends wait (here and elsewhere) while the exchange is deleted and made
+        again, bound in order. An exclusive queue lets one instance at a time do it.
+        """
+        done = self._rebuilding[queue] = asyncio.Event()
+        try:
+            await self._take_ring_lock(queue)
+            channel = await self._ready_channel()
+            marker = migrating_exchange(queue)
+            await channel.declare_exchange(marker, aio_pika.ExchangeType.FANOUT, durable=True)
+            await channel.exchange_delete(partition_exchange(queue))
+            await channel.declare_exchange(
+                partition_exchange(queue), "x-consistent-hash", durable=True
+            )
+            for index in range(count):
+                await self._bind_partition(partition_queue(queue, index), partition_exchange(queue))
+            await channel.exchange_delete(marker)
+            await channel.queue_delete(ring_lock(queue))
+            log.warning(
+                "a partition of %r was declared again: made its exchange again with every "
+                "partition bound in order, so that each key keeps its partition",
+                queue,
+            )
+        finally:
+            del self._rebuilding[queue]
+            done.set()
+
+    async def _take_ring_lock(self, queue: str) -> None:
+        """Declare the exclusive queue that one instance at a time holds while it rebuilds."""
+        while True:
+            channel = await self._ready_channel()
+            try:
+                await channel.declare_queue(
+                    ring_lock(queue), exclusive=True, auto_delete=True, durable=False
+                )
+                return
+            except aiormq.exceptions.ChannelLockedResource:  # another instance rebuilds
+                await asyncio.sleep(RETRY_PAUSE)
 
     async def _bind_partition(self, name: str, exchange: str) -> None:
         amqp_queue = await (await self._ready_channel()).get_queue(name, ensure=False)
@@ -354,12 +452,12 @@ class Topology:
             return False
         return True
 
-    async def _through_reconnects(
+    async def through_reconnects(
         self, what: str, declaration: Callable[[], Awaitable[None]]
     ) -> None:
         """Run a declaration; if the connection closes under it, again once reconnected.
 
-        Declarations are idempotent. Up to RECONNECT_WAIT seconds; then a MersalError.
+        Declarations are idempotent. Up to RECONNECT_WAIT seconds; then `Unreachable`.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RECONNECT_WAIT
@@ -369,7 +467,7 @@ class Topology:
                     await declaration()
                 return
             except TimeoutError as error:
-                raise MersalError(
+                raise Unreachable(
                     f"could not {what}: the connection to RabbitMQ did not come back within "
                     f"{RECONNECT_WAIT:g}s; is RabbitMQ at {mask(self._connection.address)} up?"
                 ) from error
@@ -379,7 +477,8 @@ class Topology:
                 raise
             except BaseException as error:  # what aiormq raises for a close, or not ours
                 channel = self._channel
-                if closed_under(error, channel is None or channel.is_closed, what) is None:
+                closed = channel is None or channel.is_closed or not self._connection.connected
+                if closed_under(error, closed, what) is None:
                     raise
                 failure = error
             log.info("could not %s (%s); again once reconnected", what, why(failure))
@@ -425,12 +524,20 @@ class Topology:
         if shape is None:
             return
         async with self._lock:
-            await self._declare(name, shape)
+            base = self._partitioned_by(name)
+            if base is not None and not await self._exists(name):
+                await self._partition(base, self.partitions[base])  # the ring, in order
+            else:
+                await self._declare(name, shape)
             for topic in sorted(self.bindings.get(name, ())):
                 await self._bind(name, topic)
-            for queue, count in self.partitions.items():
-                if name in (partition_queue(queue, index) for index in range(count)):
-                    await self._bind_partition(name, partition_exchange(queue))
+
+    def _partitioned_by(self, name: str) -> str | None:
+        """The queue whose partition `name` is, if it is one declared here."""
+        for queue, count in self.partitions.items():
+            if name in (partition_queue(queue, index) for index in range(count)):
+                return queue
+        return None
 
     async def restore(self) -> None:
         """Declare everything remembered again (after a reconnect); log what fails."""
@@ -560,6 +667,28 @@ def quorum_refused(name: str, error: BaseException) -> ConfigurationError | None
         "enable_feature_flag all); or use classic queues: RabbitMQTransport(url, "
         "queue_type='classic') or ?queue_type=classic in the transport URL"
     )
+
+
+_INEQUIVALENT = re.compile(
+    r"inequivalent arg '(?P<name>x-[^']+)' for queue .*: received .* but current is "
+    r"the value '(?P<value>.*)' of type '(?P<type>\w+)'$"
+)
+_INTEGERS = ("byte", "short", "signedint", "long", "unsignedbyte", "unsignedshort", "unsignedint")
+
+
+def inequivalent(error: BaseException) -> tuple[str, Any] | None:
+    """The argument a 406 says the queue has otherwise, and its value there; None if unread."""
+    match = _INEQUIVALENT.search(str(error))
+    if match is None:
+        return None
+    kind, value = match["type"], match["value"]
+    if kind == "longstr":
+        return match["name"], value
+    if kind == "bool" and value in ("true", "false"):
+        return match["name"], value == "true"
+    if kind in _INTEGERS and value.lstrip("-").isdigit():
+        return match["name"], int(value)
+    return None
 
 
 def _type_of(shape: QueueShape) -> str:

@@ -24,6 +24,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from mersal.dead_letters import LookingWouldLose
 from mersal.errors import ConfigurationError, MersalError
+from mersal.messages import check_type_name
 from mersal.transport import Limits, Outgoing, first_failure, mask
 from mersal.transport.status import WAIT, QueueReport, QueueStatus
 from mersal_rabbitmq.connection import CHANNEL_ERRORS, Connection, take_option, why
@@ -206,7 +207,7 @@ class RabbitMQTransport:
         consuming it says so.
         """
         self._link.require()
-        api = Management.of(self.address, management)
+        api = self.management_api(management)
         try:
             info = await api.queue(queue)
         except ManagementUnavailable as error:
@@ -243,7 +244,7 @@ class RabbitMQTransport:
     async def bind(self, queue: str, topic: str) -> None:
         """Deliver messages published on `topic` to `queue` too."""
         self._link.require()
-        if any(word in ("*", "#") for word in topic.split(".")):
+        if wildcard(topic):
             raise ConfigurationError(f"topic {topic!r} has a wildcard word ('*' or '#')")
         await self._topology.bind(queue, topic)
 
@@ -251,19 +252,20 @@ class RabbitMQTransport:
         """Unbind `queue` from the events exchange's topics not in `topics` (each logged).
 
         A binding from an earlier start outlives a dropped subscription. The management API
-        lists them; when it cannot, a WARNING says what to do. Bindings from other exchanges
-        (partitions, the user's own) are left alone.
+        lists them; when it cannot, a WARNING says what to do. Only a binding that Mersal could
+        have made is removed: from the events exchange, keyed with a type name (no wildcard
+        word), without arguments. Others (partitions, the user's own) are left alone.
         """
         self._link.require()
-        api = Management.of(self.address)
+        api = self.management_api()
         try:
             async with asyncio.timeout(PRUNE_WAIT):
-                bound = await api.bindings(queue)
+                bound = await api.plain_bindings(queue)
         except (ManagementUnavailable, TimeoutError) as error:
             _warn_unpruned(queue, topics, api, str(error) or f"no answer within {PRUNE_WAIT:g}s")
             return
         for exchange, topic in bound:
-            if exchange == EVENTS and topic not in topics:
+            if exchange == EVENTS and topic not in topics and subscribable(topic):
                 await self._topology.unbind(queue, topic)
                 log.info(
                     "unbound queue %r from %s %r: nothing there subscribes to it any more",
@@ -301,6 +303,11 @@ class RabbitMQTransport:
                 )
         return await self._consumers.consume(queue, prefetch, self.resubscribe_delays)
 
+    def management_api(self, management: str | None = None) -> Management:
+        """The management API: `management`, or that of the node connected to (then the others)."""
+        node = self._link.nodes[self._link.index] if self._link.connected else None
+        return Management.of(self.address, management, node=node)
+
     # Parts for callers that work below the Transport protocol.
 
     def forget(self, consumer: RabbitMQConsumer) -> None:
@@ -335,7 +342,7 @@ class RabbitMQTransport:
         API (`management`, default http://<host>:15672) for unacked ones, None when it does not
         answer. A transport never started looks over a connection of its own.
         """
-        api = Management.of(self.address, management)
+        api = self.management_api(management)
         async with self._looking() as topology:
             view = await api.look(names, waits_of)
             waits = _wait_queues(waits_of, delays, view.waits, set(names))
@@ -365,6 +372,20 @@ class RabbitMQTransport:
             yield Topology(link, self.queue_type)
         finally:
             await link.close()
+
+
+def wildcard(topic: str) -> bool:
+    """Whether `topic` has a word that matches others in topic routing ('*' or '#')."""
+    return any(word in ("*", "#") for word in topic.split("."))
+
+
+def subscribable(topic: str) -> bool:
+    """Whether `topic` could be a type name that an app subscribed to (what `bind` binds)."""
+    try:
+        check_type_name(topic)
+    except ConfigurationError:
+        return False
+    return not wildcard(topic)
 
 
 def _warn_unpruned(queue: str, topics: Collection[str], api: Management, reason: str) -> None:

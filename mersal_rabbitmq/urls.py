@@ -18,8 +18,8 @@ SCHEMES = ("amqp", "amqps")
 def node_urls(address: str) -> list[str]:
     """The URLs of the nodes an address lists, in order; a ConfigurationError if they differ."""
     nodes = [node.strip() for node in split_urls(address) if node.strip()]
-    for node in nodes:
-        _check_full(address, node)
+    for index in range(len(nodes)):
+        _check_full(address, nodes, index)
     _check_same(address, "schemes", [_scheme(node) for node in nodes], _SCHEME_ADVICE)
     _check_same(address, "vhosts", [_vhost(node) for node in nodes], _VHOST_ADVICE)
     return nodes
@@ -34,7 +34,8 @@ _VHOST_ADVICE = (
 )
 
 
-def _check_full(address: str, node: str) -> None:
+def _check_full(address: str, nodes: list[str], index: int) -> None:
+    node = nodes[index]
     scheme, separator, _ = node.partition("://")
     if not separator or scheme.lower() not in SCHEMES:
         raise ConfigurationError(
@@ -48,10 +49,19 @@ def _check_full(address: str, node: str) -> None:
         return
     pieces = [piece for piece in tail.split(";") if piece]
     rest = next((piece[_rest_at(piece) :] for piece in pieces if _rest_at(piece) >= 0), "")
-    written = ";".join(
+    split = [
         f"{parts.scheme}://{userinfo}{at}{piece if _rest_at(piece) >= 0 else piece + rest}"
         for piece in pieces
-    )
+    ]
+    written = ";".join([*nodes[:index], *split, *nodes[index + 1 :]])
+    kept = parts._replace(path=parts.path.replace(";", "%3B")).geturl()
+    others = [_vhost(other) for other in nodes if other is not node]
+    if ";" in parts.path and others and all(vhost == _vhost(kept) for vhost in others):
+        named = ";".join([*nodes[:index], kept, *nodes[index + 1 :]])
+        raise ConfigurationError(
+            f"transport {mask(address)!r} has a ';' inside the vhost of one URL, which would "
+            f"end that URL there: write it %3B, as the other nodes do: {mask(named)}"
+        )
     raise ConfigurationError(
         f"transport {mask(address)!r} has a ';' inside one URL, after its host, so the text "
         f"after it would be part of the host, the vhost or an option: each node is a full URL: "

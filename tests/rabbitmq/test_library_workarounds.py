@@ -3,6 +3,7 @@ process: a user's own aio-pika code beside a running transport behaves as withou
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -11,8 +12,10 @@ import aio_pika
 import aiormq.channel
 import pamqp.decode
 import pytest
+from rabbitmq_support import rabbitmqctl
 
 from mersal_rabbitmq import RabbitMQTransport, patches
+from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -58,3 +61,23 @@ async def test_a_plain_connection_still_logs_its_failed_connects(
     with contextlib.suppress(Exception):
         await aio_pika.connect("amqp://guest:guest@127.0.0.1:5699/", timeout=2)
     assert "error when creating transport" in caplog.text
+
+
+async def test_a_lost_connection_is_logged_once_by_mersal_and_a_plain_one_as_aiormq_does(
+    running: RabbitMQTransport, url: str, vhost: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+
+    def aiormqs(text: str) -> int:
+        return sum(r.name.startswith("aiormq") and text in r.message for r in caplog.records)
+
+    plain = await aio_pika.connect(url)
+    try:
+        await asyncio.to_thread(rabbitmqctl, "close_all_connections", "-p", vhost, "test")
+        await eventually(lambda: running.connected, "reconnected", timeout=10)
+        await eventually(lambda: aiormqs("reader exited") > 0, "the plain one's lines")
+    finally:
+        await plain.close()
+    assert "lost the connection to RabbitMQ" in caplog.text
+    assert aiormqs("Unexpected connection close") == 1  # the plain connection's, not Mersal's
+    assert aiormqs("reader exited abnormally") == 1

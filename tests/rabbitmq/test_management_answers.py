@@ -124,3 +124,25 @@ def test_the_delivery_limit_in_effect_is_the_lowest_set_or_rabbitmq_4s_default(
     info: dict[str, object], version: str, limit: int | None
 ) -> None:
     assert management.delivery_limit(info, version) == limit
+
+
+async def test_a_node_whose_api_does_not_answer_is_passed_over_for_the_next(
+    api: http.server.ThreadingHTTPServer,
+) -> None:
+    api.body = [{"source": "mersal.events", "routing_key": "T"}]  # type: ignore[attr-defined]
+    answering = at(api).base
+    silent = Management("http://127.0.0.1:1", "/", "guest", "guest", others=(answering,))
+    assert await silent.bindings("orders") == [("mersal.events", "T")]
+
+
+def test_the_api_asked_is_the_connected_nodes_then_the_others() -> None:
+    nodes = "amqp://u:p@h1/vh;amqp://u:p@h2/vh;amqps://u:p@h3/vh"
+    first = Management.of(nodes)
+    assert (first.base, first.others) == (
+        "http://h1:15672",
+        ("http://h2:15672", "https://h3:15671"),
+    )
+    connected = Management.of(nodes, node="amqp://u:p@h2/vh")
+    assert connected.base == "http://h2:15672"
+    assert connected.others == ("http://h1:15672", "https://h3:15671")
+    assert Management.of(nodes, "http://admin:pw@api:15672").others == ()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 from rabbitmq_support import Broker, rabbitmqctl
 
-from mersal import App, ConfigurationError, OutcomeUnknown, RetryPolicy
+from mersal import App, ConfigurationError, MessageContext, OutcomeUnknown, RetryPolicy
 from mersal_rabbitmq import RabbitMQTransport
 from tests.support import eventually, rabbitmqctl_rows
 
@@ -201,6 +201,72 @@ async def test_a_deleted_partition_comes_back_bound_to_the_exchange(
     async with app:
         await asyncio.to_thread(rabbitmqctl, "delete_queue", "-p", vhost, partition)
         await eventually(bound, "the partition declared and bound again", timeout=15)
+
+
+@pytest.mark.parametrize("deleted", ["while it runs", "while it is stopped"])
+async def test_keys_keep_their_partition_after_a_partition_was_deleted(
+    url: str, vhost: str, broker: Broker, prefix: str, deleted: str
+) -> None:
+    name = f"{prefix}.orders"
+    app = partitioned_app(name, url, broker, partitions=3)
+    handled: dict[tuple[int, str], str] = {}
+
+    async def handle(step: Step, context: MessageContext) -> None:
+        assert context.delivery is not None
+        handled[(step.seq, step.key)] = context.delivery.queue
+
+    app.register(Step, handle)
+    app.route(Step, name)
+    keys = [f"k{n}" for n in range(24)]
+
+    async def send_round(seq: int) -> None:
+        for key in keys:
+            await app.send(Step(key, seq), partition_key=key)
+        await eventually(lambda: len(handled) == seq * len(keys), f"round {seq} handled")
+
+    async def bound_in_order() -> bool:
+        rows = await asyncio.to_thread(
+            rabbitmqctl_rows, "list_bindings", "-p", vhost, "source_name", "destination_name"
+        )
+        exchanges = await asyncio.to_thread(rabbitmqctl_rows, "list_exchanges", "-p", vhost, "name")
+        marker = {"name": f"{name}.partitions.migrating"}
+        return marker not in exchanges and all(
+            {"source_name": f"{name}.partitions", "destination_name": f"{name}.partition.{n}"}
+            in rows
+            for n in range(3)
+        )
+
+    async with app:
+        await send_round(1)
+        if deleted == "while it runs":
+            await broker.channel.queue_delete(f"{name}.partition.0")
+            await eventually(bound_in_order, "the partitions bound again", timeout=15)
+            await send_round(2)
+    if deleted == "while it is stopped":
+        await broker.channel.queue_delete(f"{name}.partition.0")
+        async with app:
+            await send_round(2)
+    moved = [key for key in keys if handled[(1, key)] != handled[(2, key)]]
+    assert moved == []
+    assert len({handled[(1, key)] for key in keys}) == 3  # the keys are spread over all three
+
+
+@pytest.mark.parametrize("exchange", ["deleted", "made again without bindings"])
+async def test_a_keyed_send_while_the_partitions_exchange_is_made_again_is_sent_again(
+    url: str, broker: Broker, prefix: str, exchange: str
+) -> None:
+    name = f"{prefix}.orders"
+    app = partitioned_app(name, url, broker, partitions=2)
+    app.register(Step, ignore)
+    app.route(Step, name)
+    async with app:
+        await broker.channel.exchange_delete(f"{name}.partitions")
+        if exchange == "made again without bindings":
+            await broker.channel.declare_exchange(
+                f"{name}.partitions", "x-consistent-hash", durable=True
+            )
+        with pytest.raises(OutcomeUnknown, match="send it again"):  # kept, not refused
+            await app.send(Step("k", 1), partition_key="k")
 
 
 async def test_a_sender_forgets_partitions_that_were_deleted(

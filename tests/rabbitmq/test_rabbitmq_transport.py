@@ -25,6 +25,7 @@ from mersal import (
     Unroutable,
     Unsendable,
 )
+from mersal.dead_letters import LookingWouldLose
 from mersal_rabbitmq import ConsumerLost, RabbitMQTransport
 from mersal_rabbitmq.delays import wait_milliseconds, wait_queue_name
 from mersal_rabbitmq.publishing import Publisher, distinct_runs
@@ -265,6 +266,29 @@ async def test_declaring_a_queue_that_exists_with_other_arguments_raises(
     await transport.declare(f"{prefix}.fine")
     await transport.send([Outgoing(f"{prefix}.fine", envelope("m-13"))])
     assert (await broker.get(f"{prefix}.fine")).message_id == "m-13"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "classic"),
+    [
+        ({"x-max-length": 100000, "x-queue-type": "classic"}, True),
+        ({"x-queue-mode": "lazy", "x-message-ttl": 60000, "x-overflow": "reject-publish"}, True),
+        ({"x-single-active-consumer": True, "x-dead-letter-exchange": "it's"}, True),
+        ({"x-queue-type": "quorum", "x-max-length": 100000}, False),
+    ],
+)
+async def test_without_the_management_api_a_queues_other_arguments_do_not_hide_its_type(
+    make_transport: Make, broker: Broker, prefix: str, arguments: dict[str, object], classic: bool
+) -> None:
+    queue = f"{prefix}.error"
+    await broker.declare(queue, durable=True, arguments=arguments)
+    transport = await started(make_transport)
+    checking = transport.check_give_back(queue, management="http://127.0.0.1:1")
+    if classic:
+        await checking
+    else:
+        with pytest.raises(LookingWouldLose, match="not a classic queue"):
+            await checking
 
 
 async def test_quorum_queues_and_their_wait_queues(
@@ -570,6 +594,22 @@ async def test_a_declaration_while_the_connection_is_lost_waits_for_the_reconnec
         fresh = Broker(connection, await connection.channel())
         received = [(await fresh.get(queue)).message_id for queue in declared]
     assert received == ["m-0", "m-1", "m-2"]
+
+
+async def test_consuming_while_the_connection_is_lost_waits_for_the_reconnect(
+    make_transport: Make, prefix: str, vhost: str
+) -> None:
+    """Not aiormq's AMQPConnectionError: app.start looks for partitions and consumes through."""
+    queues = [f"{prefix}.in-{n}" for n in range(3)]
+    transport = await started(make_transport, *queues)
+    for queue in queues:
+        rabbitmqctl("close_all_connections", "-p", vhost, "test")  # the close waits unread
+        consumer = await transport.consume(queue, prefetch=1)
+        await transport.send([Outgoing(queue, envelope(f"m-{queue}"))])
+        delivery = await asyncio.wait_for(consumer.get(), 10)
+        assert delivery.envelope.message_id == f"m-{queue}"
+        await delivery.ack()
+        await consumer.close()
 
 
 async def test_a_send_right_after_the_broker_closed_the_connection_waits_for_it(

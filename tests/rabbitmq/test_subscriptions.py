@@ -13,6 +13,7 @@ from mersal import App, RetryPolicy, message
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_rabbitmq.management import Management
 from mersal_rabbitmq.topology import EVENTS
+from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -80,6 +81,49 @@ async def test_a_start_unbinds_the_events_its_release_no_longer_subscribes_to(
     unbound = [r for r in caplog.records if r.levelno == logging.INFO and "unbound" in r.message]
     assert len(unbound) == 1 and CANCELLED in unbound[0].message and name in unbound[0].message
     await queue.unbind(audit, CANCELLED)
+
+
+async def test_a_start_leaves_events_bindings_that_mersal_does_not_make(
+    url: str, broker: Broker, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = f"{prefix}.shipping"
+    async with release(name, url, broker, Shipped):
+        pass
+    events = await broker.channel.get_exchange(EVENTS)
+    queue = await broker.channel.get_queue(name, ensure=False)
+    await queue.bind(events, "audit.#")  # the user's own, with a wildcard
+    await queue.bind(events, CANCELLED, arguments={"x-note": "kept by ops"})
+    caplog.set_level(logging.INFO, logger="mersal.rabbitmq")
+
+    async with release(name, url, broker, Shipped):
+        pass
+
+    bound = await Management.of(url).bindings(name)
+    assert (EVENTS, "audit.#") in bound and (EVENTS, CANCELLED) in bound
+    assert not [r for r in caplog.records if "unbound" in r.message]
+    await queue.unbind(events, "audit.#")
+    await queue.unbind(events, CANCELLED, arguments={"x-note": "kept by ops"})
+
+
+async def test_a_publish_after_the_events_exchange_was_deleted_declares_it_again_and_goes(
+    url: str, broker: Broker, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = f"{prefix}.shipping"
+    app = release(name, url, broker)
+    got: list[str] = []
+
+    async def handle(event: Shipped) -> None:
+        got.append(event.parcel)
+
+    app.register(Shipped, handle)
+    app.subscribe(Shipped)
+    async with app:
+        await app.publish(Shipped("p-1"))
+        await eventually(lambda: got == ["p-1"], "the first event handled")
+        await broker.channel.exchange_delete(EVENTS)
+        await app.publish(Shipped("p-2"))  # not refused: sent again to the exchange made again
+        await eventually(lambda: got == ["p-1", "p-2"], "the app's own binding back")
+    assert any("declared it again" in r.message for r in caplog.records)
 
 
 async def test_without_the_management_api_a_start_says_how_to_remove_old_bindings(

@@ -217,3 +217,26 @@ def test_a_keyed_send_through_a_node_without_the_hash_plugin_is_kept_with_the_pl
     assert "rabbitmq-plugins enable rabbitmq_consistent_hash_exchange" in str(error)
     other = refusal(outgoing, refused_publish("PRECONDITION_FAILED - message size 9 is larger"))
     assert isinstance(other, Unsendable) and "rabbitmq-plugins" not in str(other)
+
+
+def test_the_same_query_options_in_another_order_or_spelling_are_the_same() -> None:
+    nodes = nodes_of("amqp://h1/vh?heartbeat=5&name=a;amqp://h2/vh?name=a&heartbeat=5.0")
+    assert len(nodes) == 2
+    transport = RabbitMQTransport(
+        "amqp://h1/vh?reconnect_interval=2;amqp://h2/vh?reconnect_interval=2.0"
+    )
+    assert transport._link.pause == 2.0
+
+
+@pytest.mark.parametrize("interval", ["inf", "1e308", "nan", "0", "-1", "3601"])
+def test_a_reconnect_interval_that_is_not_a_sane_number_of_seconds_is_refused(
+    interval: str,
+) -> None:
+    with pytest.raises(ConfigurationError, match="from 0 to 3600"):
+        RabbitMQTransport(f"amqp://h1/vh?reconnect_interval={interval}")
+
+
+def test_a_vhost_with_a_semicolon_among_escaped_ones_is_shown_escaped() -> None:
+    with pytest.raises(ConfigurationError, match="write it %3B") as refused:
+        nodes_of("amqp://u:p@h1/a%3Bb;amqp://u:p@h2/a;b")
+    assert "amqp://u:***@h1/a%3Bb;amqp://u:***@h2/a%3Bb" in str(refused.value)
