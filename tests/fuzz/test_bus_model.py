@@ -56,8 +56,8 @@ POLICY = RetryPolicy(immediate=1, delayed=[0.02], error_queue="model.errors")
 ATTEMPTS = POLICY.max_attempts
 ALWAYS = 1_000_000
 """Failures left of a handler that never succeeds until it is fixed."""
-HANDLER_TIMEOUT = 0.2
-"""Seconds; a message's wait for SQLite's one connection counts too, so keep commits fast."""
+HANDLER_TIMEOUT = 0.5
+"""Seconds; a message's wait for SQLite's one connection counts too: room for a busy machine."""
 GRACE = 0.05
 LATER = 3_600.0
 """Seconds: a saga's timeout or a deferred message comes only when a step delivers it."""
