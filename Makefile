@@ -13,6 +13,7 @@ help:
 	@echo "  make run     [ARGS=...]         run the orders example (python -m examples.orders)"
 	@echo "  make services                   install, start and set up RabbitMQ and PostgreSQL for the tests"
 	@echo "  make test    [PYTEST_ARGS=...]  services, lint, the docs build, then pytest (no chaos, cluster)"
+	@echo "                [WORKERS=3]       test processes (pytest-xdist; 0: one process)"
 	@echo "  make test-lowest                the failover and recovery tests on the lowest allowed aio-pika"
 	@echo "  make lint                       ruff check, ruff format --check, mypy"
 	@echo "  make format                     ruff format + ruff check --fix"
@@ -39,10 +40,13 @@ run: $(STAMP)
 services:
 	bash scripts/services
 
+# Worker processes for make test (pytest-xdist); WORKERS=0 runs the tests in this one process.
+WORKERS ?= 3
+
 test: $(STAMP) services
 	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory docs
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(WORKERS) $(PYTEST_ARGS)
 
 # The lowest aio-pika, aiormq and pamqp that pyproject.toml's rabbitmq extra allows, in a venv of
 # their own (keep LOWEST equal to the extra's floors).
