@@ -18,7 +18,15 @@ import logging
 import types
 import typing
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import (
+    Callable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    MutableSequence,
+    Sequence,
+    Set,
+)
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
@@ -28,6 +36,7 @@ import msgspec
 from mersal.errors import ConcurrencyConflict, ConfigurationError, DecodeError, MersalError
 from mersal.messages import KEY_LENGTH, Header, describe, stored_key
 from mersal.pipeline import MessageContext, current_message
+from mersal.serialization import MAX_DEPTH
 from mersal.transaction import Transaction
 
 if TYPE_CHECKING:
@@ -492,7 +501,7 @@ class SagaRunner:
             if stored.revision:
                 await store.delete(context, spec.name, stored)
             return
-        saved = replace(stored, data=self._encode(saga.data, method, stored.data))
+        saved = replace(stored, data=self._encode(saga.data, method, stored))
         if stored.revision:
             await store.update(context, spec.name, saved)
         else:
@@ -636,8 +645,8 @@ class SagaRunner:
                 "data, or make the class accept it (defaults for new fields)"
             ) from None
 
-    def _encode(self, data: object, method: str, stored: bytes | None) -> bytes:
-        """The data to save: checked to load back, with what a newer release stored kept."""
+    def _encode(self, data: object, method: str, stored: StoredSaga) -> bytes:
+        """The data to save: checked to load back as it is, with what a newer release stored."""
         spec = self.spec
         name = f"{spec.cls.__qualname__}.{method}()"
         if not isinstance(data, spec.data_type):
@@ -648,14 +657,39 @@ class SagaRunner:
             )
         encoded = self.codec.encode(data)
         try:
-            self.codec.decode(encoded, spec.data_type)
+            self._check_loads_back(data, self.codec.decode(encoded, spec.data_type))
         except DecodeError as error:
             raise MersalError(
                 f"{name} left data in saga {spec.name!r} that would not load back as "
                 f"{spec.data_type.__qualname__} ({error}): store values of the fields' "
                 "declared types; nothing was saved"
             ) from None
-        return keep_unknown(encoded, stored, spec.data_type)
+        self._check_nothing_newer(stored)
+        return keep_unknown(encoded, stored.data, spec.data_type)
+
+    def _check_loads_back(self, data: object, decoded: object) -> None:
+        """A DecodeError if `decoded` is not equal to `data` (a class with its own `==`)."""
+        if type(data).__eq__ is object.__eq__ or decoded == data:
+            return
+        difference = first_difference(data, decoded)
+        if difference is not None:
+            path, left, right = difference
+            raise DecodeError(
+                f"{path or 'the data'} holds {left!r:.80}, which loads back as {right!r:.80}"
+            )
+
+    def _check_nothing_newer(self, stored: StoredSaga) -> None:
+        """A MersalError if saving would erase what a newer release stored inside the data."""
+        spec = self.spec
+        newer = newer_nested_fields(stored.data, spec.data_type)
+        if newer:
+            shown = ", ".join(repr(path[:80]) for path in newer[:5])
+            raise MersalError(
+                f"the stored data of {spec.cls.__qualname__} saga {stored.id} holds {shown}, "
+                f"which {spec.data_type.__qualname__} of this release does not know: a newer "
+                "release wrote it, and saving would erase it. Run the newer release for this "
+                "saga, or add the field to this release's class; nothing was saved"
+            )
 
 
 @dataclass(slots=True)
@@ -799,12 +833,18 @@ async def saga_data(app: App, saga: type[Saga[D]], correlation: object) -> D | N
 
 
 def decode_data(codec: Codec, data: bytes, data_type: type) -> Any:
-    """Stored saga data as `data_type`; top-level keys the class does not know are left out."""
-    stored = _json_object(data)
-    if stored is not None:
-        known = data_keys(data_type)
-        if any(key not in known for key in stored):
-            data = msgspec.json.encode({k: v for k, v in stored.items() if k in known})
+    """Stored saga data as `data_type`.
+
+    Top-level keys a newer release added are left to the class, which ignores them, or (a
+    pydantic model with `extra="allow"`) keeps them; only for a class that forbids unknown
+    fields are they left out.
+    """
+    if _forbids_unknown(data_type):
+        stored = _json_object(data)
+        if stored is not None:
+            known = data_keys(data_type)
+            if any(key not in known for key in stored):
+                data = msgspec.json.encode({k: v for k, v in stored.items() if k in known})
     return codec.decode(data, data_type)
 
 
@@ -812,9 +852,11 @@ def keep_unknown(encoded: bytes, stored: bytes | None, data_type: type) -> bytes
     """`encoded` with the stored data's top-level keys that `data_type` does not know.
 
     A newer release may have added a field: an older one that saves the saga keeps it. Only
-    data a codec writes as a JSON object can keep them (the JSON codec's).
+    keys absent from `encoded` and unknown to the class come back (a known field that the
+    encoding leaves out, at its default with `omit_defaults`, stays out). Only data a codec
+    writes as a JSON object can keep them (the JSON codec's).
     """
-    before = None if stored is None else _json_object(stored)
+    before = None if stored is None or _keeps_extras(data_type) else _json_object(stored)
     if not before:
         return encoded
     known = data_keys(data_type)
@@ -825,20 +867,223 @@ def keep_unknown(encoded: bytes, stored: bytes | None, data_type: type) -> bytes
     return msgspec.json.encode({**after, **{k: v for k, v in unknown.items() if k not in after}})
 
 
+def newer_nested_fields(stored: bytes | None, data_type: type) -> list[str]:
+    """Where the stored data holds what `data_type` cannot keep: paths such as `addr.zip`.
+
+    A key inside a nested object that its class does not know, or an element past the fields
+    of an `array_like` Struct: a newer release wrote it, and saving this release's data would
+    erase it. (Top-level keys are kept by `keep_unknown`.)
+    """
+    if stored is None or stored[:1] not in (b"{", b"["):
+        return []
+    try:
+        value = msgspec.json.decode(stored)
+    except msgspec.DecodeError:
+        return []
+    return list(_newer_fields(value, data_type, "", MAX_DEPTH, top=True))
+
+
+def _newer_fields(
+    value: Any, hint: Any, path: str, depth: int, *, top: bool = False
+) -> Iterator[str]:
+    if depth <= 0:
+        return
+    hint = _single_class(hint)
+    origin = typing.get_origin(hint) or hint
+    arguments = typing.get_args(hint)
+    if isinstance(value, dict) and origin in _MAPPINGS and len(arguments) == 2:
+        for key, item in value.items():
+            yield from _newer_fields(item, arguments[1], f"{path}[{key!r}]", depth - 1)
+    elif isinstance(value, list) and origin in _SEQUENCES and len(arguments) in (1, 2):
+        if len(arguments) == 2 and arguments[1] is not Ellipsis:
+            return
+        for index, item in enumerate(value):
+            yield from _newer_fields(item, arguments[0], f"{path}[{index}]", depth - 1)
+    elif isinstance(hint, type) and _is_data_class(hint):
+        yield from _newer_in_object(value, hint, path, depth, top)
+
+
+def _newer_in_object(value: Any, cls: type, path: str, depth: int, top: bool) -> Iterator[str]:
+    fields = _fields(cls)
+    if isinstance(value, list) and _array_like(cls):
+        positions = _tag_positions(cls)
+        if len(value) > positions + len(fields):
+            yield f"{path}[{positions + len(fields)}]"
+        for index, (field, item) in enumerate(zip(fields, value[positions:], strict=False)):
+            where = f"{path}[{positions + index}]"
+            yield from _newer_fields(item, field.hint, where, depth - 1)
+        return
+    if not isinstance(value, dict):
+        return
+    if not top and not _keeps_extras(cls):
+        known = data_keys(cls)
+        yield from (f"{path}.{key}".lstrip(".") for key in value if key not in known)
+    for field in fields:
+        for key in dict.fromkeys(field.keys):
+            if key in value:
+                where = f"{path}.{key}".lstrip(".")
+                yield from _newer_fields(value[key], field.hint, where, depth - 1)
+
+
+_MAPPINGS: tuple[object, ...] = (dict, Mapping, MutableMapping)
+_SEQUENCES: tuple[object, ...] = (list, tuple, set, frozenset, Sequence, MutableSequence, Set)
+
+
+def _single_class(hint: Any) -> Any:
+    """`X` for `X | None` (a union of one type and None) and `Annotated[X, ...]`; else `hint`."""
+    if typing.get_origin(hint) is typing.Annotated:
+        return _single_class(typing.get_args(hint)[0])
+    if _is_union(hint):
+        members = [m for m in typing.get_args(hint) if m is not type(None)]
+        if len(members) == 1:
+            return members[0]
+    return hint
+
+
+def _is_data_class(cls: type) -> bool:
+    return (
+        dataclasses.is_dataclass(cls)
+        or issubclass(cls, msgspec.Struct)
+        or hasattr(cls, "__attrs_attrs__")
+        or hasattr(cls, "model_fields")
+    )
+
+
+def _array_like(cls: type) -> bool:
+    return issubclass(cls, msgspec.Struct) and bool(cls.__struct_config__.array_like)
+
+
+def _tag_positions(cls: type) -> int:
+    """How many elements an `array_like` Struct's array starts with before its fields (a tag)."""
+    return 0 if cls.__struct_config__.tag is None else 1  # type: ignore[attr-defined]
+
+
+class _Field(typing.NamedTuple):
+    attribute: str
+    keys: tuple[str, ...]
+    """Every key the field may be stored under: its name, encode name, aliases."""
+    hint: Any
+
+
+def _fields(cls: type) -> list[_Field]:
+    """The fields of a data class: attribute, the keys it may be stored under, and type."""
+    if issubclass(cls, msgspec.Struct):
+        return [
+            _Field(f.name, (f.name, f.encode_name), f.type) for f in msgspec.structs.fields(cls)
+        ]
+    model_fields: Mapping[str, Any] | None = getattr(cls, "model_fields", None)
+    if model_fields is not None:  # pydantic
+        return [
+            _Field(name, tuple(_aliases(name, info)), info.annotation)
+            for name, info in model_fields.items()
+        ]
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # a class whose annotations name what its module does not hold
+        hints = {}
+    if dataclasses.is_dataclass(cls):
+        names = [f.name for f in dataclasses.fields(cls)]
+    else:
+        names = [a.name for a in getattr(cls, "__attrs_attrs__", ())]
+    return [_Field(name, (name,), hints.get(name, Any)) for name in names]
+
+
 def data_keys(data_type: type) -> frozenset[str]:
-    """The top-level keys a data class reads and writes: its fields' names and aliases."""
-    if dataclasses.is_dataclass(data_type):
-        return frozenset(field.name for field in dataclasses.fields(data_type))
+    """The top-level keys a data class reads and writes: its fields' names and every alias."""
+    keys = {key for field in _fields(data_type) for key in field.keys}
     if issubclass(data_type, msgspec.Struct):
-        fields = msgspec.structs.fields(data_type)
         tag = data_type.__struct_config__.tag_field
-        encoded = {name for f in fields for name in (f.name, f.encode_name)}
-        return frozenset(encoded if tag is None else {*encoded, tag})
-    names: set[str] = {a.name for a in getattr(data_type, "__attrs_attrs__", ())}
-    for name, info in getattr(data_type, "model_fields", {}).items():  # pydantic
-        aliases = (info.alias, info.serialization_alias, info.validation_alias)
-        names |= {name, *(alias for alias in aliases if isinstance(alias, str))}
-    return frozenset(names)
+        if tag is not None:
+            keys.add(tag)
+    return frozenset(keys)
+
+
+def _aliases(name: str, info: Any) -> Iterator[str]:
+    """A pydantic field's name and every key it may be read or written under."""
+    yield name
+    for alias in (info.alias, info.serialization_alias, info.validation_alias):
+        choices = getattr(alias, "choices", None)  # AliasChoices
+        for choice in [alias] if choices is None else choices:
+            path = getattr(choice, "path", None)  # AliasPath: its first key is top-level
+            if isinstance(choice, str):
+                yield choice
+            elif path and isinstance(path[0], str):
+                yield path[0]
+
+
+def _forbids_unknown(data_type: type) -> bool:
+    """Whether decoding `data_type` refuses keys it does not know."""
+    if issubclass(data_type, msgspec.Struct):
+        return bool(data_type.__struct_config__.forbid_unknown_fields)
+    return _pydantic_extra(data_type) == "forbid"
+
+
+def _keeps_extras(data_type: type) -> bool:
+    """Whether `data_type` keeps keys it does not know itself (pydantic's `extra="allow"`)."""
+    return _pydantic_extra(data_type) == "allow"
+
+
+def _pydantic_extra(data_type: type) -> object:
+    config = getattr(data_type, "model_config", None)
+    return config.get("extra") if isinstance(config, Mapping) else None
+
+
+Difference = tuple[str, object, object]
+"""Where two values differ (a path such as `addr.zip`; `""`: the whole), and both parts there."""
+
+
+def first_difference(
+    left: Any, right: Any, path: str = "", depth: int = MAX_DEPTH
+) -> Difference | None:
+    """The first field where `left` and `right` differ, or None where they are equal.
+
+    Data classes are compared field by field (a pydantic model's extras too, not its private
+    attributes), lists, tuples and dicts item by item, and everything else with `==`.
+    """
+    if left is right or depth <= 0:
+        return None
+    if _is_data_object(left) or _is_data_object(right):
+        if type(left) is not type(right):
+            return path, left, right
+        for field in _fields(type(left)):
+            name = field.attribute
+            found = first_difference(
+                getattr(left, name, None),
+                getattr(right, name, None),
+                f"{path}.{name}".lstrip("."),
+                depth - 1,
+            )
+            if found is not None:
+                return found
+        extras = getattr(left, "model_extra", None) or {}, getattr(right, "model_extra", None) or {}
+        return None if extras[0] == extras[1] else (path, left, right)
+    if isinstance(left, dict) and isinstance(right, dict):
+        if type(left) is not type(right) or left.keys() != right.keys():
+            return path, left, right
+        return _first_of(
+            first_difference(item, right[key], f"{path}[{key!r}]", depth - 1)
+            for key, item in left.items()
+        )
+    if isinstance(left, list | tuple) and isinstance(right, list | tuple):
+        if type(left) is not type(right) or len(left) != len(right):
+            return path, left, right
+        return _first_of(
+            first_difference(a, b, f"{path}[{index}]", depth - 1)
+            for index, (a, b) in enumerate(zip(left, right, strict=True))
+        )
+    try:
+        equal = bool(left == right)
+    except Exception:
+        equal = False
+    return None if equal else (path, left, right)
+
+
+def _first_of(differences: Iterator[Difference | None]) -> Difference | None:
+    return next((found for found in differences if found is not None), None)
+
+
+def _is_data_object(value: object) -> bool:
+    return not isinstance(value, type) and _is_data_class(type(value))
 
 
 def _json_object(data: bytes) -> dict[str, Any] | None:
