@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import inspect
 import logging
 import types
@@ -67,6 +68,13 @@ Correlation = str | Callable[[Any], object]
 
 class InvalidCorrelation(DecodeError):
     """A message's correlation value is missing or empty: no saga can be found for it."""
+
+
+class UnrequestedTimeout(DecodeError):
+    """A message of a saga's timeout type names the saga without a valid `saga-check`.
+
+    The type reaches a saga only as a timeout the saga requested: no saga can take it.
+    """
 
 
 class Saga(Generic[Data]):
@@ -140,7 +148,12 @@ class Saga(Generic[Data]):
                 f"nobody: add `async def ...(self, timeout: {name})` to the saga"
             )
         _check_timeout_correlation(spec, message, self._correlation)
-        marked = {**(headers or {}), Header.SAGA_ID: self.saga_id, Header.SAGA_TYPE: spec.name}
+        marked = {
+            **(headers or {}),
+            Header.SAGA_ID: self.saga_id,
+            Header.SAGA_TYPE: spec.name,
+            Header.SAGA_CHECK: saga_check(spec.name, self.saga_id),
+        }
         return await context.app.defer(delay, message, headers=marked, to_self=True)
 
     async def not_found(self, message: Any) -> None:
@@ -154,6 +167,35 @@ class Saga(Generic[Data]):
             type(self).__qualname__,
             type(message).__qualname__,
         )
+
+
+def saga_check(saga: str, saga_id: str) -> str:
+    """The `saga-check` header of a timeout that saga `saga_id` of type `saga` requests.
+
+    A digest of the two, so that saga headers made up or copied by hand (a new id, another
+    type) are told from a timeout the app requested. Not a secret: it stops mistakes, not a
+    producer who means to forge.
+    """
+    text = f"{saga}\x00{saga_id}".encode(errors="surrogatepass")
+    return hashlib.sha256(b"mersal-saga-timeout\x00" + text).hexdigest()[:32]
+
+
+def requested_timeout(headers: Mapping[str, str], saga: str) -> str | None:
+    """The saga id of a timeout that saga type `saga` requested, by the message's headers.
+
+    None unless they name `saga` and an id, with the `saga-check` of the two.
+    """
+    saga_id = headers.get(Header.SAGA_ID)
+    if headers.get(Header.SAGA_TYPE) != saga or saga_id is None:
+        return None
+    check = headers.get(Header.SAGA_CHECK)
+    return saga_id if check == saga_check(saga, saga_id) else None
+
+
+def shown(text: str, limit: int = SAGA_ID_LENGTH) -> str:
+    """Header text for a log line or an error: quoted, printable, at most `limit` characters."""
+    printable = "".join(c if c.isprintable() else "?" for c in text[:limit])
+    return repr(printable + ("..." if len(text) > limit else ""))
 
 
 def _plausible_id(saga_id: str) -> bool:
@@ -507,119 +549,91 @@ class SagaRunner:
         else:
             await store.insert(context, spec.name, saved)
 
-    async def timeout_of(self, message: Any, context: MessageContext) -> StoredSaga | None:
-        """This saga's instance that the message's saga headers name, when they are true.
-
-        Headers are true when they name this saga type and an instance of it that exists, and,
-        for a message type with a correlation here, the one its correlation value finds.
-        """
-        headers = context.headers
-        saga_id = headers.get(Header.SAGA_ID)
-        if headers.get(Header.SAGA_TYPE) != self.spec.name or saga_id is None:
-            return None
-        found = await self._lookup(message, context)
-        return found if found is not None and found.id == saga_id else None
-
-    async def _lookup(self, message: Any, context: MessageContext) -> StoredSaga | None:
-        """The saga the message's correlation value finds; a timeout type's, by the header's id.
-
-        Looked up once per attempt, whichever saga asks first (another saga asks whether the
-        message is this one's timeout).
-        """
+    async def _lookup(
+        self, message: Any, context: MessageContext, timeout_id: str | None
+    ) -> StoredSaga | None:
+        """The saga the message's correlation value finds; a timeout type's, by `timeout_id`."""
         spec = self.spec
-        cached = f"mersal.saga-lookup:{spec.name}"
-        if cached in context.items:
-            found: StoredSaga | None = context.items[cached]
-            return found
         store = self.store()
         lock = spec.pessimistic or context.conflicts > 0  # a rerun waits its turn, not races
         message_type = type(message)
         correlate = spec.correlate(message_type)
-        found = None
         if correlate is not None:
             key = correlation_key(_value(correlate, message, spec), spec, message_type)
-            found = await store.find(context, spec.name, correlation=key, lock=lock)
             context.items[f"mersal.saga-key:{spec.name}"] = key
-        elif context.headers.get(Header.SAGA_TYPE) == spec.name:
-            saga_id = context.headers.get(Header.SAGA_ID)
-            if saga_id is not None and _plausible_id(saga_id):
-                found = await store.find(context, spec.name, saga_id=saga_id, lock=lock)
-        context.items[cached] = found
-        return found
+            return await store.find(context, spec.name, correlation=key, lock=lock)
+        if timeout_id is not None and _plausible_id(timeout_id):
+            return await store.find(context, spec.name, saga_id=timeout_id, lock=lock)
+        return None
 
     async def _find(self, message: Any, context: MessageContext) -> StoredSaga | None:
         """The message's saga, a new one for a start message, or None (the message is done).
 
-        The saga headers are a hint, trusted only when they are true (`timeout_of`): a timeout
-        goes to the saga instance that requested it, and another saga type leaves it alone.
-        Headers that are not true are ignored, and the message is handled as what its type
-        says: it finds its saga by its correlation value, starts one, or goes to `not_found`.
+        A message whose saga headers name this saga type with a valid `saga-check` is a timeout
+        this saga requested: it goes to the instance with its id, or is ignored once that has
+        ended. Other saga headers are no timeout: a correlated type is handled as what its type
+        says (its saga, a new one, or `not_found`); a type without a correlation here, which
+        reaches a saga only as a timeout, is refused (`UnrequestedTimeout`).
         """
         spec, headers = self.spec, context.headers
         message_type = type(message)
         correlated = spec.correlate(message_type) is not None
-        if await self._for_another_saga(message, context, correlated):
+        if self._for_another_saga(message, context):
             return None
-        found = await self._lookup(message, context)
-        saga_id = headers.get(Header.SAGA_ID)
-        if headers.get(Header.SAGA_TYPE) == spec.name and saga_id is not None:
-            if found is not None and found.id == saga_id:
-                return found  # a timeout of this saga
-            if not correlated:
-                log.info(
-                    "%s: no saga %s of %s: it has ended, or the id names none; ignored",
-                    describe(headers),
-                    saga_id[:SAGA_ID_LENGTH],
-                    spec.cls.__qualname__,
-                )
-                return None
-            log.debug(
-                "%s: its saga headers name no %s found by its correlation value; handled as a %s",
+        timeout_id = requested_timeout(headers, spec.name)
+        if timeout_id is not None:
+            found = await self._lookup(message, context, timeout_id)
+            if found is not None and found.id == timeout_id:
+                return found
+            log.info(
+                "%s: timeout of saga %s of %s, which has ended: ignored",
                 describe(headers),
+                shown(timeout_id),
                 spec.cls.__qualname__,
-                message_type.__qualname__,
             )
-        if found is not None and correlated:
+            return None
+        if not correlated and headers.get(Header.SAGA_TYPE) == spec.name:
+            raise UnrequestedTimeout(
+                f"{type(message).__qualname__} names saga "
+                f"{shown(headers.get(Header.SAGA_ID, ''))} of {spec.cls.__qualname__} without a "
+                "valid saga-check: not a timeout this app requested"
+            )
+        found = await self._lookup(message, context, None)
+        if found is not None:
             return found
         if correlated and spec.starts(message_type):
             return StoredSaga(str(uuid.uuid4()), context.items[f"mersal.saga-key:{spec.name}"])
         await self._activate(context, StoredSaga("", "")).not_found(message)
         return None
 
-    async def _for_another_saga(
-        self, message: Any, context: MessageContext, correlated: bool
-    ) -> bool:
-        """Whether the message is another registered saga's timeout, which this one leaves.
+    def _for_another_saga(self, message: Any, context: MessageContext) -> bool:
+        """Whether the message is a timeout another registered saga requested: this one leaves it.
 
-        A type without a correlation here is left to the saga the headers name, which takes it
-        (this one could find no instance by another saga's id); a correlated type only when the
-        headers are true for that saga.
+        Only a valid `saga-check` for the saga the headers name, which takes the message's type,
+        makes it that saga's; other saga headers are ignored here.
         """
-        target = context.headers.get(Header.SAGA_TYPE)
+        headers = context.headers
+        target = headers.get(Header.SAGA_TYPE)
         if target is None or target == self.spec.name:
             return False
         other = self.sagas.get(target)
         if other is None or other.spec.method_for(type(message)) is None:
             log.debug(
-                "%s names saga %r, which does not take it in this app: saga headers ignored",
-                describe(context.headers),
-                target[:SAGA_NAME_LENGTH],
+                "%s names saga type %s, which does not take it in this app: saga headers ignored",
+                describe(headers),
+                shown(target, SAGA_NAME_LENGTH),
             )
             return False
-        if correlated and await other.timeout_of(message, context) is None:
+        if requested_timeout(headers, target) is None:
             log.debug(
-                "%s: no saga %r with its saga id: handled as a %s by %s",
-                describe(context.headers),
-                target[:SAGA_NAME_LENGTH],
-                type(message).__qualname__,
+                "%s names saga type %s without a valid saga-check: not its timeout for %s",
+                describe(headers),
+                shown(target, SAGA_NAME_LENGTH),
                 self.spec.cls.__qualname__,
             )
             return False
         log.debug(
-            "%s is a timeout of saga %r: not for %s",
-            describe(context.headers),
-            target,
-            self.spec.name,
+            "%s is a timeout of saga %s: not for %s", describe(headers), target, self.spec.name
         )
         return True
 
