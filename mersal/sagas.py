@@ -38,7 +38,7 @@ from mersal.errors import ConcurrencyConflict, ConfigurationError, DecodeError, 
 from mersal.messages import KEY_LENGTH, Header, describe, stored_key
 from mersal.pipeline import MessageContext, current_message
 from mersal.serialization import MAX_DEPTH
-from mersal.transaction import Transaction
+from mersal.transaction import Transaction, current_transaction
 
 if TYPE_CHECKING:
     from mersal.app import App
@@ -260,9 +260,9 @@ class SagaStore(Protocol):
         ...
 
     async def read(
-        self, saga: str, correlation: str, *, context: MessageContext | None = None
+        self, saga: str, correlation: str, *, transaction: Transaction | None = None
     ) -> StoredSaga | None:
-        """The saga as last committed; with `context`, as that message's transaction sees it."""
+        """The saga as last committed; with `transaction` (open), as that transaction sees it."""
         ...
 
 
@@ -760,9 +760,9 @@ class MemorySagaStore:
         self._changes(context).append(_Change((saga, stored.correlation), stored, None))
 
     async def read(
-        self, saga: str, correlation: str, *, context: MessageContext | None = None
+        self, saga: str, correlation: str, *, transaction: Transaction | None = None
     ) -> StoredSaga | None:
-        """The saga as last committed (a message's pending changes apply only at its commit)."""
+        """The saga as last committed (a transaction's pending changes apply at its commit)."""
         found = self.rows.get((saga, correlation))
         return None if found is None else replace(found)
 
@@ -831,15 +831,16 @@ class MemorySagaStore:
 async def saga_data(app: App, saga: type[Saga[D]], correlation: object) -> D | None:
     """The committed data of the `saga` whose correlation value is `correlation`, or None.
 
-    Inside a handler of this app, it is read in the message's transaction (so it does not wait
-    for a database connection the message holds): the data as the message sees it.
+    Inside a transaction of this app (a handler's, or an `app.transaction()` block's) it is
+    read in that transaction (so it does not wait for a database connection the transaction
+    holds): the data as the transaction sees it.
     """
     spec = app.saga_spec(saga)
     key = correlation_key(correlation, spec, type(correlation))
-    context = current_message.get()
-    if context is not None and context.app is not app:
-        context = None
-    stored = await app.saga_store().read(spec.name, key, context=context)
+    transaction = current_transaction.get()
+    if transaction is not None and (transaction.owner is not app or not transaction.open):
+        transaction = None
+    stored = await app.saga_store().read(spec.name, key, transaction=transaction)
     if stored is None or stored.data is None:
         return None
     decoded: D = decode_data(app.codec, stored.data, spec.data_type)

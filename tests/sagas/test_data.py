@@ -7,6 +7,7 @@ one process's memory; each phase below is an app of one release on the same brok
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -236,6 +237,59 @@ async def test_saga_data_in_a_handler_reads_through_the_messages_transaction(
     assert bus.dead_lettered == []
     assert seen.data == [Release2("a-1", label="gold", tags=["gold"]), None]
     assert max(seen.seconds) < 1
+
+
+async def test_saga_data_in_an_app_transaction_reads_through_its_session(database: str) -> None:
+    """On SQLite the block's session holds the one pooled connection: a read elsewhere waits."""
+    app = account_app(Account2, database)
+    async with Harness(app) as bus:
+        await app.send(Open("a-1"))
+        await bus.idle(timeout=10)
+        async with app.transaction() as transaction:
+            assert isinstance(transaction.session, AsyncSession)
+            await transaction.session.execute(text("SELECT 1"))  # it holds a connection now
+            await app.send(Open("a-2"))  # and writes an outbox row
+            data = await asyncio.wait_for(app.saga_data(Account2, "a-1"), 5)
+            assert await asyncio.wait_for(app.saga_data(Account2, "a-3"), 5) is None
+        await bus.idle(timeout=10)
+
+        assert data == Release2("a-1")
+        assert await bus.saga_data(Account2, "a-2") == Release2("a-2")
+    assert bus.dead_lettered == []
+
+
+class Gatherer:
+    """A handler that reads several sagas' data at once."""
+
+    def __init__(self, app: App, seen: Seen) -> None:
+        self.app = app
+        self.seen = seen
+
+    async def __call__(self, message: Peek) -> None:
+        keys = message.key.split(",")
+        self.seen.data.append(
+            await asyncio.gather(*(self.app.saga_data(Account2, key) for key in keys))
+        )
+
+
+async def test_saga_data_read_concurrently_in_a_handler_takes_turns_in_its_session(
+    database: str,
+) -> None:
+    seen = Seen()
+    app = account_app(Account2, database, seen)
+    app.register(Peek, Gatherer)
+    async with Harness(app) as bus:
+        for key in ("a-1", "a-2", "a-3"):
+            await app.send(Open(key))
+        await bus.idle(timeout=10)
+        await app.send(Peek("a-1,a-2,a-9,a-3"))
+        await bus.idle(timeout=10)
+        await app.send(Open("a-4"))  # the app goes on: the message's session ended cleanly
+        await bus.idle(timeout=10)
+
+        assert await bus.saga_data(Account2, "a-4") == Release2("a-4")
+    assert bus.dead_lettered == []
+    assert seen.data == [[Release2("a-1"), Release2("a-2"), None, Release2("a-3")]]
 
 
 class Strict1(msgspec.Struct, forbid_unknown_fields=True):
