@@ -41,6 +41,8 @@ class Header:
     """On a saga's timeout: the id of the saga instance it goes back to."""
     SAGA_TYPE = "saga-type"
     """On a saga's timeout: the name of the saga type it goes back to."""
+    SAGA_CHECK = "saga-check"
+    """On a saga's timeout: a digest of its saga type and id, which tells it from made-up ones."""
     TEMPORARY_REPLY_TO = "temporary-reply-to"
     """"true" on a request whose reply-to queue goes away with the requester, and on its reply."""
     REPLY = "reply"

@@ -13,12 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import inspect
 import logging
 import types
 import typing
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import (
+    Callable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    MutableSequence,
+    Sequence,
+    Set,
+)
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
@@ -28,7 +37,8 @@ import msgspec
 from mersal.errors import ConcurrencyConflict, ConfigurationError, DecodeError, MersalError
 from mersal.messages import KEY_LENGTH, Header, describe, stored_key
 from mersal.pipeline import MessageContext, current_message
-from mersal.transaction import Transaction
+from mersal.serialization import MAX_DEPTH
+from mersal.transaction import Transaction, current_transaction
 
 if TYPE_CHECKING:
     from mersal.app import App
@@ -58,6 +68,13 @@ Correlation = str | Callable[[Any], object]
 
 class InvalidCorrelation(DecodeError):
     """A message's correlation value is missing or empty: no saga can be found for it."""
+
+
+class UnrequestedTimeout(DecodeError):
+    """A message of a saga's timeout type names the saga without a valid `saga-check`.
+
+    The type reaches a saga only as a timeout the saga requested: no saga can take it.
+    """
 
 
 class Saga(Generic[Data]):
@@ -131,7 +148,12 @@ class Saga(Generic[Data]):
                 f"nobody: add `async def ...(self, timeout: {name})` to the saga"
             )
         _check_timeout_correlation(spec, message, self._correlation)
-        marked = {**(headers or {}), Header.SAGA_ID: self.saga_id, Header.SAGA_TYPE: spec.name}
+        marked = {
+            **(headers or {}),
+            Header.SAGA_ID: self.saga_id,
+            Header.SAGA_TYPE: spec.name,
+            Header.SAGA_CHECK: saga_check(spec.name, self.saga_id),
+        }
         return await context.app.defer(delay, message, headers=marked, to_self=True)
 
     async def not_found(self, message: Any) -> None:
@@ -145,6 +167,35 @@ class Saga(Generic[Data]):
             type(self).__qualname__,
             type(message).__qualname__,
         )
+
+
+def saga_check(saga: str, saga_id: str) -> str:
+    """The `saga-check` header of a timeout that saga `saga_id` of type `saga` requests.
+
+    A digest of the two, so that saga headers made up or copied by hand (a new id, another
+    type) are told from a timeout the app requested. Not a secret: it stops mistakes, not a
+    producer who means to forge.
+    """
+    text = f"{saga}\x00{saga_id}".encode(errors="surrogatepass")
+    return hashlib.sha256(b"mersal-saga-timeout\x00" + text).hexdigest()[:32]
+
+
+def requested_timeout(headers: Mapping[str, str], saga: str) -> str | None:
+    """The saga id of a timeout that saga type `saga` requested, by the message's headers.
+
+    None unless they name `saga` and an id, with the `saga-check` of the two.
+    """
+    saga_id = headers.get(Header.SAGA_ID)
+    if headers.get(Header.SAGA_TYPE) != saga or saga_id is None:
+        return None
+    check = headers.get(Header.SAGA_CHECK)
+    return saga_id if check == saga_check(saga, saga_id) else None
+
+
+def shown(text: str, limit: int = SAGA_ID_LENGTH) -> str:
+    """Header text for a log line or an error: quoted, printable, at most `limit` characters."""
+    printable = "".join(c if c.isprintable() else "?" for c in text[:limit])
+    return repr(printable + ("..." if len(text) > limit else ""))
 
 
 def _plausible_id(saga_id: str) -> bool:
@@ -209,9 +260,9 @@ class SagaStore(Protocol):
         ...
 
     async def read(
-        self, saga: str, correlation: str, *, context: MessageContext | None = None
+        self, saga: str, correlation: str, *, transaction: Transaction | None = None
     ) -> StoredSaga | None:
-        """The saga as last committed; with `context`, as that message's transaction sees it."""
+        """The saga as last committed; with `transaction` (open), as that transaction sees it."""
         ...
 
 
@@ -492,125 +543,97 @@ class SagaRunner:
             if stored.revision:
                 await store.delete(context, spec.name, stored)
             return
-        saved = replace(stored, data=self._encode(saga.data, method, stored.data))
+        saved = replace(stored, data=self._encode(saga.data, method, stored))
         if stored.revision:
             await store.update(context, spec.name, saved)
         else:
             await store.insert(context, spec.name, saved)
 
-    async def timeout_of(self, message: Any, context: MessageContext) -> StoredSaga | None:
-        """This saga's instance that the message's saga headers name, when they are true.
-
-        Headers are true when they name this saga type and an instance of it that exists, and,
-        for a message type with a correlation here, the one its correlation value finds.
-        """
-        headers = context.headers
-        saga_id = headers.get(Header.SAGA_ID)
-        if headers.get(Header.SAGA_TYPE) != self.spec.name or saga_id is None:
-            return None
-        found = await self._lookup(message, context)
-        return found if found is not None and found.id == saga_id else None
-
-    async def _lookup(self, message: Any, context: MessageContext) -> StoredSaga | None:
-        """The saga the message's correlation value finds; a timeout type's, by the header's id.
-
-        Looked up once per attempt, whichever saga asks first (another saga asks whether the
-        message is this one's timeout).
-        """
+    async def _lookup(
+        self, message: Any, context: MessageContext, timeout_id: str | None
+    ) -> StoredSaga | None:
+        """The saga the message's correlation value finds; a timeout type's, by `timeout_id`."""
         spec = self.spec
-        cached = f"mersal.saga-lookup:{spec.name}"
-        if cached in context.items:
-            found: StoredSaga | None = context.items[cached]
-            return found
         store = self.store()
         lock = spec.pessimistic or context.conflicts > 0  # a rerun waits its turn, not races
         message_type = type(message)
         correlate = spec.correlate(message_type)
-        found = None
         if correlate is not None:
             key = correlation_key(_value(correlate, message, spec), spec, message_type)
-            found = await store.find(context, spec.name, correlation=key, lock=lock)
             context.items[f"mersal.saga-key:{spec.name}"] = key
-        elif context.headers.get(Header.SAGA_TYPE) == spec.name:
-            saga_id = context.headers.get(Header.SAGA_ID)
-            if saga_id is not None and _plausible_id(saga_id):
-                found = await store.find(context, spec.name, saga_id=saga_id, lock=lock)
-        context.items[cached] = found
-        return found
+            return await store.find(context, spec.name, correlation=key, lock=lock)
+        if timeout_id is not None and _plausible_id(timeout_id):
+            return await store.find(context, spec.name, saga_id=timeout_id, lock=lock)
+        return None
 
     async def _find(self, message: Any, context: MessageContext) -> StoredSaga | None:
         """The message's saga, a new one for a start message, or None (the message is done).
 
-        The saga headers are a hint, trusted only when they are true (`timeout_of`): a timeout
-        goes to the saga instance that requested it, and another saga type leaves it alone.
-        Headers that are not true are ignored, and the message is handled as what its type
-        says: it finds its saga by its correlation value, starts one, or goes to `not_found`.
+        A message whose saga headers name this saga type with a valid `saga-check` is a timeout
+        this saga requested: it goes to the instance with its id, or is ignored once that has
+        ended. Other saga headers are no timeout: a correlated type is handled as what its type
+        says (its saga, a new one, or `not_found`); a type without a correlation here, which
+        reaches a saga only as a timeout, is refused (`UnrequestedTimeout`).
         """
         spec, headers = self.spec, context.headers
         message_type = type(message)
         correlated = spec.correlate(message_type) is not None
-        if await self._for_another_saga(message, context, correlated):
+        if self._for_another_saga(message, context):
             return None
-        found = await self._lookup(message, context)
-        saga_id = headers.get(Header.SAGA_ID)
-        if headers.get(Header.SAGA_TYPE) == spec.name and saga_id is not None:
-            if found is not None and found.id == saga_id:
-                return found  # a timeout of this saga
-            if not correlated:
-                log.info(
-                    "%s: no saga %s of %s: it has ended, or the id names none; ignored",
-                    describe(headers),
-                    saga_id[:SAGA_ID_LENGTH],
-                    spec.cls.__qualname__,
-                )
-                return None
-            log.debug(
-                "%s: its saga headers name no %s found by its correlation value; handled as a %s",
+        timeout_id = requested_timeout(headers, spec.name)
+        if timeout_id is not None:
+            found = await self._lookup(message, context, timeout_id)
+            if found is not None and found.id == timeout_id:
+                return found
+            log.info(
+                "%s: timeout of saga %s of %s, which has ended: ignored",
                 describe(headers),
+                shown(timeout_id),
                 spec.cls.__qualname__,
-                message_type.__qualname__,
             )
-        if found is not None and correlated:
+            return None
+        if not correlated and headers.get(Header.SAGA_TYPE) == spec.name:
+            raise UnrequestedTimeout(
+                f"{type(message).__qualname__} names saga "
+                f"{shown(headers.get(Header.SAGA_ID, ''))} of {spec.cls.__qualname__} without a "
+                "valid saga-check: not a timeout this app requested"
+            )
+        found = await self._lookup(message, context, None)
+        if found is not None:
             return found
         if correlated and spec.starts(message_type):
             return StoredSaga(str(uuid.uuid4()), context.items[f"mersal.saga-key:{spec.name}"])
         await self._activate(context, StoredSaga("", "")).not_found(message)
         return None
 
-    async def _for_another_saga(
-        self, message: Any, context: MessageContext, correlated: bool
-    ) -> bool:
-        """Whether the message is another registered saga's timeout, which this one leaves.
+    def _for_another_saga(self, message: Any, context: MessageContext) -> bool:
+        """Whether the message is a timeout another registered saga requested: this one leaves it.
 
-        A type without a correlation here is left to the saga the headers name, which takes it
-        (this one could find no instance by another saga's id); a correlated type only when the
-        headers are true for that saga.
+        Only a valid `saga-check` for the saga the headers name, which takes the message's type,
+        makes it that saga's; other saga headers are ignored here.
         """
-        target = context.headers.get(Header.SAGA_TYPE)
+        headers = context.headers
+        target = headers.get(Header.SAGA_TYPE)
         if target is None or target == self.spec.name:
             return False
         other = self.sagas.get(target)
         if other is None or other.spec.method_for(type(message)) is None:
             log.debug(
-                "%s names saga %r, which does not take it in this app: saga headers ignored",
-                describe(context.headers),
-                target[:SAGA_NAME_LENGTH],
+                "%s names saga type %s, which does not take it in this app: saga headers ignored",
+                describe(headers),
+                shown(target, SAGA_NAME_LENGTH),
             )
             return False
-        if correlated and await other.timeout_of(message, context) is None:
+        if requested_timeout(headers, target) is None:
             log.debug(
-                "%s: no saga %r with its saga id: handled as a %s by %s",
-                describe(context.headers),
-                target[:SAGA_NAME_LENGTH],
-                type(message).__qualname__,
+                "%s names saga type %s without a valid saga-check: not its timeout for %s",
+                describe(headers),
+                shown(target, SAGA_NAME_LENGTH),
                 self.spec.cls.__qualname__,
             )
             return False
         log.debug(
-            "%s is a timeout of saga %r: not for %s",
-            describe(context.headers),
-            target,
-            self.spec.name,
+            "%s is a timeout of saga %s: not for %s", describe(headers), target, self.spec.name
         )
         return True
 
@@ -636,8 +659,8 @@ class SagaRunner:
                 "data, or make the class accept it (defaults for new fields)"
             ) from None
 
-    def _encode(self, data: object, method: str, stored: bytes | None) -> bytes:
-        """The data to save: checked to load back, with what a newer release stored kept."""
+    def _encode(self, data: object, method: str, stored: StoredSaga) -> bytes:
+        """The data to save: checked to load back as it is, with what a newer release stored."""
         spec = self.spec
         name = f"{spec.cls.__qualname__}.{method}()"
         if not isinstance(data, spec.data_type):
@@ -648,14 +671,39 @@ class SagaRunner:
             )
         encoded = self.codec.encode(data)
         try:
-            self.codec.decode(encoded, spec.data_type)
+            self._check_loads_back(data, self.codec.decode(encoded, spec.data_type))
         except DecodeError as error:
             raise MersalError(
                 f"{name} left data in saga {spec.name!r} that would not load back as "
                 f"{spec.data_type.__qualname__} ({error}): store values of the fields' "
                 "declared types; nothing was saved"
             ) from None
-        return keep_unknown(encoded, stored, spec.data_type)
+        self._check_nothing_newer(stored)
+        return keep_unknown(encoded, stored.data, spec.data_type)
+
+    def _check_loads_back(self, data: object, decoded: object) -> None:
+        """A DecodeError if `decoded` is not equal to `data` (a class with its own `==`)."""
+        if type(data).__eq__ is object.__eq__ or decoded == data:
+            return
+        difference = first_difference(data, decoded)
+        if difference is not None:
+            path, left, right = difference
+            raise DecodeError(
+                f"{path or 'the data'} holds {left!r:.80}, which loads back as {right!r:.80}"
+            )
+
+    def _check_nothing_newer(self, stored: StoredSaga) -> None:
+        """A MersalError if saving would erase what a newer release stored inside the data."""
+        spec = self.spec
+        newer = newer_nested_fields(stored.data, spec.data_type)
+        if newer:
+            shown = ", ".join(repr(path[:80]) for path in newer[:5])
+            raise MersalError(
+                f"the stored data of {spec.cls.__qualname__} saga {stored.id} holds {shown}, "
+                f"which {spec.data_type.__qualname__} of this release does not know: a newer "
+                "release wrote it, and saving would erase it. Run the newer release for this "
+                "saga, or add the field to this release's class; nothing was saved"
+            )
 
 
 @dataclass(slots=True)
@@ -712,9 +760,9 @@ class MemorySagaStore:
         self._changes(context).append(_Change((saga, stored.correlation), stored, None))
 
     async def read(
-        self, saga: str, correlation: str, *, context: MessageContext | None = None
+        self, saga: str, correlation: str, *, transaction: Transaction | None = None
     ) -> StoredSaga | None:
-        """The saga as last committed (a message's pending changes apply only at its commit)."""
+        """The saga as last committed (a transaction's pending changes apply at its commit)."""
         found = self.rows.get((saga, correlation))
         return None if found is None else replace(found)
 
@@ -783,15 +831,16 @@ class MemorySagaStore:
 async def saga_data(app: App, saga: type[Saga[D]], correlation: object) -> D | None:
     """The committed data of the `saga` whose correlation value is `correlation`, or None.
 
-    Inside a handler of this app, it is read in the message's transaction (so it does not wait
-    for a database connection the message holds): the data as the message sees it.
+    Inside a transaction of this app (a handler's, or an `app.transaction()` block's) it is
+    read in that transaction (so it does not wait for a database connection the transaction
+    holds): the data as the transaction sees it.
     """
     spec = app.saga_spec(saga)
     key = correlation_key(correlation, spec, type(correlation))
-    context = current_message.get()
-    if context is not None and context.app is not app:
-        context = None
-    stored = await app.saga_store().read(spec.name, key, context=context)
+    transaction = current_transaction.get()
+    if transaction is not None and (transaction.owner is not app or not transaction.open):
+        transaction = None
+    stored = await app.saga_store().read(spec.name, key, transaction=transaction)
     if stored is None or stored.data is None:
         return None
     decoded: D = decode_data(app.codec, stored.data, spec.data_type)
@@ -799,12 +848,18 @@ async def saga_data(app: App, saga: type[Saga[D]], correlation: object) -> D | N
 
 
 def decode_data(codec: Codec, data: bytes, data_type: type) -> Any:
-    """Stored saga data as `data_type`; top-level keys the class does not know are left out."""
-    stored = _json_object(data)
-    if stored is not None:
-        known = data_keys(data_type)
-        if any(key not in known for key in stored):
-            data = msgspec.json.encode({k: v for k, v in stored.items() if k in known})
+    """Stored saga data as `data_type`.
+
+    Top-level keys a newer release added are left to the class, which ignores them, or (a
+    pydantic model with `extra="allow"`) keeps them; only for a class that forbids unknown
+    fields are they left out.
+    """
+    if _forbids_unknown(data_type):
+        stored = _json_object(data)
+        if stored is not None:
+            known = data_keys(data_type)
+            if any(key not in known for key in stored):
+                data = msgspec.json.encode({k: v for k, v in stored.items() if k in known})
     return codec.decode(data, data_type)
 
 
@@ -812,9 +867,11 @@ def keep_unknown(encoded: bytes, stored: bytes | None, data_type: type) -> bytes
     """`encoded` with the stored data's top-level keys that `data_type` does not know.
 
     A newer release may have added a field: an older one that saves the saga keeps it. Only
-    data a codec writes as a JSON object can keep them (the JSON codec's).
+    keys absent from `encoded` and unknown to the class come back (a known field that the
+    encoding leaves out, at its default with `omit_defaults`, stays out). Only data a codec
+    writes as a JSON object can keep them (the JSON codec's).
     """
-    before = None if stored is None else _json_object(stored)
+    before = None if stored is None or _keeps_extras(data_type) else _json_object(stored)
     if not before:
         return encoded
     known = data_keys(data_type)
@@ -825,20 +882,223 @@ def keep_unknown(encoded: bytes, stored: bytes | None, data_type: type) -> bytes
     return msgspec.json.encode({**after, **{k: v for k, v in unknown.items() if k not in after}})
 
 
+def newer_nested_fields(stored: bytes | None, data_type: type) -> list[str]:
+    """Where the stored data holds what `data_type` cannot keep: paths such as `addr.zip`.
+
+    A key inside a nested object that its class does not know, or an element past the fields
+    of an `array_like` Struct: a newer release wrote it, and saving this release's data would
+    erase it. (Top-level keys are kept by `keep_unknown`.)
+    """
+    if stored is None or stored[:1] not in (b"{", b"["):
+        return []
+    try:
+        value = msgspec.json.decode(stored)
+    except msgspec.DecodeError:
+        return []
+    return list(_newer_fields(value, data_type, "", MAX_DEPTH, top=True))
+
+
+def _newer_fields(
+    value: Any, hint: Any, path: str, depth: int, *, top: bool = False
+) -> Iterator[str]:
+    if depth <= 0:
+        return
+    hint = _single_class(hint)
+    origin = typing.get_origin(hint) or hint
+    arguments = typing.get_args(hint)
+    if isinstance(value, dict) and origin in _MAPPINGS and len(arguments) == 2:
+        for key, item in value.items():
+            yield from _newer_fields(item, arguments[1], f"{path}[{key!r}]", depth - 1)
+    elif isinstance(value, list) and origin in _SEQUENCES and len(arguments) in (1, 2):
+        if len(arguments) == 2 and arguments[1] is not Ellipsis:
+            return
+        for index, item in enumerate(value):
+            yield from _newer_fields(item, arguments[0], f"{path}[{index}]", depth - 1)
+    elif isinstance(hint, type) and _is_data_class(hint):
+        yield from _newer_in_object(value, hint, path, depth, top)
+
+
+def _newer_in_object(value: Any, cls: type, path: str, depth: int, top: bool) -> Iterator[str]:
+    fields = _fields(cls)
+    if isinstance(value, list) and _array_like(cls):
+        positions = _tag_positions(cls)
+        if len(value) > positions + len(fields):
+            yield f"{path}[{positions + len(fields)}]"
+        for index, (field, item) in enumerate(zip(fields, value[positions:], strict=False)):
+            where = f"{path}[{positions + index}]"
+            yield from _newer_fields(item, field.hint, where, depth - 1)
+        return
+    if not isinstance(value, dict):
+        return
+    if not top and not _keeps_extras(cls):
+        known = data_keys(cls)
+        yield from (f"{path}.{key}".lstrip(".") for key in value if key not in known)
+    for field in fields:
+        for key in dict.fromkeys(field.keys):
+            if key in value:
+                where = f"{path}.{key}".lstrip(".")
+                yield from _newer_fields(value[key], field.hint, where, depth - 1)
+
+
+_MAPPINGS: tuple[object, ...] = (dict, Mapping, MutableMapping)
+_SEQUENCES: tuple[object, ...] = (list, tuple, set, frozenset, Sequence, MutableSequence, Set)
+
+
+def _single_class(hint: Any) -> Any:
+    """`X` for `X | None` (a union of one type and None) and `Annotated[X, ...]`; else `hint`."""
+    if typing.get_origin(hint) is typing.Annotated:
+        return _single_class(typing.get_args(hint)[0])
+    if _is_union(hint):
+        members = [m for m in typing.get_args(hint) if m is not type(None)]
+        if len(members) == 1:
+            return members[0]
+    return hint
+
+
+def _is_data_class(cls: type) -> bool:
+    return (
+        dataclasses.is_dataclass(cls)
+        or issubclass(cls, msgspec.Struct)
+        or hasattr(cls, "__attrs_attrs__")
+        or hasattr(cls, "model_fields")
+    )
+
+
+def _array_like(cls: type) -> bool:
+    return issubclass(cls, msgspec.Struct) and bool(cls.__struct_config__.array_like)
+
+
+def _tag_positions(cls: type) -> int:
+    """How many elements an `array_like` Struct's array starts with before its fields (a tag)."""
+    return 0 if cls.__struct_config__.tag is None else 1  # type: ignore[attr-defined]
+
+
+class _Field(typing.NamedTuple):
+    attribute: str
+    keys: tuple[str, ...]
+    """Every key the field may be stored under: its name, encode name, aliases."""
+    hint: Any
+
+
+def _fields(cls: type) -> list[_Field]:
+    """The fields of a data class: attribute, the keys it may be stored under, and type."""
+    if issubclass(cls, msgspec.Struct):
+        return [
+            _Field(f.name, (f.name, f.encode_name), f.type) for f in msgspec.structs.fields(cls)
+        ]
+    model_fields: Mapping[str, Any] | None = getattr(cls, "model_fields", None)
+    if model_fields is not None:  # pydantic
+        return [
+            _Field(name, tuple(_aliases(name, info)), info.annotation)
+            for name, info in model_fields.items()
+        ]
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # a class whose annotations name what its module does not hold
+        hints = {}
+    if dataclasses.is_dataclass(cls):
+        names = [f.name for f in dataclasses.fields(cls)]
+    else:
+        names = [a.name for a in getattr(cls, "__attrs_attrs__", ())]
+    return [_Field(name, (name,), hints.get(name, Any)) for name in names]
+
+
 def data_keys(data_type: type) -> frozenset[str]:
-    """The top-level keys a data class reads and writes: its fields' names and aliases."""
-    if dataclasses.is_dataclass(data_type):
-        return frozenset(field.name for field in dataclasses.fields(data_type))
+    """The top-level keys a data class reads and writes: its fields' names and every alias."""
+    keys = {key for field in _fields(data_type) for key in field.keys}
     if issubclass(data_type, msgspec.Struct):
-        fields = msgspec.structs.fields(data_type)
         tag = data_type.__struct_config__.tag_field
-        encoded = {name for f in fields for name in (f.name, f.encode_name)}
-        return frozenset(encoded if tag is None else {*encoded, tag})
-    names: set[str] = {a.name for a in getattr(data_type, "__attrs_attrs__", ())}
-    for name, info in getattr(data_type, "model_fields", {}).items():  # pydantic
-        aliases = (info.alias, info.serialization_alias, info.validation_alias)
-        names |= {name, *(alias for alias in aliases if isinstance(alias, str))}
-    return frozenset(names)
+        if tag is not None:
+            keys.add(tag)
+    return frozenset(keys)
+
+
+def _aliases(name: str, info: Any) -> Iterator[str]:
+    """A pydantic field's name and every key it may be read or written under."""
+    yield name
+    for alias in (info.alias, info.serialization_alias, info.validation_alias):
+        choices = getattr(alias, "choices", None)  # AliasChoices
+        for choice in [alias] if choices is None else choices:
+            path = getattr(choice, "path", None)  # AliasPath: its first key is top-level
+            if isinstance(choice, str):
+                yield choice
+            elif path and isinstance(path[0], str):
+                yield path[0]
+
+
+def _forbids_unknown(data_type: type) -> bool:
+    """Whether decoding `data_type` refuses keys it does not know."""
+    if issubclass(data_type, msgspec.Struct):
+        return bool(data_type.__struct_config__.forbid_unknown_fields)
+    return _pydantic_extra(data_type) == "forbid"
+
+
+def _keeps_extras(data_type: type) -> bool:
+    """Whether `data_type` keeps keys it does not know itself (pydantic's `extra="allow"`)."""
+    return _pydantic_extra(data_type) == "allow"
+
+
+def _pydantic_extra(data_type: type) -> object:
+    config = getattr(data_type, "model_config", None)
+    return config.get("extra") if isinstance(config, Mapping) else None
+
+
+Difference = tuple[str, object, object]
+"""Where two values differ (a path such as `addr.zip`; `""`: the whole), and both parts there."""
+
+
+def first_difference(
+    left: Any, right: Any, path: str = "", depth: int = MAX_DEPTH
+) -> Difference | None:
+    """The first field where `left` and `right` differ, or None where they are equal.
+
+    Data classes are compared field by field (a pydantic model's extras too, not its private
+    attributes), lists, tuples and dicts item by item, and everything else with `==`.
+    """
+    if left is right or depth <= 0:
+        return None
+    if _is_data_object(left) or _is_data_object(right):
+        if type(left) is not type(right):
+            return path, left, right
+        for field in _fields(type(left)):
+            name = field.attribute
+            found = first_difference(
+                getattr(left, name, None),
+                getattr(right, name, None),
+                f"{path}.{name}".lstrip("."),
+                depth - 1,
+            )
+            if found is not None:
+                return found
+        extras = getattr(left, "model_extra", None) or {}, getattr(right, "model_extra", None) or {}
+        return None if extras[0] == extras[1] else (path, left, right)
+    if isinstance(left, dict) and isinstance(right, dict):
+        if type(left) is not type(right) or left.keys() != right.keys():
+            return path, left, right
+        return _first_of(
+            first_difference(item, right[key], f"{path}[{key!r}]", depth - 1)
+            for key, item in left.items()
+        )
+    if isinstance(left, list | tuple) and isinstance(right, list | tuple):
+        if type(left) is not type(right) or len(left) != len(right):
+            return path, left, right
+        return _first_of(
+            first_difference(a, b, f"{path}[{index}]", depth - 1)
+            for index, (a, b) in enumerate(zip(left, right, strict=True))
+        )
+    try:
+        equal = bool(left == right)
+    except Exception:
+        equal = False
+    return None if equal else (path, left, right)
+
+
+def _first_of(differences: Iterator[Difference | None]) -> Difference | None:
+    return next((found for found in differences if found is not None), None)
+
+
+def _is_data_object(value: object) -> bool:
+    return not isinstance(value, type) and _is_data_class(type(value))
 
 
 def _json_object(data: bytes) -> dict[str, Any] | None:

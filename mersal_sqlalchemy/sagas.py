@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 from sqlalchemy import CursorResult, Select, Table, delete, func, insert, select, update
 from sqlalchemy.exc import DBAPIError, IntegrityError
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
-from mersal.errors import ConcurrencyConflict, MersalError
+from mersal.errors import ConcurrencyConflict
 from mersal.pipeline import MessageContext
 from mersal.sagas import StoredSaga
+from mersal.transaction import Transaction
 from mersal_sqlalchemy.database import ENDING, is_postgresql
 
 T = TypeVar("T")
@@ -98,28 +101,22 @@ class SqlSagaStore:
         await self._one_row(context, statement, saga, stored)
 
     async def read(
-        self, saga: str, correlation: str, *, context: MessageContext | None = None
+        self, saga: str, correlation: str, *, transaction: Transaction | None = None
     ) -> StoredSaga | None:
-        """The saga as last committed; with `context`, as that message's session sees it.
+        """The saga as last committed; with `transaction`, as its session sees it.
 
-        Outside a message it is read on a connection of its own. Inside one it is read through
-        the message's session: on SQLite the one pooled connection may be the message's own.
+        Outside a transaction it is read on a connection of its own. Inside one (a message's,
+        or an `app.transaction()` block's) it is read through the transaction's session or
+        connection: on SQLite the one pooled connection may be that transaction's. Reads that
+        share a session take turns (a session runs one statement at a time).
         """
         query = self._select(saga, correlation, None)
-        session = self._session(context)
-        if session is not None:
-            return _stored((await session.execute(query)).first())
-        async with self.engine.connect() as connection:
-            return _stored((await connection.execute(query)).first())
-
-    def _session(self, context: MessageContext | None) -> AsyncSession | None:
-        if context is None:
-            return None
-        try:
-            session = self.session_of(context)
-        except MersalError:  # the message is not handled in a session
-            return None
-        return None if session.info.get(ENDING) else session
+        executor = _executor_of(transaction)
+        if executor is None:
+            async with self.engine.connect() as connection:
+                return _stored((await connection.execute(query)).first())
+        async with _turns(executor):
+            return _stored((await executor.execute(query)).first())
 
     def _select(self, saga: str, correlation: str | None, saga_id: str | None) -> Select[Any]:
         table = self.table
@@ -148,6 +145,28 @@ class SqlSagaStore:
                 f"saga {saga} {stored.correlation!r} changed since it was loaded at revision "
                 f"{stored.revision}"
             )
+
+
+def _executor_of(transaction: Transaction | None) -> AsyncSession | AsyncConnection | None:
+    """The session or connection an open transaction writes through, unless it is ending."""
+    if transaction is None or not transaction.open:
+        return None
+    executor = transaction.session
+    if isinstance(executor, AsyncSession) and not executor.info.get(ENDING):
+        return executor
+    return executor if isinstance(executor, AsyncConnection) else None
+
+
+_TURNS: weakref.WeakKeyDictionary[object, asyncio.Lock] = weakref.WeakKeyDictionary()
+"""Per session or connection: the lock its saga reads take turns with."""
+
+
+def _turns(executor: AsyncSession | AsyncConnection) -> asyncio.Lock:
+    """The lock that reads through `executor` take turns with (one statement at a time)."""
+    lock = _TURNS.get(executor)
+    if lock is None:
+        lock = _TURNS[executor] = asyncio.Lock()
+    return lock
 
 
 async def _raced(work: Awaitable[T]) -> T:

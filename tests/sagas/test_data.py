@@ -7,11 +7,15 @@ one process's memory; each phase below is an app of one release on the same brok
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
+import pydantic
+import pytest
 from lagom import Container
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -235,6 +239,59 @@ async def test_saga_data_in_a_handler_reads_through_the_messages_transaction(
     assert max(seen.seconds) < 1
 
 
+async def test_saga_data_in_an_app_transaction_reads_through_its_session(database: str) -> None:
+    """On SQLite the block's session holds the one pooled connection: a read elsewhere waits."""
+    app = account_app(Account2, database)
+    async with Harness(app) as bus:
+        await app.send(Open("a-1"))
+        await bus.idle(timeout=10)
+        async with app.transaction() as transaction:
+            assert isinstance(transaction.session, AsyncSession)
+            await transaction.session.execute(text("SELECT 1"))  # it holds a connection now
+            await app.send(Open("a-2"))  # and writes an outbox row
+            data = await asyncio.wait_for(app.saga_data(Account2, "a-1"), 5)
+            assert await asyncio.wait_for(app.saga_data(Account2, "a-3"), 5) is None
+        await bus.idle(timeout=10)
+
+        assert data == Release2("a-1")
+        assert await bus.saga_data(Account2, "a-2") == Release2("a-2")
+    assert bus.dead_lettered == []
+
+
+class Gatherer:
+    """A handler that reads several sagas' data at once."""
+
+    def __init__(self, app: App, seen: Seen) -> None:
+        self.app = app
+        self.seen = seen
+
+    async def __call__(self, message: Peek) -> None:
+        keys = message.key.split(",")
+        self.seen.data.append(
+            await asyncio.gather(*(self.app.saga_data(Account2, key) for key in keys))
+        )
+
+
+async def test_saga_data_read_concurrently_in_a_handler_takes_turns_in_its_session(
+    database: str,
+) -> None:
+    seen = Seen()
+    app = account_app(Account2, database, seen)
+    app.register(Peek, Gatherer)
+    async with Harness(app) as bus:
+        for key in ("a-1", "a-2", "a-3"):
+            await app.send(Open(key))
+        await bus.idle(timeout=10)
+        await app.send(Peek("a-1,a-2,a-9,a-3"))
+        await bus.idle(timeout=10)
+        await app.send(Open("a-4"))  # the app goes on: the message's session ended cleanly
+        await bus.idle(timeout=10)
+
+        assert await bus.saga_data(Account2, "a-4") == Release2("a-4")
+    assert bus.dead_lettered == []
+    assert seen.data == [[Release2("a-1"), Release2("a-2"), None, Release2("a-3")]]
+
+
 class Strict1(msgspec.Struct, forbid_unknown_fields=True):
     key: str = ""
     balance: int = 0
@@ -278,3 +335,275 @@ async def test_unknown_keys_are_no_error_for_a_class_that_forbids_them() -> None
     assert await read(app_of(StrictAccount2), StrictAccount2, "a-1") == Strict2(
         "a-1", balance=4, risk_level="high"
     )
+
+
+# Inside the data: what release 1 cannot keep, it refuses to save rather than erase.
+
+
+@dataclass
+class Address1:
+    city: str = ""
+
+
+@dataclass
+class Address2:
+    city: str = ""
+    zip: str = ""
+
+
+@dataclass
+class Nested1:
+    key: str = ""
+    balance: int = 0
+    addr: Address1 = field(default_factory=Address1)
+    previous: list[Address1] | None = None
+
+
+@dataclass
+class Nested2:
+    key: str = ""
+    balance: int = 0
+    addr: Address2 = field(default_factory=Address2)
+    previous: list[Address2] | None = None
+
+
+class Array1(msgspec.Struct, array_like=True):
+    key: str = ""
+    balance: int = 0
+
+
+class Array2(msgspec.Struct, array_like=True):
+    key: str = ""
+    balance: int = 0
+    label: str = "none"
+
+
+def nested_label(data: Nested2, label: str) -> None:
+    data.addr.zip = label
+
+
+def previous_label(data: Nested2, label: str) -> None:
+    data.previous = [Address2("old"), Address2("older", zip=label)]
+
+
+def array_label(data: Array2, label: str) -> None:
+    data.label = label
+
+
+def releases(
+    name: str, old: type, new: type, set_label: Callable[[Any, str], None]
+) -> tuple[type[Saga[object]], type[Saga[object]]]:
+    """Release 1 and 2 of a saga whose data class is `old`, then `new`."""
+
+    class Old(Saga[old], name=name):  # type: ignore[valid-type]
+        started_by = (Open,)
+        correlation = {Open: "key", Deposit: "key"}
+
+        async def open(self, message: Open) -> None:
+            self.data.key = message.key
+
+        async def deposit(self, message: Deposit) -> None:
+            self.data.balance += int(message.amount)
+
+    class New(Old, Saga[new], name=name):  # type: ignore[valid-type]
+        correlation = {Open: "key", Deposit: "key", Label: "key"}
+
+        async def label(self, message: Label) -> None:
+            set_label(self.data, message.label)
+
+    return Old, New
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "set_label", "path"),
+    [
+        (Nested1, Nested2, nested_label, "'addr.zip'"),
+        (Nested1, Nested2, previous_label, "'previous[1].zip'"),
+        (Array1, Array2, array_label, "'[2]'"),
+    ],
+    ids=["nested", "list-of-nested", "array-like"],
+)
+async def test_an_older_release_refuses_to_erase_what_a_newer_one_stored_inside_the_data(
+    old: type, new: type, set_label: Callable[[Any, str], None], path: str
+) -> None:
+    Old, New = releases(f"tests.data.{new.__name__}", old, new, set_label)
+    app_of = phases(None)
+    bus = await run(app_of(New), Open("a-1"), Label("a-1", "gold"))
+    assert bus.dead_lettered == []
+    stored = await read(app_of(New), New, "a-1")
+
+    bus = await run(app_of(Old), Deposit("a-1", 5))
+
+    [dead] = bus.dead_lettered
+    assert dead.error_type == "mersal.errors.MersalError"
+    assert f"the stored data of {Old.__qualname__} saga " in dead.error_message
+    assert path in dead.error_message
+    assert f", which {old.__name__} of this release does not know" in dead.error_message
+    assert "a newer release wrote it" in dead.error_message
+    assert "Run the newer release for this saga, or add the field" in dead.error_message
+    assert await read(app_of(New), New, "a-1") == stored
+    bus = await run(app_of(New), Deposit("a-1", 5))  # the newer release goes on with it
+    assert bus.dead_lettered == []
+
+
+class Sparse(msgspec.Struct, omit_defaults=True):
+    key: str = ""
+    balance: int = 0
+    label: str = "none"
+
+
+class SparseAccount(Saga[Sparse], name="tests.data.SparseAccount"):
+    started_by = (Open,)
+    correlation = {Open: "key", Label: "key"}
+
+    async def open(self, message: Open) -> None:
+        self.data.key = message.key
+
+    async def label(self, message: Label) -> None:
+        self.data.label = message.label
+
+
+async def test_a_field_set_back_to_its_default_stays_at_its_default() -> None:
+    """With omit_defaults the field leaves the encoding: its stored value must not come back."""
+    app_of = phases(None)
+    bus = await run(app_of(SparseAccount), Open("a-1"), Label("a-1", "gold"), Label("a-1", "none"))
+
+    assert bus.dead_lettered == []
+    assert await read(app_of(SparseAccount), SparseAccount, "a-1") == Sparse("a-1")
+
+
+class Renamed(pydantic.BaseModel):
+    """Reads `amount` under its old name `balance` too (what earlier releases wrote)."""
+
+    key: str = ""
+    amount: int = pydantic.Field(0, validation_alias=pydantic.AliasChoices("amount", "balance"))
+    history: list[int] = pydantic.Field(
+        default_factory=list,
+        validation_alias=pydantic.AliasChoices("history", pydantic.AliasPath("past", "history")),
+    )
+
+
+class RenamedAccount(Saga[Renamed], name="tests.data.RenamedAccount"):
+    started_by = (Open,)
+    correlation = {Open: "key", Deposit: "key"}
+
+    async def open(self, message: Open) -> None:
+        self.data.key = message.key
+
+    async def deposit(self, message: Deposit) -> None:
+        self.data.amount += int(message.amount)
+        self.data.history.append(int(message.amount))
+
+
+async def test_a_field_read_under_an_older_alias_keeps_its_value() -> None:
+    memory = MemorySagaStore()
+    app = account_app(RenamedAccount, None)
+    app._memory_sagas = memory
+    await run(app, Open("a-1"))
+    [row] = memory.rows.values()
+    row.data = b'{"key":"a-1","balance":7,"past":{"history":[7]}}'  # an earlier release's row
+
+    bus = await run(app, Deposit("a-1", 1))
+
+    assert bus.dead_lettered == []
+    assert await read(app, RenamedAccount, "a-1") == Renamed(key="a-1", amount=8, history=[7, 1])
+    assert msgspec.json.decode(memory.rows[row_key(memory)].data or b"") == {
+        "key": "a-1",
+        "amount": 8,
+        "history": [7, 1],
+    }
+
+
+def row_key(memory: MemorySagaStore) -> tuple[str, str]:
+    [key] = memory.rows
+    return key
+
+
+class Loose(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="allow")
+
+    key: str = ""
+    balance: int = 0
+
+
+class LooseAccount(Saga[Loose], name="tests.data.LooseAccount"):
+    started_by = (Open,)
+    correlation = {Open: "key", Deposit: "key", Label: "key"}
+
+    async def open(self, message: Open) -> None:
+        self.data.key = message.key
+
+    async def label(self, message: Label) -> None:
+        self.data.label = message.label  # type: ignore[attr-defined]  # an allowed extra
+
+    async def deposit(self, message: Deposit) -> None:
+        assert self.data.model_extra == {"label": "gold"}
+        self.data.balance += int(message.amount)
+
+
+async def test_the_extra_fields_of_a_model_that_allows_them_load_again() -> None:
+    app_of = phases(None)
+    bus = await run(app_of(LooseAccount), Open("a-1"), Label("a-1", "gold"), Deposit("a-1", 2))
+
+    assert bus.dead_lettered == []
+    loaded = await read(app_of(LooseAccount), LooseAccount, "a-1")
+    assert loaded == Loose.model_validate({"key": "a-1", "balance": 2, "label": "gold"})
+
+
+# A method's value that loads back as something else fails its message.
+
+
+@dataclass
+class Typed:
+    key: str = ""
+    raw: bytes = b""
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Spoilt:
+    key: str
+    case: str
+
+
+SPOIL: dict[str, Callable[[Typed], None]] = {
+    "text-in-bytes": lambda data: setattr(data, "raw", "abcd"),
+    "int-key-in-dict-of-str": lambda data: data.counts.update({1: 2}),  # type: ignore[dict-item]
+}
+
+
+class TypedAccount(Saga[Typed], name="tests.data.TypedAccount"):
+    started_by = (Open,)
+    correlation = {Open: "key", Spoilt: "key"}
+
+    async def open(self, message: Open) -> None:
+        self.data.key = message.key
+
+    async def spoilt(self, message: Spoilt) -> None:
+        SPOIL[message.case](self.data)
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("text-in-bytes", "raw holds 'abcd', which loads back as b'i"),
+        ("int-key-in-dict-of-str", "counts holds {1: 2}, which loads back as {'1': 2}"),
+    ],
+)
+async def test_a_value_that_loads_back_changed_fails_its_message(case: str, reason: str) -> None:
+    app = account_app(TypedAccount, None)
+    app.route(Spoilt, QUEUE)
+    async with Harness(app) as bus:
+        await app.send(Open("a-1"))
+        await bus.idle()
+        await app.send(Spoilt("a-1", case))
+        await bus.idle()
+
+        [dead] = bus.dead_lettered
+        assert dead.error_type == "mersal.errors.MersalError"
+        assert "TypedAccount.spoilt() left data in saga 'tests.data.TypedAccount'" in (
+            dead.error_message
+        )
+        assert f"would not load back as Typed ({reason}" in dead.error_message
+        assert "nothing was saved" in dead.error_message
+        assert await bus.saga_data(TypedAccount, "a-1") == Typed("a-1")

@@ -1,9 +1,10 @@
-"""Saga headers (`saga-type`, `saga-id`) are a hint, trusted only when they can be true.
+"""Saga headers (`saga-type`, `saga-id`) make a timeout only with a valid `saga-check`.
 
-Any producer can copy them onto a message, or make them up. A message with headers that are
-not true is handled as what its type says: it finds its saga by its correlation value, starts
-one, or goes to `not_found`. Only a timeout type (a method, no correlation) whose saga is gone
-is ignored. Also what `request_timeout` refuses at the call.
+Any producer can copy them onto a message, or make them up. A timeout the app requested
+carries the check: it reaches the saga instance that requested it, and is ignored once that
+has ended. Headers without it are no timeout: a correlated message is handled as what its
+type says (its saga, a new one, or `not_found`), and a timeout type (a method, no correlation)
+goes to the error queue. Also what `request_timeout` refuses at the call.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 from lagom import Container
 
 from mersal import App, Header, RetryPolicy
-from mersal.sagas import Saga
+from mersal.sagas import Saga, saga_check
 from mersal.testing import Harness
 
 QUEUE = "tickets"
@@ -260,7 +262,29 @@ async def test_a_real_timeout_of_a_correlated_type_reaches_only_its_saga() -> No
     assert bus.dead_lettered == []
 
 
-async def test_a_timeout_of_a_correlated_type_whose_saga_ended_is_handled_as_its_type() -> None:
+async def test_a_timeout_of_a_correlated_type_whose_saga_ended_is_ignored(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    probe = Probe()
+    app = tickets_app(probe)
+    caplog.set_level(logging.INFO, logger="mersal.sagas")
+    async with Harness(app) as bus:
+        await app.send(Open("t-1", timeout=Reply("t-1")))
+        await bus.idle(include_delayed=False)
+        ended = probe.saga_ids["t-1"]
+        await app.send(Close("t-1"))
+        await bus.idle(include_delayed=False)
+
+        assert bus.deliver_delayed() == 1
+        await bus.idle()
+
+        assert probe.runs["reply"] == 0
+        assert probe.not_found == []
+    assert bus.dead_lettered == []
+    assert f"timeout of saga {ended!r} of Tickets, which has ended: ignored" in caplog.text
+
+
+async def test_a_new_saga_under_the_same_correlation_does_not_get_an_ended_sagas_timeout() -> None:
     probe = Probe()
     app = tickets_app(probe)
     async with Harness(app) as bus:
@@ -268,33 +292,91 @@ async def test_a_timeout_of_a_correlated_type_whose_saga_ended_is_handled_as_its
         await bus.idle(include_delayed=False)
         await app.send(Close("t-1"))
         await bus.idle(include_delayed=False)
+        await app.send(Open("t-1"))  # a new saga, with a new id, under the same value
+        await bus.idle(include_delayed=False)
+        assert len({deferred.headers[Header.SAGA_ID] for deferred in bus.deferred}) == 1
 
         assert bus.deliver_delayed() == 1
         await bus.idle()
 
-        assert probe.not_found == [Reply("t-1")]
+        assert probe.runs["reply"] == 0
+        assert await bus.saga_data(Tickets, "t-1") == Ticket("t-1")
     assert bus.dead_lettered == []
 
 
-async def test_a_made_up_id_on_a_timeout_type_is_ignored_without_claiming_completion(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize(
+    "headers",
+    [
+        lambda saga_id: forged(Tickets.saga_name),
+        lambda saga_id: forged(Tickets.saga_name, saga_id),
+        lambda saga_id: {
+            **forged(Tickets.saga_name, saga_id),
+            Header.SAGA_CHECK: saga_check(Escalations.saga_name, saga_id),
+        },
+    ],
+    ids=["made-up-id", "real-id-without-check", "check-of-another-type"],
+)
+async def test_a_timeout_type_naming_its_saga_without_a_valid_check_is_dead_lettered(
+    headers: Callable[[str], dict[str, str]],
+) -> None:
+    probe = Probe()
+    app = tickets_app(probe, Tickets, Escalations)
+    async with Harness(app) as bus:
+        await app.send(Open("t-1"))
+        await bus.idle()
+        sent = headers(probe.saga_ids["t-1"])
+        await app.send(Remind("t-1"), headers=sent)
+        await bus.idle()
+
+        assert probe.runs["remind"] == probe.runs["escalation remind"] == 0
+        [dead] = bus.dead_lettered
+        assert dead.error_type == "mersal.sagas.UnrequestedTimeout"
+        assert dead.error_message == (
+            f"Remind names saga {sent[Header.SAGA_ID]!r} of Tickets without a valid saga-check: "
+            "not a timeout this app requested"
+        )
+        assert dead.headers[Header.ERROR_ATTEMPTS] == "1"  # no retries
+
+
+async def test_a_timeout_of_a_type_two_sagas_take_reaches_only_the_one_that_requested_it() -> None:
+    probe = Probe()
+    app = tickets_app(probe, Tickets, Escalations)
+    async with Harness(app) as bus:
+        await app.send(Open("t-1"))
+        await bus.idle()
+        saga_id = probe.saga_ids["t-1"]
+        real = {
+            **forged(Tickets.saga_name, saga_id),
+            Header.SAGA_CHECK: saga_check(Tickets.saga_name, saga_id),
+        }
+        await app.send(Remind("t-1"), headers=real)
+        await bus.idle()
+
+        assert probe.runs["remind"] == 1
+        assert probe.runs["escalation remind"] == 0
+        assert await bus.saga_data(Tickets, "t-1") == Ticket("t-1", reminded=1)
+    assert bus.dead_lettered == []
+
+
+@pytest.mark.parametrize("saga_id", ["", "x" * 10240, "ab\x00cd", "line\nbreak\x1b[31m", "é" * 40])
+async def test_odd_saga_ids_reach_logs_and_errors_printable_and_short(
+    saga_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     probe = Probe()
     app = tickets_app(probe)
     caplog.set_level(logging.INFO, logger="mersal.sagas")
-    made_up = str(uuid.uuid4())
+    headers = {Header.SAGA_TYPE: Tickets.saga_name, Header.SAGA_ID: saga_id}
+    checked = {**headers, Header.SAGA_CHECK: saga_check(Tickets.saga_name, saga_id)}
     async with Harness(app) as bus:
-        await app.send(Open("t-1"))
-        await bus.idle()
-        await app.send(Remind("t-1"), headers=forged(Tickets.saga_name, made_up))
+        await app.send(Remind("t-1"), headers=checked)  # a real check: ignored, logged
+        await app.send(Remind("t-1"), headers=headers)
         await bus.idle()
 
-        assert probe.runs["remind"] == 0
-        assert probe.not_found == []
-    assert bus.dead_lettered == []
-    [line] = [line for line in caplog.messages if made_up in line]
-    assert "it has ended, or the id names none" in line
-    assert "complete" not in line
+    [line] = [r.getMessage() for r in caplog.records if "which has ended" in r.getMessage()]
+    [dead] = bus.dead_lettered
+    for text in (line.split(": timeout of saga ")[1], dead.error_message):
+        assert text.isprintable()
+        assert len(text) < 160
 
 
 async def test_a_timeout_type_with_a_saga_type_of_no_registered_saga_goes_to_not_found() -> None:
