@@ -270,9 +270,23 @@ def _path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+SHOWN_LENGTH = 100
+"""The most characters of one header value that a log line shows."""
+
+
 def describe(headers: dict[str, Any]) -> str:
     """A short log-friendly identity of a message: id, type, correlation id, attempt."""
     return (
-        f"id={headers.get(Header.MESSAGE_ID)} type={headers.get(Header.TYPE)} "
-        f"correlation={headers.get(Header.CORRELATION_ID)}"
+        f"id={shown(headers.get(Header.MESSAGE_ID))} type={shown(headers.get(Header.TYPE))} "
+        f"correlation={shown(headers.get(Header.CORRELATION_ID))}"
     )
+
+
+def shown(value: object) -> str:
+    """A header value as a log line may show it: printable, on one line, and short."""
+    text = str(value)
+    if len(text) <= SHOWN_LENGTH and text.isprintable():
+        return text
+    cut = text[:SHOWN_LENGTH]
+    escaped = "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
+    return escaped + ("..." if len(text) > SHOWN_LENGTH else "")

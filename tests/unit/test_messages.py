@@ -11,7 +11,14 @@ import pydantic
 import pytest
 
 from mersal import ConfigurationError, DecodeError, Envelope, Header, message
-from mersal.messages import IDS_PER_DRAW, TypeRegistry, derived_id, new_id, type_name_of
+from mersal.messages import (
+    IDS_PER_DRAW,
+    TypeRegistry,
+    derived_id,
+    describe,
+    new_id,
+    type_name_of,
+)
 
 
 @dataclass
@@ -312,3 +319,16 @@ def test_a_forked_child_draws_ids_of_its_own() -> None:
 def test_derived_ids_are_the_uuid5_of_the_name(name: str) -> None:
     namespace = uuid.uuid4()
     assert derived_id(namespace.bytes, name) == str(uuid.uuid5(namespace, name))
+
+
+def test_log_lines_show_header_values_printable_on_one_line_and_short() -> None:
+    headers = {
+        Header.MESSAGE_ID: "m-1\nforged line",
+        Header.TYPE: "t" * 500,
+        Header.CORRELATION_ID: "c\x00\x1b[31m",
+    }
+    line = describe(headers)
+    assert "\n" not in line and "\x00" not in line and "\x1b" not in line
+    assert "id=m-1\\nforged line" in line
+    assert f"type={'t' * 100}..." in line
+    assert "correlation=c\\x00\\x1b[31m" in line
