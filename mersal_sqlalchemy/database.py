@@ -626,6 +626,17 @@ def _version_tables_naming_after_inbox(
     return {version_table_name(other, inbox) for inbox in inboxes for other in existing - {inbox}}
 
 
+def foreign_columns(connection: Connection, wanted: Table) -> list[str] | None:
+    """The columns of the table named like `wanted` when they are not `wanted`'s (not ours).
+
+    None when there is no such table, or when it has exactly `wanted`'s columns.
+    """
+    if wanted.name not in inspect(connection).get_table_names():
+        return None
+    columns = [found["name"] for found in inspect(connection).get_columns(wanted.name)]
+    return None if set(columns) == {c.name for c in wanted.columns} else columns
+
+
 def count_rows(connection: Connection, name: str) -> int:
     """How many rows the table `name` holds."""
     return int(connection.execute(select(func.count()).select_from(table(name))).scalar_one())
