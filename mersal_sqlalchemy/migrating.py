@@ -326,6 +326,12 @@ def _compatibility(record: Record) -> str:
         runs = ", ".join(record.compatible_with[v] for v in record.unknown)
         return f" (newer than this release's {HEAD_REVISION}; code of {runs} or later runs on it)"
     newer = f" (newer than this release's {HEAD_REVISION}"
+    if record.malformed:
+        revision, value = next(iter(record.malformed.items()))
+        return (
+            f"{newer}; the compatible_with recorded for {revision} in {record.schema}, "
+            f"{value!r}, is not a Mersal revision)"
+        )
     if record.needs:
         return f"{newer}; it needs code of {record.needs} or later)"
     return f"{newer}, or unknown to it; no compatibility recorded)"

@@ -29,7 +29,7 @@ from mersal_sqlalchemy import make_engine, make_tables
 from mersal_sqlalchemy.tables import version_table_name
 from tests.sql.conftest import sqlite_file
 from tests.sql.legacy import migrate_as_before
-from tests.sql.support import Probe, orders_app, storage_of
+from tests.sql.support import Probe, execute, orders_app, storage_of
 
 
 @dataclass(frozen=True)
@@ -78,17 +78,6 @@ async def tables_in(database: str) -> set[str]:
     try:
         async with engine.connect() as connection:
             return set(await connection.run_sync(lambda c: inspect(c).get_table_names()))
-    finally:
-        await engine.dispose()
-
-
-async def execute(database: str, *statements: str) -> None:
-    """Run SQL statements in one transaction."""
-    engine = make_engine(database)
-    try:
-        async with engine.begin() as connection:
-            for statement in statements:
-                await connection.execute(text(statement))
     finally:
         await engine.dispose()
 
