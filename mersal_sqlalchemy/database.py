@@ -39,6 +39,7 @@ from mersal_sqlalchemy.tables import (
     HEAD_REVISION,
     REVISIONS,
     SAGAS_SUFFIX,
+    SCHEMA_REVISION,
     SCHEMA_SUFFIX,
     Tables,
     compatible,
@@ -269,6 +270,8 @@ class Record:
     compatible_with: dict[str, str] = field(default_factory=dict)
     """Of the recorded revisions this release does not know, those the schema table describes,
     each with the oldest revision whose code still runs on it."""
+    schema: str | None = None
+    """The schema table that `compatible_with` comes from."""
 
     @property
     def shared(self) -> bool:
@@ -286,6 +289,13 @@ class Record:
         return [v for v in self.unknown if not compatible(v, self.compatible_with.get(v))]
 
     @property
+    def malformed(self) -> dict[str, str]:
+        """The unknown revisions whose recorded compatibility is not a revision id of ours."""
+        return {
+            v: c for v, c in self.compatible_with.items() if v in self.unknown and not is_ours(c)
+        }
+
+    @property
     def newer(self) -> bool:
         """Whether a newer release migrated the tables to a revision this release runs on."""
         return bool(self.unknown) and not self.incompatible
@@ -301,6 +311,14 @@ class Record:
             return f"no migration of the tables is recorded in {self.table}"
         if HEAD_REVISION in self.revisions or self.newer:
             return None
+        if self.malformed:
+            revision, value = next(iter(self.malformed.items()))
+            return (
+                f"the tables are at migration {revision} (in {self.table}), and the row of "
+                f"{revision} in {self.schema} records compatible_with {value!r}, which is not a "
+                "Mersal revision: this version of mersal_sqlalchemy cannot tell whether it runs "
+                "on them"
+            )
         needed = self.needs
         if needed:
             return (
@@ -318,7 +336,11 @@ class Record:
     @property
     def needs(self) -> str | None:
         """The newest revision whose code an incompatible revision needs, when recorded."""
-        needs = [self.compatible_with[v] for v in self.incompatible if v in self.compatible_with]
+        needs = [
+            self.compatible_with[v]
+            for v in self.incompatible
+            if v in self.compatible_with and v not in self.malformed
+        ]
         return max(needs, default=None)
 
 
@@ -385,6 +407,13 @@ class Schema:
     def problem(self) -> str | None:
         """Why the app cannot use the tables as they are; None when it can."""
         if self.gone:
+            unknown = self.record.unknown if self.record is not None else []
+            if unknown and SCHEMA_REVISION in {self.made_by[name] for name in self.gone}:
+                return (
+                    f"the table(s) {', '.join(self.gone)} do not exist (without the schema "
+                    "table, this version of mersal_sqlalchemy cannot tell whether it runs on "
+                    f"{', '.join(unknown)})"
+                )
             return f"the table(s) {', '.join(self.gone)} do not exist"
         if self.missing_columns:
             name, columns = next(iter(self.missing_columns.items()))
@@ -398,6 +427,25 @@ class Schema:
         """What fixes `problem()`: the command to run, or what else to do."""
         record = self.record
         upgrade = upgrade_command(database, tables)
+        if record is not None and record.malformed:
+            revision = next(iter(record.malformed))
+            return (
+                f"set that row's compatible_with to the one in the revision file of {revision}, "
+                "in the release of mersal[sqlalchemy] that made it; or run that release"
+            )
+        if record is not None and record.unknown and not record.shared:
+            release = (
+                "with the release of mersal[sqlalchemy] that migrated them (it knows "
+                f"{', '.join(record.unknown)})"
+            )
+            if self.gone:
+                stamp = db_command("stamp base", database, tables)
+                return (
+                    f"{record.table} records tables that are gone: {release}, run `{stamp}`, "
+                    f"then `{upgrade}`"
+                )
+            if self.missing_columns:
+                return f"{release}, run `{upgrade}`"
         if record is not None and record.unknown and record.needs:
             back = db_command(f"downgrade {HEAD_REVISION}", database, tables)
             return (
@@ -508,18 +556,22 @@ def read_schema(connection: Connection, tables: Tables) -> Schema:
         missing = [c.name for c in wanted.columns if c.name not in present]
         if missing:
             schema.missing_columns[wanted.name] = missing
-    pair = {tables.outbox.name, tables.inbox.name}
-    schema.record = _record(connection, tables, existing, pair <= existing)
+    schema.record = _record(connection, tables, existing, schema)
     schema.alembic_project = SHARED_VERSION_TABLE in existing
     return schema
 
 
 def _record(
-    connection: Connection, tables: Tables, existing: set[str], pair_exists: bool
+    connection: Connection, tables: Tables, existing: set[str], found: Schema
 ) -> Record | None:
-    """Where a revision of ours is recorded for the tables, with what the schema table says."""
+    """Where a revision of ours is recorded for the tables, with what the schema table says.
+
+    The schema table is read only when it exists with its columns.
+    """
+    pair_exists = {tables.outbox.name, tables.inbox.name} <= existing
     record = _recorded(connection, tables, existing, pair_exists)
-    if record is None or not record.unknown or tables.schema.name not in existing:
+    readable = tables.schema.name in existing and tables.schema.name not in found.missing_columns
+    if record is None or not record.unknown or not readable:
         return record
     schema = tables.schema
     rows = connection.execute(
@@ -527,7 +579,8 @@ def _record(
             schema.c.revision.in_(record.unknown)
         )
     )
-    return replace(record, compatible_with={str(r): str(c) for r, c in rows})
+    compatible_with = {str(r): str(c) for r, c in rows}
+    return replace(record, compatible_with=compatible_with, schema=schema.name)
 
 
 def _recorded(
@@ -624,6 +677,17 @@ def _version_tables_naming_after_inbox(
     inboxes = {DEFAULT_INBOX, name.removesuffix(suffix)}
     inboxes = {inbox for inbox in inboxes if named(inbox) == name}
     return {version_table_name(other, inbox) for inbox in inboxes for other in existing - {inbox}}
+
+
+def foreign_columns(connection: Connection, wanted: Table) -> list[str] | None:
+    """The columns of the table named like `wanted` when they are not `wanted`'s (not ours).
+
+    None when there is no such table, or when it has exactly `wanted`'s columns.
+    """
+    if wanted.name not in inspect(connection).get_table_names():
+        return None
+    columns = [found["name"] for found in inspect(connection).get_columns(wanted.name)]
+    return None if set(columns) == {c.name for c in wanted.columns} else columns
 
 
 def count_rows(connection: Connection, name: str) -> int:

@@ -36,6 +36,7 @@ from mersal_sqlalchemy.database import (
     count_rows,
     database_url,
     db_command,
+    foreign_columns,
     make_engine,
     read_schema,
     reason,
@@ -325,6 +326,12 @@ def _compatibility(record: Record) -> str:
         runs = ", ".join(record.compatible_with[v] for v in record.unknown)
         return f" (newer than this release's {HEAD_REVISION}; code of {runs} or later runs on it)"
     newer = f" (newer than this release's {HEAD_REVISION}"
+    if record.malformed:
+        revision, value = next(iter(record.malformed.items()))
+        return (
+            f"{newer}; the compatible_with recorded for {revision} in {record.schema}, "
+            f"{value!r}, is not a Mersal revision)"
+        )
     if record.needs:
         return f"{newer}; it needs code of {record.needs} or later)"
     return f"{newer}, or unknown to it; no compatibility recorded)"
@@ -378,10 +385,7 @@ def _before_drop(database: str, tables: Tables, dropped: list[str], force: bool)
                 f"{name} in {mask(database)} holds {count} row(s), {_held_in(tables, name)}: "
                 "the downgrade would drop them; pass --force to drop them anyway"
             )
-    return "".join(
-        f"left {name}: {version} records it for another pair of tables\n"
-        for name, version in left.items()
-    )
+    return "".join(f"left {name}: {why}\n" for name, why in left.items())
 
 
 def _held_in(tables: Tables, name: str) -> str:
@@ -394,9 +398,22 @@ def _held_in(tables: Tables, name: str) -> str:
 def _shared_and_rows(
     connection: Connection, tables: Tables, dropped: list[str]
 ) -> tuple[dict[str, str], dict[str, int]]:
-    """Of the tables to drop, those other pairs record, and the rows the others would lose."""
+    """Of the tables to drop, those left (and why), and the rows the others would lose.
+
+    Left: those other pairs record, and a saga or schema table that is not ours (other columns).
+    """
     shared = recorded_elsewhere(connection, tables.outbox.name, tables.inbox.name)
-    left = {name: version for name, version in shared.items() if name in dropped}
+    left = {
+        name: f"{version} records it for another pair of tables"
+        for name, version in shared.items()
+        if name in dropped
+    }
+    for table, what in ((tables.sagas, "saga"), (tables.schema, "schema")):
+        columns = foreign_columns(connection, table)
+        if table.name in dropped and table.name not in left and columns is not None:
+            left[table.name] = (
+                f"it is not Mersal's {what} table (it has the column(s) {', '.join(columns)})"
+            )
     present = set(inspect(connection).get_table_names())
     guarded = [tables.outbox.name, tables.sagas.name]
     return left, {

@@ -12,11 +12,13 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
-from sqlalchemy import MetaData, inspect
+from sqlalchemy import MetaData, Table, inspect
 from sqlalchemy.sql.schema import SchemaItem
 
+from mersal.errors import MersalError
+from mersal.transport import mask
 from mersal_sqlalchemy import database
-from mersal_sqlalchemy.database import recorded_elsewhere
+from mersal_sqlalchemy.database import foreign_columns, recorded_elsewhere
 from mersal_sqlalchemy.tables import (
     DEFAULT_INBOX,
     DEFAULT_OUTBOX,
@@ -122,6 +124,48 @@ def shared(outbox: str, inbox: str) -> dict[str, str]:
     if context.is_offline_mode():
         return {}
     return recorded_elsewhere(op.get_bind(), outbox, inbox)
+
+
+def adopted(wanted: Table, what: str) -> bool:
+    """Whether `wanted` exists already, as ours, so the revision leaves it (for our revision files).
+
+    Ours: another pair sharing the inbox records it (at a later revision it may have more
+    columns), or it has the columns the revision creates. A table of that name with other
+    columns is someone else's: a MersalError naming it. When printing the SQL: False.
+    """
+    from alembic import op
+
+    if wanted.name not in existing(offline=set()):
+        return False
+    if wanted.name in shared(*table_names()):
+        return True
+    bind = op.get_bind()
+    columns = foreign_columns(bind, wanted)
+    if columns is None:
+        return True
+    database = mask(bind.engine.url.render_as_string(hide_password=False))
+    raise MersalError(
+        f"the table {wanted.name} in {database} is not Mersal's {what} table: it has the "
+        f"column(s) {', '.join(columns)}, where Mersal's has "
+        f"{', '.join(c.name for c in wanted.columns)}; Mersal names its {what} table after the "
+        f"inbox {table_names()[1]}: rename your table, or give Mersal's tables another inbox "
+        "(--inbox-table here, inbox_table= in the app)"
+    )
+
+
+def droppable(wanted: Table) -> bool:
+    """Whether undoing the revision drops `wanted` (for our revision files).
+
+    Only a table of ours (`adopted`) that exists and that no other pair records. When printing
+    the SQL it cannot look: True.
+    """
+    from alembic import context, op
+
+    if context.is_offline_mode():
+        return True
+    if wanted.name not in existing(offline=set()) or wanted.name in shared(*table_names()):
+        return False
+    return foreign_columns(op.get_bind(), wanted) is None
 
 
 def record_compatibility(revision: str, compatible_with: str) -> None:

@@ -25,7 +25,8 @@ def upgrade() -> None:
 
     Every pair of tables runs it once, and pairs may share a table (one outbox, two inboxes;
     the saga table follows the inbox, `saga_table_name(inbox)`): change a table only if it is
-    not changed yet, as 0001 and 0002 create only what is not in `existing(offline=set())`.
+    not changed yet, as 0001 creates only what is not in `existing(offline=set())`, and 0002
+    and 0003 only a table that is not `adopted` (one of another's with its name is refused).
     """
     outbox, inbox = table_names()
     ${upgrades if upgrades else "pass"}

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lagom import Container
-from sqlalchemy import String, Table, func, select
+from sqlalchemy import String, Table, func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -142,6 +142,17 @@ async def create_business_tables(database: str) -> None:
     try:
         async with engine.begin() as connection:
             await connection.run_sync(Base.metadata.create_all)
+    finally:
+        await engine.dispose()
+
+
+async def execute(database: str, *statements: str) -> None:
+    """Run SQL statements in one transaction."""
+    engine = make_engine(database)
+    try:
+        async with engine.begin() as connection:
+            for statement in statements:
+                await connection.execute(text(statement))
     finally:
         await engine.dispose()
 

@@ -29,7 +29,7 @@ from mersal_sqlalchemy import make_engine, make_tables
 from mersal_sqlalchemy.tables import version_table_name
 from tests.sql.conftest import sqlite_file
 from tests.sql.legacy import migrate_as_before
-from tests.sql.support import Probe, orders_app, storage_of
+from tests.sql.support import Probe, execute, orders_app, storage_of
 
 
 @dataclass(frozen=True)
@@ -78,17 +78,6 @@ async def tables_in(database: str) -> set[str]:
     try:
         async with engine.connect() as connection:
             return set(await connection.run_sync(lambda c: inspect(c).get_table_names()))
-    finally:
-        await engine.dispose()
-
-
-async def execute(database: str, *statements: str) -> None:
-    """Run SQL statements in one transaction."""
-    engine = make_engine(database)
-    try:
-        async with engine.begin() as connection:
-            for statement in statements:
-                await connection.execute(text(statement))
     finally:
         await engine.dispose()
 
@@ -781,6 +770,49 @@ async def test_pairs_sharing_an_inbox_share_its_saga_table_and_downgrades_leave_
     [command] = suggested(await start_error(db, memory_url, **names))
     assert (await mersal(*command)).code == 0
     assert await starts(db, memory_url, **names)
+
+
+YOURS = "CREATE TABLE {name} (revision VARCHAR(32), compatible_with VARCHAR(32), note TEXT)"
+"""A table of one's own, with the schema table's columns and one more."""
+
+SAGA_COLUMNS = "app, saga, correlation, id, revision, data, created_at, updated_at"
+NAMED_AFTER_THE_INBOX = [
+    ("schema", "orders_schema", "revision, compatible_with", "mersal_0002"),
+    ("saga", "orders_sagas", SAGA_COLUMNS, "mersal_0001"),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "name", "ours", "before"), NAMED_AFTER_THE_INBOX, ids=["schema", "sagas"]
+)
+async def test_a_table_of_your_own_named_after_the_inbox_fails_the_upgrade_and_is_kept(
+    empty_database: str, mersal: Mersal, what: str, name: str, ours: str, before: str
+) -> None:
+    db = empty_database
+    await execute(db, YOURS.format(name=name), f"INSERT INTO {name} VALUES ('v1', 'x', 'yours')")
+    orders = ["--outbox-table", "orders_outbox", "--inbox-table", "orders"]
+
+    refused = await mersal("db", "upgrade", "--database", db, *orders)
+    assert (refused.code, refused.said) == (
+        2,
+        f"mersal: the table {name} in {db} is not Mersal's {what} table: it has the column(s) "
+        f"revision, compatible_with, note, where Mersal's has {ours}; Mersal names its {what} "
+        "table after the inbox orders: rename your table, or give Mersal's tables another "
+        "inbox (--inbox-table here, inbox_table= in the app)",
+    )
+    assert await rows_in(db, name) == 1
+
+    await execute(db, f"ALTER TABLE {name} RENAME TO kept")
+    assert (await mersal("db", "upgrade", "--database", db, *orders)).code == 0
+    await execute(db, f"DROP TABLE {name}", f"ALTER TABLE kept RENAME TO {name}")
+    down = await mersal("db", "downgrade", before, "--database", db, *orders)
+    assert (down.code, down.out) == (
+        0,
+        f"left {name}: it is not Mersal's {what} table (it has the column(s) revision, "
+        "compatible_with, note)\n"
+        f"the outbox, inbox and saga tables in {db} are at {before}\n",
+    ), down.err
+    assert await rows_in(db, name) == 1
 
 
 async def test_the_start_brings_tables_at_the_first_revision_to_the_head_when_creating(

@@ -22,7 +22,15 @@ import pytest
 from mersal import ConfigurationError
 from mersal.cli import main
 from mersal_sqlalchemy import HEAD_REVISION, make_engine
-from tests.sql.support import ORDERS, PlaceOrder, Probe, count, create_business_tables, orders_app
+from tests.sql.support import (
+    ORDERS,
+    PlaceOrder,
+    Probe,
+    count,
+    create_business_tables,
+    execute,
+    orders_app,
+)
 from tests.support import eventually
 
 ROOT = Path(__file__).parents[2]
@@ -212,3 +220,64 @@ async def test_a_revision_that_breaks_older_code_is_refused_with_what_it_needs(
     back = await newer.mersal(*command)
     assert back.code == 0, back.err
     assert await handles_a_message(db, memory_url)
+
+
+AT_NEXT = "UPDATE mersal_outbox_alembic_version SET version_num = 'mersal_0004'"
+"""What a newer release's upgrade records, without its revision (the tables stay as they are)."""
+
+WITH_THE_NEWER_RELEASE = (
+    "with the release of mersal[sqlalchemy] that migrated them (it knows mersal_0004), run "
+)
+
+BROKEN_SCHEMA_TABLES = {
+    "renamed column": (
+        ["ALTER TABLE mersal_schema RENAME COLUMN compatible_with TO cw"],
+        "table mersal_schema has no column(s) compatible_with: it is out of date in database "
+        "{db}: " + WITH_THE_NEWER_RELEASE + "`mersal db upgrade --database '{db}'`",
+        ", or unknown to it; no compatibility recorded)",
+    ),
+    "not a revision": (
+        ["INSERT INTO mersal_schema VALUES ('mersal_0004', 'garbage')"],
+        "the tables are at migration mersal_0004 (in mersal_outbox_alembic_version), and the "
+        "row of mersal_0004 in mersal_schema records compatible_with 'garbage', which is not a "
+        "Mersal revision: this version of mersal_sqlalchemy cannot tell whether it runs on them "
+        "in database {db}: set that row's compatible_with to the one in the revision file of "
+        "mersal_0004, in the release of mersal[sqlalchemy] that made it; or run that release",
+        "; the compatible_with recorded for mersal_0004 in mersal_schema, 'garbage', is not a "
+        "Mersal revision)",
+    ),
+    "missing": (
+        ["DROP TABLE mersal_schema"],
+        "the table(s) mersal_schema do not exist (without the schema table, this version of "
+        "mersal_sqlalchemy cannot tell whether it runs on mersal_0004) in database {db}: "
+        "mersal_outbox_alembic_version records tables that are gone: "
+        + WITH_THE_NEWER_RELEASE
+        + "`mersal db stamp base --database '{db}'`, then `mersal db upgrade --database '{db}'`",
+        ", or unknown to it; no compatibility recorded)",
+    ),
+}
+
+
+@pytest.mark.parametrize("broken", BROKEN_SCHEMA_TABLES)
+async def test_a_broken_schema_table_at_a_newer_revision_is_refused_saying_what_is_wrong(
+    empty_database: str, memory_url: str, capsys: pytest.CaptureFixture[str], broken: str
+) -> None:
+    db = empty_database
+    assert await asyncio.to_thread(main, ["db", "upgrade", "--database", db]) == 0
+    statements, refused, compatibility = BROKEN_SCHEMA_TABLES[broken]
+    await execute(db, AT_NEXT, *statements)
+    refused = refused.format(db=db)
+
+    app = orders_app(db, memory_url, Probe(), create_tables=False)
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    assert str(raised.value) == refused
+
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["db", "check", "--database", db]) == 1
+    assert capsys.readouterr().err == f"mersal: {refused}\n"
+    assert await asyncio.to_thread(main, ["db", "current", "--database", db]) == 0
+    assert capsys.readouterr().out == (
+        "mersal_0004, recorded in mersal_outbox_alembic_version (newer than this release's "
+        f"mersal_0003{compatibility}\n"
+    )

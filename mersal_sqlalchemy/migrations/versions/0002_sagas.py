@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from mersal_sqlalchemy.migrations import existing, shared, table_names
-from mersal_sqlalchemy.tables import saga_table_name
+from mersal_sqlalchemy.migrations import adopted, droppable, table_names
+from mersal_sqlalchemy.tables import saga_table, saga_table_name
 
 revision: str = "mersal_0002"
 down_revision: str | None = "mersal_0001"
@@ -26,23 +26,23 @@ compatible_with: str = "mersal_0001"
 def upgrade() -> None:
     """Create the saga table and its index, unless it exists already.
 
-    It follows the inbox's name, so a table that exists belongs to another pair sharing the
-    inbox (another outbox with it).
+    It follows the inbox's name, so a table of ours that exists belongs to another pair sharing
+    the inbox (another outbox with it); one with other columns is refused (`adopted`).
     """
     _, inbox = table_names()
     sagas = saga_table_name(inbox)
-    if sagas not in existing(offline=set()):
+    if not adopted(saga_table(sagas, sa.MetaData()), "saga"):
         create_sagas(sagas)
 
 
 def downgrade() -> None:
-    """Drop the saga table (if it exists), unless another pair records it.
+    """Drop the saga table (if it exists and is ours), unless another pair records it.
 
     When printing the SQL (`--sql`) it cannot look: it is dropped.
     """
-    outbox, inbox = table_names()
+    _, inbox = table_names()
     sagas = saga_table_name(inbox)
-    if sagas in existing(offline={sagas}) - set(shared(outbox, inbox)):
+    if droppable(saga_table(sagas, sa.MetaData())):
         op.drop_index(f"ix_{sagas}_id", table_name=sagas)
         op.drop_table(sagas)
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from mersal_sqlalchemy.migrations import existing, record_compatibility, shared, table_names
-from mersal_sqlalchemy.tables import schema_table_name
+from mersal_sqlalchemy.migrations import adopted, droppable, record_compatibility, table_names
+from mersal_sqlalchemy.tables import schema_table, schema_table_name
 
 revision: str = "mersal_0003"
 down_revision: str | None = "mersal_0002"
@@ -26,24 +26,24 @@ compatible_with: str = "mersal_0001"
 def upgrade() -> None:
     """Create the schema table unless it exists already, and record this revision in it.
 
-    It follows the inbox's name, so a table that exists belongs to another pair sharing the
-    inbox.
+    It follows the inbox's name, so a table of ours that exists belongs to another pair sharing
+    the inbox; one with other columns is refused (`adopted`).
     """
     _, inbox = table_names()
     schema = schema_table_name(inbox)
-    if schema not in existing(offline=set()):
+    if not adopted(schema_table(schema, sa.MetaData()), "schema"):
         create_schema(schema)
     record_compatibility(revision, compatible_with)
 
 
 def downgrade() -> None:
-    """Drop the schema table (if it exists), unless another pair records it.
+    """Drop the schema table (if it exists and is ours), unless another pair records it.
 
     When printing the SQL (`--sql`) it cannot look: it is dropped.
     """
-    outbox, inbox = table_names()
+    _, inbox = table_names()
     schema = schema_table_name(inbox)
-    if schema in existing(offline={schema}) - set(shared(outbox, inbox)):
+    if droppable(schema_table(schema, sa.MetaData())):
         op.drop_table(schema)
 
 
