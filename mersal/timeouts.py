@@ -11,12 +11,16 @@ import asyncio
 import contextlib
 import contextvars
 import time
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from mersal.errors import MersalError
 
 CHECKS_PER_TIMEOUT = 10
 MIN_CHECK_INTERVAL = 0.01
+
+_clocks: weakref.WeakSet[HandlerClock] = weakref.WeakSet()
 
 
 class HandlerTimeout(MersalError):
@@ -40,6 +44,7 @@ class HandlerClock:
         assert task is not None
         self._deadlines[task] = time.monotonic() + self.timeout
         if self._watchdog is None:  # in a context of its own, not this message's
+            _clocks.add(self)
             self._watchdog = asyncio.create_task(
                 self._watch(), name="mersal-handler-clock", context=contextvars.Context()
             )
@@ -85,3 +90,25 @@ class HandlerClock:
                 self._deadlines[task] = now + interval
                 self._expired[task] = self._expired.get(task, 0) + 1
                 task.cancel()
+
+
+@contextlib.contextmanager
+def not_counted() -> Iterator[None]:
+    """Time the running handlers spend in the block does not count against their timeout.
+
+    For a wait on something the app shares among its messages (a pooled database connection),
+    which says how busy the app is, not how slow the handler is.
+    """
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running loop
+        task = None
+    clock = None if task is None else next((c for c in _clocks if task in c._deadlines), None)
+    if clock is None or task is None:
+        yield
+        return
+    left = clock._deadlines.pop(task) - time.monotonic()
+    try:
+        yield
+    finally:
+        clock._deadlines.setdefault(task, time.monotonic() + max(left, 0.0))

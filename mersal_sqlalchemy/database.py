@@ -28,9 +28,11 @@ from sqlalchemy import (
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import AsyncAdaptedQueuePool, ConnectionPoolEntry
 from sqlalchemy.sql.elements import ColumnElement
 
 from mersal.errors import ConfigurationError, MersalError, Unreachable
+from mersal.timeouts import not_counted
 from mersal.transport import mask
 from mersal_sqlalchemy.tables import (
     COMPATIBLE_WITH,
@@ -139,13 +141,22 @@ def _password(database: str | URL | None) -> str | None:
     return str(database.password) if database is not None and database.password else None
 
 
+class HandlerPool(AsyncAdaptedQueuePool):
+    """SQLAlchemy's asyncio queue pool; a handler's wait for a connection is not counted
+    against its `handler_timeout` (on SQLite every message waits for the one connection)."""
+
+    def _do_get(self) -> ConnectionPoolEntry:  # the pool's one hook for handing a connection out
+        with not_counted():
+            return super()._do_get()
+
+
 def make_engine(database: str | URL, **options: Any) -> AsyncEngine:
     """An async engine for `database`; on SQLite, tuned for concurrent writers (WAL, IMMEDIATE).
 
     `options` go to `sqlalchemy.ext.asyncio.create_async_engine` (pool_size, echo, ...).
     """
     url = database if isinstance(database, URL) else database_url(database)
-    engine = create_async_engine(url, **options)
+    engine = create_async_engine(url, **{"poolclass": HandlerPool, **options})
     if is_sqlite(engine):
         tune_sqlite(engine)
     return engine

@@ -283,3 +283,41 @@ async def test_a_query_cancelled_while_it_runs_does_not_keep_the_write_lock(
         assert (UsersConnection.made > made) == (factory is not None)
     finally:
         await engine.dispose()
+
+
+class Handled(list[int]):
+    """The jobs whose handler ran to its end."""
+
+
+class ReadThenWork:
+    """Reads through the message's session (taking the one connection), then works a while."""
+
+    def __init__(self, session: AsyncSession, handled: Handled) -> None:
+        self.session = session
+        self.handled = handled
+
+    async def __call__(self, job: Job) -> None:
+        await self.session.execute(text("SELECT 1"))
+        await asyncio.sleep(0.2)
+        self.handled.append(job.n)
+
+
+async def test_a_wait_for_the_one_connection_does_not_count_against_the_handler_timeout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    handled = Handled()
+    app = sqlite_app(tmp_path / "waits.db", concurrency=4, handler_timeout=0.3)
+    app.register(Job, ReadThenWork)
+    app.route(Job, app.name)
+    app.handlers.provide(Handled, lambda context: handled)
+    async with app:
+        for n in range(4):  # each holds the connection 0.2 s: the last waits 0.6 s for it
+            await app.send(Job(n))
+        await eventually(lambda: len(handled) == 4, "every job handled", timeout=10)
+        _, errors = queues_of(app)
+        dead = len(errors)
+
+    assert failures_logged(caplog) == []
+    assert sorted(handled) == [0, 1, 2, 3]
+    assert dead == 0
