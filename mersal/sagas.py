@@ -569,11 +569,13 @@ class SagaRunner:
     async def _find(self, message: Any, context: MessageContext) -> StoredSaga | None:
         """The message's saga, a new one for a start message, or None (the message is done).
 
-        A message whose saga headers name this saga type with a valid `saga-check` is a timeout
-        this saga requested: it goes to the instance with its id, or is ignored once that has
-        ended. Other saga headers are no timeout: a correlated type is handled as what its type
-        says (its saga, a new one, or `not_found`); a type without a correlation here, which
-        reaches a saga only as a timeout, is refused (`UnrequestedTimeout`).
+        A message whose saga headers name this saga type goes to the instance with its id when
+        that exists (found by id for a type without a correlation here, by its correlation value
+        for one with). When it does not, a valid `saga-check` makes it the timeout of a saga that
+        has ended: ignored. Without one a correlated type is handled as what its type says (its
+        saga, a new one, or `not_found`); a type without a correlation, which reaches a saga only
+        as a timeout, is refused (`UnrequestedTimeout`). So timeouts requested before the check
+        existed still reach the sagas that run.
         """
         spec, headers = self.spec, context.headers
         message_type = type(message)
@@ -593,10 +595,14 @@ class SagaRunner:
             )
             return None
         if not correlated and headers.get(Header.SAGA_TYPE) == spec.name:
+            saga_id = headers.get(Header.SAGA_ID, "")
+            found = await self._lookup(message, context, saga_id)
+            if found is not None:
+                return found
             raise UnrequestedTimeout(
-                f"{type(message).__qualname__} names saga "
-                f"{shown(headers.get(Header.SAGA_ID, ''))} of {spec.cls.__qualname__} without a "
-                "valid saga-check: not a timeout this app requested"
+                f"{type(message).__qualname__} names saga {shown(saga_id)} of "
+                f"{spec.cls.__qualname__}, which does not exist, without a valid saga-check: "
+                "not a timeout this app requested"
             )
         found = await self._lookup(message, context, None)
         if found is not None:

@@ -2,9 +2,10 @@
 
 Any producer can copy them onto a message, or make them up. A timeout the app requested
 carries the check: it reaches the saga instance that requested it, and is ignored once that
-has ended. Headers without it are no timeout: a correlated message is handled as what its
-type says (its saga, a new one, or `not_found`), and a timeout type (a method, no correlation)
-goes to the error queue. Also what `request_timeout` refuses at the call.
+has ended. Headers naming an instance that runs reach it, check or not (a timeout requested
+before the check existed). Otherwise, without the check, a correlated message is handled as
+what its type says (its saga, a new one, or `not_found`), and a timeout type (a method, no
+correlation) goes to the error queue. Also what `request_timeout` refuses at the call.
 """
 
 from __future__ import annotations
@@ -307,23 +308,58 @@ async def test_a_new_saga_under_the_same_correlation_does_not_get_an_ended_sagas
 @pytest.mark.parametrize(
     "headers",
     [
-        lambda saga_id: forged(Tickets.saga_name),
         lambda saga_id: forged(Tickets.saga_name, saga_id),
         lambda saga_id: {
             **forged(Tickets.saga_name, saga_id),
             Header.SAGA_CHECK: saga_check(Escalations.saga_name, saga_id),
         },
     ],
-    ids=["made-up-id", "real-id-without-check", "check-of-another-type"],
+    ids=["without-check", "check-of-another-type"],
 )
-async def test_a_timeout_type_naming_its_saga_without_a_valid_check_is_dead_lettered(
+async def test_a_timeout_type_naming_a_running_saga_without_a_valid_check_runs_on_it(
     headers: Callable[[str], dict[str, str]],
+) -> None:
+    """A timeout requested before the check existed still reaches the saga that requested it."""
+    probe = Probe()
+    app = tickets_app(probe, Tickets, Escalations)
+    async with Harness(app) as bus:
+        await app.send(Open("t-1"))
+        await bus.idle()
+        await app.send(Remind("t-1"), headers=headers(probe.saga_ids["t-1"]))
+        await bus.idle()
+
+        assert probe.runs["remind"] == 1
+        assert probe.runs["escalation remind"] == 0
+        assert await bus.saga_data(Tickets, "t-1") == Ticket("t-1", reminded=1)
+    assert bus.dead_lettered == []
+
+
+@pytest.mark.parametrize(
+    ("headers", "ended"),
+    [
+        (lambda saga_id: forged(Tickets.saga_name), False),
+        (lambda saga_id: forged(Tickets.saga_name, saga_id), True),
+        (
+            lambda saga_id: {
+                **forged(Tickets.saga_name),
+                Header.SAGA_CHECK: saga_check(Escalations.saga_name, saga_id),
+            },
+            False,
+        ),
+    ],
+    ids=["made-up-id", "ended-saga-without-check", "check-of-another-type"],
+)
+async def test_a_timeout_type_naming_no_saga_without_a_valid_check_is_dead_lettered(
+    headers: Callable[[str], dict[str, str]], ended: bool
 ) -> None:
     probe = Probe()
     app = tickets_app(probe, Tickets, Escalations)
     async with Harness(app) as bus:
         await app.send(Open("t-1"))
         await bus.idle()
+        if ended:
+            await app.send(Close("t-1"))
+            await bus.idle()
         sent = headers(probe.saga_ids["t-1"])
         await app.send(Remind("t-1"), headers=sent)
         await bus.idle()
@@ -332,8 +368,8 @@ async def test_a_timeout_type_naming_its_saga_without_a_valid_check_is_dead_lett
         [dead] = bus.dead_lettered
         assert dead.error_type == "mersal.sagas.UnrequestedTimeout"
         assert dead.error_message == (
-            f"Remind names saga {sent[Header.SAGA_ID]!r} of Tickets without a valid saga-check: "
-            "not a timeout this app requested"
+            f"Remind names saga {sent[Header.SAGA_ID]!r} of Tickets, which does not exist, "
+            "without a valid saga-check: not a timeout this app requested"
         )
         assert dead.headers[Header.ERROR_ATTEMPTS] == "1"  # no retries
 
