@@ -666,7 +666,8 @@ class SagaRunner:
             ) from None
 
     def _encode(self, data: object, method: str, stored: StoredSaga) -> bytes:
-        """The data to save: checked to load back as it is, with what a newer release stored."""
+        """The data to save: checked to load back as the data class, with what a newer release
+        stored (values are not compared: a validator or an excluded field may change them)."""
         spec = self.spec
         name = f"{spec.cls.__qualname__}.{method}()"
         if not isinstance(data, spec.data_type):
@@ -677,7 +678,7 @@ class SagaRunner:
             )
         encoded = self.codec.encode(data)
         try:
-            self._check_loads_back(data, self.codec.decode(encoded, spec.data_type))
+            decode_data(self.codec, encoded, spec.data_type)
         except DecodeError as error:
             raise MersalError(
                 f"{name} left data in saga {spec.name!r} that would not load back as "
@@ -686,17 +687,6 @@ class SagaRunner:
             ) from None
         self._check_nothing_newer(stored)
         return keep_unknown(encoded, stored.data, spec.data_type)
-
-    def _check_loads_back(self, data: object, decoded: object) -> None:
-        """A DecodeError if `decoded` is not equal to `data` (a class with its own `==`)."""
-        if type(data).__eq__ is object.__eq__ or decoded == data:
-            return
-        difference = first_difference(data, decoded)
-        if difference is not None:
-            path, left, right = difference
-            raise DecodeError(
-                f"{path or 'the data'} holds {left!r:.80}, which loads back as {right!r:.80}"
-            )
 
     def _check_nothing_newer(self, stored: StoredSaga) -> None:
         """A MersalError if saving would erase what a newer release stored inside the data."""
@@ -1047,64 +1037,6 @@ def _keeps_extras(data_type: type) -> bool:
 def _pydantic_extra(data_type: type) -> object:
     config = getattr(data_type, "model_config", None)
     return config.get("extra") if isinstance(config, Mapping) else None
-
-
-Difference = tuple[str, object, object]
-"""Where two values differ (a path such as `addr.zip`; `""`: the whole), and both parts there."""
-
-
-def first_difference(
-    left: Any, right: Any, path: str = "", depth: int = MAX_DEPTH
-) -> Difference | None:
-    """The first field where `left` and `right` differ, or None where they are equal.
-
-    Data classes are compared field by field (a pydantic model's extras too, not its private
-    attributes), lists, tuples and dicts item by item, and everything else with `==`.
-    """
-    if left is right or depth <= 0:
-        return None
-    if _is_data_object(left) or _is_data_object(right):
-        if type(left) is not type(right):
-            return path, left, right
-        for field in _fields(type(left)):
-            name = field.attribute
-            found = first_difference(
-                getattr(left, name, None),
-                getattr(right, name, None),
-                f"{path}.{name}".lstrip("."),
-                depth - 1,
-            )
-            if found is not None:
-                return found
-        extras = getattr(left, "model_extra", None) or {}, getattr(right, "model_extra", None) or {}
-        return None if extras[0] == extras[1] else (path, left, right)
-    if isinstance(left, dict) and isinstance(right, dict):
-        if type(left) is not type(right) or left.keys() != right.keys():
-            return path, left, right
-        return _first_of(
-            first_difference(item, right[key], f"{path}[{key!r}]", depth - 1)
-            for key, item in left.items()
-        )
-    if isinstance(left, list | tuple) and isinstance(right, list | tuple):
-        if type(left) is not type(right) or len(left) != len(right):
-            return path, left, right
-        return _first_of(
-            first_difference(a, b, f"{path}[{index}]", depth - 1)
-            for index, (a, b) in enumerate(zip(left, right, strict=True))
-        )
-    try:
-        equal = bool(left == right)
-    except Exception:
-        equal = False
-    return None if equal else (path, left, right)
-
-
-def _first_of(differences: Iterator[Difference | None]) -> Difference | None:
-    return next((found for found in differences if found is not None), None)
-
-
-def _is_data_object(value: object) -> bool:
-    return not isinstance(value, type) and _is_data_class(type(value))
 
 
 def _json_object(data: bytes) -> dict[str, Any] | None:
