@@ -848,12 +848,12 @@ def decode_data(codec: Codec, data: bytes, data_type: type) -> Any:
 
     Top-level keys a newer release added are left to the class, which ignores them, or (a
     pydantic model with `extra="allow"`) keeps them; only for a class that forbids unknown
-    fields are they left out.
+    fields are they left out, and so are its computed fields.
     """
     if _forbids_unknown(data_type):
         stored = _json_object(data)
         if stored is not None:
-            known = data_keys(data_type)
+            known = _input_keys(data_type)
             if any(key not in known for key in stored):
                 data = msgspec.json.encode({k: v for k, v in stored.items() if k in known})
     return codec.decode(data, data_type)
@@ -1001,12 +1001,26 @@ def _fields(cls: type) -> list[_Field]:
 
 def data_keys(data_type: type) -> frozenset[str]:
     """The top-level keys a data class reads and writes: its fields' names and every alias."""
+    return _input_keys(data_type) | set(_computed_keys(data_type))
+
+
+def _input_keys(data_type: type) -> frozenset[str]:
+    """The top-level keys a data class reads (its computed fields it only writes)."""
     keys = {key for field in _fields(data_type) for key in field.keys}
     if issubclass(data_type, msgspec.Struct):
         tag = data_type.__struct_config__.tag_field
         if tag is not None:
             keys.add(tag)
     return frozenset(keys)
+
+
+def _computed_keys(data_type: type) -> Iterator[str]:
+    """The keys of a pydantic model's computed fields: written, never read."""
+    computed: Mapping[str, Any] = getattr(data_type, "model_computed_fields", None) or {}
+    for name, info in computed.items():
+        yield name
+        if isinstance(info.alias, str):
+            yield info.alias
 
 
 def _aliases(name: str, info: Any) -> Iterator[str]:

@@ -617,3 +617,52 @@ async def test_data_that_loads_back_as_its_class_is_saved_whatever_its_values_lo
         assert data.price.is_nan()
         assert data.when is not None
         assert data.when.timestamp() == SECOND_HALF_HOUR.timestamp()
+
+
+# A pydantic model's computed fields are stored, and known to its class, at every level.
+
+
+class Line(pydantic.BaseModel):
+    quantity: int = 1
+
+    @pydantic.computed_field(alias="lineTotal")  # type: ignore[prop-decorator]
+    @property
+    def total(self) -> int:
+        return 2 * self.quantity
+
+
+class Basket(pydantic.BaseModel):
+    key: str = ""
+    lines: list[Line] = []
+    first: Line | None = None
+
+    @pydantic.computed_field  # type: ignore[prop-decorator]
+    @property
+    def count(self) -> int:
+        return len(self.lines)
+
+
+class BasketAccount(Saga[Basket], name="tests.data.BasketAccount"):
+    started_by = (Open,)
+    correlation = {Open: "key", Deposit: "key"}
+
+    async def open(self, message: Open) -> None:
+        self.data.key = message.key
+
+    async def deposit(self, message: Deposit) -> None:
+        self.data.lines.append(Line(quantity=int(message.amount)))
+        self.data.first = self.data.lines[0]
+
+
+async def test_computed_fields_inside_the_data_are_not_taken_for_a_newer_releases() -> None:
+    app = account_app(BasketAccount, None)
+    async with Harness(app) as bus:
+        for message in (Open("a-1"), Deposit("a-1", 1), Deposit("a-1", 2), Deposit("a-1", 3)):
+            await app.send(message)
+            await bus.idle()
+
+        assert bus.dead_lettered == []
+        data = await bus.saga_data(BasketAccount, "a-1")
+        assert isinstance(data, Basket)
+        assert [line.total for line in data.lines] == [2, 4, 6]
+        assert data.count == 3
