@@ -721,6 +721,7 @@ class MemorySagaStore:
         self.rows: dict[tuple[str, str], StoredSaga] = {}
         self.ids: dict[str, tuple[str, str]] = {}
         self._commits = asyncio.Lock()
+        self._pending: dict[Transaction, list[_Change]] = {}
 
     async def find(
         self,
@@ -758,8 +759,12 @@ class MemorySagaStore:
     async def read(
         self, saga: str, correlation: str, *, transaction: Transaction | None = None
     ) -> StoredSaga | None:
-        """The saga as last committed (a transaction's pending changes apply at its commit)."""
-        found = self.rows.get((saga, correlation))
+        """The saga as last committed, with the pending changes of `transaction` if given."""
+        key = (saga, correlation)
+        found = self.rows.get(key)
+        for change in self._pending.get(transaction, []) if transaction is not None else []:
+            if change.key == key:
+                found = self._after(change)
         return None if found is None else replace(found)
 
     def _changes(self, context: MessageContext) -> list[_Change]:
@@ -767,6 +772,7 @@ class MemorySagaStore:
         changes: list[_Change] | None = context.items.get(MEMORY_CHANGES)
         if changes is None:
             changes = context.items[MEMORY_CHANGES] = []
+            self._pending[context.transaction] = changes
             self._hook(context.transaction, changes)
         return changes
 
@@ -785,6 +791,7 @@ class MemorySagaStore:
 
         def end(committed: bool) -> None:
             nonlocal held
+            self._pending.pop(transaction, None)
             if not committed:
                 for key, before, after in reversed(applied):
                     if self.rows.get(key) is after:
@@ -807,11 +814,14 @@ class MemorySagaStore:
 
     def _apply(self, change: _Change) -> StoredSaga | None:
         before = self.rows.get(change.key)
-        after = (
-            None if change.revision is None else replace(change.stored, revision=change.revision)
-        )
+        after = self._after(change)
         self._put(change.key, after, before)
         return after
+
+    @staticmethod
+    def _after(change: _Change) -> StoredSaga | None:
+        """The saga's row once `change` applies (None: deleted)."""
+        return None if change.revision is None else replace(change.stored, revision=change.revision)
 
     def _put(
         self, key: tuple[str, str], row: StoredSaga | None, replaced: StoredSaga | None

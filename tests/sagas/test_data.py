@@ -261,6 +261,39 @@ async def test_saga_data_in_an_app_transaction_reads_through_its_session(databas
     assert bus.dead_lettered == []
 
 
+class Follower:
+    """A handler of the saga's own messages: it reads the data after the saga's method ran."""
+
+    def __init__(self, app: App, seen: Seen) -> None:
+        self.app = app
+        self.seen = seen
+
+    async def __call__(self, message: Open | Label) -> None:
+        self.seen.data.append(await self.app.saga_data(Account2, message.key))
+
+
+async def check_saga_data_in_a_handler_sees_what_its_message_wrote(database: str | None) -> None:
+    seen = Seen()
+    app = account_app(Account2, database, seen)
+    app.register(Open, Follower)
+    app.register(Label, Follower)
+    async with Harness(app) as bus:
+        for message in (Open("a-1"), Label("a-1", "gold")):
+            await app.send(message)
+            await bus.idle(timeout=10)
+
+    assert bus.dead_lettered == []
+    assert seen.data == [Release2("a-1"), Release2("a-1", label="gold", tags=["gold"])]
+
+
+async def test_saga_data_in_a_handler_sees_what_its_message_wrote_in_memory() -> None:
+    await check_saga_data_in_a_handler_sees_what_its_message_wrote(None)
+
+
+async def test_saga_data_in_a_handler_sees_what_its_message_wrote_in_sql(database: str) -> None:
+    await check_saga_data_in_a_handler_sees_what_its_message_wrote(database)
+
+
 class Gatherer:
     """A handler that reads several sagas' data at once."""
 
