@@ -282,11 +282,27 @@ def describe(headers: dict[str, Any]) -> str:
     )
 
 
+_ESCAPES = {" ": "\\x20", "\\": "\\\\"}
+"""How `shown` writes the printable characters it escapes."""
+
+
 def shown(value: object) -> str:
-    """A header value as a log line may show it: printable, on one line, and short."""
+    """A header value as a log line may show it: printable, one word, at most SHOWN_LENGTH long.
+
+    Spaces, backslashes and what is not printable are escaped (a space as `\\x20`), so that a
+    value cannot pass for another field of the line; a longer value is cut and ends in `...`.
+    """
     text = str(value)
-    if len(text) <= SHOWN_LENGTH and text.isprintable():
+    if len(text) <= SHOWN_LENGTH and text.isprintable() and " " not in text and "\\" not in text:
         return text
-    cut = text[:SHOWN_LENGTH]
-    escaped = "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
-    return escaped + ("..." if len(text) > SHOWN_LENGTH else "")
+    pieces: list[str] = []
+    size = 0
+    for c in text[: SHOWN_LENGTH + 1]:
+        piece = _ESCAPES.get(c) or (c if c.isprintable() else repr(c)[1:-1])
+        pieces.append(piece)
+        size += len(piece)
+    if size <= SHOWN_LENGTH and len(text) <= SHOWN_LENGTH:
+        return "".join(pieces)
+    while size > SHOWN_LENGTH - 3:
+        size -= len(pieces.pop())
+    return "".join(pieces) + "..."

@@ -13,10 +13,12 @@ import pytest
 from mersal import ConfigurationError, DecodeError, Envelope, Header, message
 from mersal.messages import (
     IDS_PER_DRAW,
+    SHOWN_LENGTH,
     TypeRegistry,
     derived_id,
     describe,
     new_id,
+    shown,
     type_name_of,
 )
 
@@ -329,6 +331,23 @@ def test_log_lines_show_header_values_printable_on_one_line_and_short() -> None:
     }
     line = describe(headers)
     assert "\n" not in line and "\x00" not in line and "\x1b" not in line
-    assert "id=m-1\\nforged line" in line
-    assert f"type={'t' * 100}..." in line
+    assert "id=m-1\\nforged\\x20line" in line
+    assert f"type={'t' * 97}..." in line
     assert "correlation=c\\x00\\x1b[31m" in line
+
+
+@pytest.mark.parametrize("value", ["\x00" * 200, "\\" * 101, "é\n" * 60, "x" * 101, " " * 30])
+def test_a_shown_header_value_is_at_most_its_length_once_escaped(value: str) -> None:
+    text = shown(value)
+    assert len(text) <= SHOWN_LENGTH
+    assert text.isprintable() and " " not in text
+
+
+def test_a_shown_header_value_cannot_pass_for_another_field_of_the_line() -> None:
+    line = describe({Header.MESSAGE_ID: "id=1 type=evil.Forged", Header.TYPE: "a\\x20b"})
+
+    assert line.split() == [
+        "id=id=1\\x20type=evil.Forged",
+        "type=a\\\\x20b",
+        "correlation=None",
+    ]
