@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import hashlib
 import inspect
+import itertools
 import logging
 import types
 import typing
@@ -891,9 +892,9 @@ def keep_unknown(encoded: bytes, stored: bytes | None, data_type: type) -> bytes
 def newer_nested_fields(stored: bytes | None, data_type: type) -> list[str]:
     """Where the stored data holds what `data_type` cannot keep: paths such as `addr.zip`.
 
-    A key inside a nested object that its class does not know, or an element past the fields
-    of an `array_like` Struct: a newer release wrote it, and saving this release's data would
-    erase it. (Top-level keys are kept by `keep_unknown`.)
+    A key inside a nested object that its class does not know (in a union, no class the object
+    may be), or an element past the fields of an `array_like` Struct: a newer release wrote
+    it, and saving this release's data would erase it. (Top-level keys: `keep_unknown`.)
     """
     if stored is None or stored[:1] not in (b"{", b"["):
         return []
@@ -912,16 +913,60 @@ def _newer_fields(
     hint = _single_class(hint)
     origin = typing.get_origin(hint) or hint
     arguments = typing.get_args(hint)
-    if isinstance(value, dict) and origin in _MAPPINGS and len(arguments) == 2:
+    if _is_union(hint):
+        yield from _newer_in_union(value, arguments, path, depth)
+    elif isinstance(value, dict) and origin in _MAPPINGS and len(arguments) == 2:
         for key, item in value.items():
             yield from _newer_fields(item, arguments[1], f"{path}[{key!r}]", depth - 1)
-    elif isinstance(value, list) and origin in _SEQUENCES and len(arguments) in (1, 2):
-        if len(arguments) == 2 and arguments[1] is not Ellipsis:
-            return
-        for index, item in enumerate(value):
-            yield from _newer_fields(item, arguments[0], f"{path}[{index}]", depth - 1)
+    elif isinstance(value, list) and origin in _SEQUENCES and arguments:
+        fixed = origin is tuple and arguments[-1] is not Ellipsis  # tuple[A, B]: by position
+        hints = arguments if fixed else itertools.repeat(arguments[0])
+        for index, (item, item_hint) in enumerate(zip(value, hints, strict=False)):
+            yield from _newer_fields(item, item_hint, f"{path}[{index}]", depth - 1)
     elif isinstance(hint, type) and _is_data_class(hint):
         yield from _newer_in_object(value, hint, path, depth, top)
+
+
+def _newer_in_union(value: Any, members: tuple[Any, ...], path: str, depth: int) -> Iterator[str]:
+    """What no member of a union that `value` may be knows (nothing if one knows it all).
+
+    The members are those of the value's shape (an object, an array); of tagged Structs, the
+    one the value's tag names.
+    """
+    candidates = [_single_class(member) for member in members]
+    candidates = [member for member in candidates if _may_be(value, member)]
+    tagged = [member for member in candidates if _tag_matches(value, member)]
+    newer: list[list[str]] = []
+    for member in tagged or candidates:
+        found = list(_newer_fields(value, member, path, depth))
+        if not found:
+            return
+        newer.append(found)
+    if newer:
+        yield from min(newer, key=len)
+
+
+def _may_be(value: Any, hint: Any) -> bool:
+    """Whether stored `value` has the shape of `hint` (a mapping or object; a sequence)."""
+    origin = typing.get_origin(hint) or hint
+    data_class = isinstance(hint, type) and _is_data_class(hint)
+    if isinstance(value, dict):
+        return origin in _MAPPINGS or (data_class and not _array_like(hint))
+    if isinstance(value, list):
+        return origin in _SEQUENCES or (data_class and _array_like(hint))
+    return False
+
+
+def _tag_matches(value: Any, hint: Any) -> bool:
+    """Whether `value` carries the tag of `hint`, a tagged Struct."""
+    if not (isinstance(hint, type) and issubclass(hint, msgspec.Struct)):
+        return False
+    config = hint.__struct_config__
+    if config.tag is None:
+        return False
+    if isinstance(value, list):
+        return bool(value) and value[0] == config.tag
+    return isinstance(value, dict) and value.get(config.tag_field) == config.tag
 
 
 def _newer_in_object(value: Any, cls: type, path: str, depth: int, top: bool) -> Iterator[str]:

@@ -14,7 +14,7 @@ import zoneinfo
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import pydantic
@@ -426,6 +426,83 @@ def array_label(data: Array2, label: str) -> None:
     data.label = label
 
 
+class Card1(pydantic.BaseModel):
+    kind: Literal["card"] = "card"
+    number: str = ""
+
+
+class Bank(pydantic.BaseModel):
+    kind: Literal["bank"] = "bank"
+    iban: str = ""
+
+
+class Card2(Card1):
+    expiry: str = ""
+
+
+class Paid1(pydantic.BaseModel):
+    key: str = ""
+    balance: int = 0
+    pay: Card1 | Bank = pydantic.Field(default_factory=Bank)
+
+
+class Paid2(pydantic.BaseModel):
+    key: str = ""
+    balance: int = 0
+    pay: Card2 | Bank = pydantic.Field(default_factory=Bank)
+
+
+class TaggedCard1(msgspec.Struct, tag="card"):
+    number: str = ""
+
+
+class TaggedBank(msgspec.Struct, tag="bank"):
+    iban: str = ""
+
+
+class TaggedCard2(msgspec.Struct, tag="card"):
+    number: str = ""
+    expiry: str = ""
+
+
+class Tagged1(msgspec.Struct):
+    key: str = ""
+    balance: int = 0
+    pay: TaggedCard1 | TaggedBank = msgspec.field(default_factory=TaggedBank)
+
+
+class Tagged2(msgspec.Struct):
+    key: str = ""
+    balance: int = 0
+    pay: TaggedCard2 | TaggedBank = msgspec.field(default_factory=TaggedBank)
+
+
+@dataclass
+class Pair1:
+    key: str = ""
+    balance: int = 0
+    pair: tuple[Address1, int] = (Address1(), 0)
+
+
+@dataclass
+class Pair2:
+    key: str = ""
+    balance: int = 0
+    pair: tuple[Address2, int] = (Address2(), 0)
+
+
+def card_label(data: Paid2, label: str) -> None:
+    data.pay = Card2(number="4111", expiry=label)
+
+
+def tagged_card_label(data: Tagged2, label: str) -> None:
+    data.pay = TaggedCard2("4111", expiry=label)
+
+
+def pair_label(data: Pair2, label: str) -> None:
+    data.pair = (Address2("x", zip=label), 1)
+
+
 def releases(
     name: str, old: type, new: type, set_label: Callable[[Any, str], None]
 ) -> tuple[type[Saga[object]], type[Saga[object]]]:
@@ -456,8 +533,11 @@ def releases(
         (Nested1, Nested2, nested_label, "'addr.zip'"),
         (Nested1, Nested2, previous_label, "'previous[1].zip'"),
         (Array1, Array2, array_label, "'[2]'"),
+        (Paid1, Paid2, card_label, "'pay.expiry'"),
+        (Tagged1, Tagged2, tagged_card_label, "'pay.expiry'"),
+        (Pair1, Pair2, pair_label, "'pair[0].zip'"),
     ],
-    ids=["nested", "list-of-nested", "array-like"],
+    ids=["nested", "list-of-nested", "array-like", "union", "tagged-union", "fixed-tuple"],
 )
 async def test_an_older_release_refuses_to_erase_what_a_newer_one_stored_inside_the_data(
     old: type, new: type, set_label: Callable[[Any, str], None], path: str
@@ -479,6 +559,14 @@ async def test_an_older_release_refuses_to_erase_what_a_newer_one_stored_inside_
     assert "Run the newer release for this saga, or add the field" in dead.error_message
     assert await read(app_of(New), New, "a-1") == stored
     bus = await run(app_of(New), Deposit("a-1", 5))  # the newer release goes on with it
+    assert bus.dead_lettered == []
+
+
+@pytest.mark.parametrize("data", [Paid1, Tagged1, Pair1])
+async def test_data_in_a_union_or_a_fixed_tuple_that_its_class_knows_is_saved(data: type) -> None:
+    Old, _ = releases(f"tests.data.{data.__name__}", data, data, lambda data, label: None)
+    bus = await run(phases(None)(Old), Open("a-1"), Deposit("a-1", 5), Deposit("a-1", 1))
+
     assert bus.dead_lettered == []
 
 
