@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import http.client
 import json
 import re
+import socket
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.error import HTTPError, URLError
 from urllib.parse import quote, unquote, urlencode, urlsplit
-from urllib.request import Request, urlopen
+from urllib.request import HTTPHandler, HTTPSHandler, OpenerDirector, Request, build_opener
 
 from mersal.commands import in_daemon_thread
 from mersal.transport import split_urls
@@ -180,8 +184,12 @@ class Management:
         request = Request(f"{self.base}{path}?{urlencode(query)}".rstrip("?"))
         credentials = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
         request.add_header("Authorization", f"Basic {credentials}")
+        sockets: list[socket.socket] = []
+        cutoff = threading.Timer(DEADLINE, _shut, (sockets,))  # the caller gave up by then
+        cutoff.daemon = True
+        cutoff.start()
         try:
-            with urlopen(request, timeout=TIMEOUT) as answer:
+            with _opener(sockets).open(request, timeout=TIMEOUT) as answer:
                 return json.load(answer)
         except HTTPError as error:
             if error.code == 404 and missing_ok:
@@ -194,11 +202,49 @@ class Management:
             raise ManagementUnavailable(
                 f"the RabbitMQ management API at {self.base} answered HTTP {error.code}: {ENABLE}"
             ) from None
-        except (URLError, OSError, ValueError) as error:
+        except (URLError, OSError, ValueError, http.client.HTTPException) as error:
             reason = getattr(error, "reason", error)
             raise _NoAnswer(
                 f"the RabbitMQ management API did not answer at {self.base} ({reason}): {ENABLE}"
             ) from None
+        finally:
+            cutoff.cancel()
+            _shut(sockets)
+
+
+def _opener(sockets: list[socket.socket]) -> OpenerDirector:
+    """An opener that adds each socket it connects to `sockets`, to be shut from outside.
+
+    A server that trickles its answer never lets a read time out: the socket is shut at the
+    DEADLINE, which ends the request and its thread.
+    """
+
+    class Plain(http.client.HTTPConnection):
+        def connect(self) -> None:
+            super().connect()
+            sockets.append(self.sock)
+
+    class Secure(http.client.HTTPSConnection):
+        def connect(self) -> None:
+            super().connect()
+            sockets.append(self.sock)
+
+    class PlainHandler(HTTPHandler):
+        def http_open(self, req: Request) -> http.client.HTTPResponse:
+            return self.do_open(Plain, req)
+
+    class SecureHandler(HTTPSHandler):
+        def https_open(self, req: Request) -> http.client.HTTPResponse:
+            return self.do_open(Secure, req)
+
+    return build_opener(PlainHandler, SecureHandler)
+
+
+def _shut(sockets: list[socket.socket]) -> None:
+    """Shut the sockets down: a read blocked in another thread returns at once."""
+    for sock in sockets:
+        with contextlib.suppress(OSError):  # closed already
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 class _NoAnswer(Exception):

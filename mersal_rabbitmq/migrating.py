@@ -14,7 +14,10 @@ messages that keep arriving for ROUNDS rounds stop the run (stop the apps that s
 to the queue). The holding queue is unbound before its last round and deleted once empty.
 A partitioned queue's senders may go on: its hash exchange is deleted for the migration (its
 ring would change as partitions are declared again) behind a marker exchange that makes keyed
-sends wait, and made again after with the partitions bound in order, the ring as it was.
+sends wait, and made again after with the partitions bound in order, the ring as it was. The
+run holds the ring's lock queue, `<queue>.partitions.lock`, while the marker exists: a marker
+left without it (the run was killed) is taken by the apps for a rebuild cut short, which they
+finish by binding the partitions in order; run this again to finish the migration.
 A queue's wait queues are moved before it (quorum ones dead-letter at least once, so they
 wait for it to be back). Moving a quorum queue to classic, stop the apps that send to it too
 and let its wait queues empty first.
@@ -48,11 +51,15 @@ from mersal_rabbitmq.topology import (
     EVENTS,
     PLUGIN_HINT,
     QUEUE_TYPES,
+    RETRY_PAUSE,
+    RING_LOCK_WAIT,
     QueueShape,
+    RingLocked,
     durable_shape,
     migrating_exchange,
     partition_exchange,
     partition_shape,
+    ring_lock,
     wait_shape,
 )
 from mersal_rabbitmq.transport import RabbitMQTransport
@@ -184,12 +191,15 @@ async def _pause_partitions(
     paused: list[str] = []
     for base in dict.fromkeys(filter(None, map(partitioned_base, names))):
         marker, exchange = migrating_exchange(base), partition_exchange(base)
-        if not await _exchange_exists(transport, marker):  # else an interrupted run's
+        if await _exchange_exists(transport, marker):  # an interrupted run's, or a rebuild's
+            await _hold_ring_lock(transport, base)
+        else:
             if not await _exchange_exists(transport, exchange):
                 continue  # not partitioned: only named like a partition
             partitions = [name for name in names if partitioned_base(name) == base]
             if not await _any_moves(transport, partitions, target):
                 continue
+            await _hold_ring_lock(transport, base)
             async with _channel(transport) as channel:
                 await channel.declare_exchange(marker, aio_pika.ExchangeType.FANOUT, durable=True)
         async with _channel(transport) as channel:
@@ -218,6 +228,7 @@ async def _resume_partitions(transport: RabbitMQTransport, base: str) -> None:
             await queue.bind(declared, "1")
         arrived = await _ready_in(transport, base, count) - before
         await channel.exchange_delete(migrating_exchange(base))
+        await channel.queue_delete(ring_lock(base))
     if arrived > 0:  # a sender that sent nothing since the pause, while the ring was made
         log.warning(
             "%d message(s) reached the partitions of %r while their exchange was made again: "
@@ -225,6 +236,27 @@ async def _resume_partitions(transport: RabbitMQTransport, base: str) -> None:
             arrived,
             base,
         )
+
+
+async def _hold_ring_lock(transport: RabbitMQTransport, base: str) -> None:
+    """Hold the lock queue of `base`'s ring until done (or the connection goes).
+
+    While the marker exists, its lock held tells the apps that a migration runs; a marker
+    without it is a rebuild cut short, which the apps finish. An instance binding the
+    partitions again holds it for a moment: waited for, up to RING_LOCK_WAIT seconds.
+    """
+    deadline = asyncio.get_running_loop().time() + RING_LOCK_WAIT
+    while True:
+        try:
+            async with _channel(transport) as channel:
+                await channel.declare_queue(
+                    ring_lock(base), exclusive=True, auto_delete=True, durable=False
+                )
+            return
+        except aiormq.exceptions.ChannelLockedResource:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise RingLocked(base) from None
+            await asyncio.sleep(RETRY_PAUSE)
 
 
 async def _any_moves(transport: RabbitMQTransport, names: Sequence[str], target: str) -> bool:

@@ -27,9 +27,14 @@ and a keyed send fails with `PartitionsMigrating` (the outbox sends it again lat
 numbers partitions in the order they were bound, and a deleted queue's binding renumbers the
 rest: a partition declared again (deleted while the app runs, or found missing at start) would
 be bound last and move keys for good, so the exchange is made again with every partition bound
-in order, behind the same marker, by one instance at a time (it holds the exclusive queue
-`<queue>.partitions.lock`); keyed sends of this process wait meanwhile, and a keyed send that
-meets the exchange missing or without partitions fails with `OutcomeUnknown`, to be sent again.
+in order, behind the same marker, by one connection at a time (it holds the exclusive queue
+`<queue>.partitions.lock`, as `mersal queues migrate` does while its marker exists). Keyed
+sends of this process wait meanwhile; another instance that owns the partitions looks for the
+marker before a keyed send, at most every MARKER_RECHECK seconds, and then fails it with
+`PartitionsMigrating` (in between, it may send through the half-made ring). A marker whose lock
+nobody holds is a rebuild cut short: a starting instance, a restore or such a keyed send takes
+the lock and finishes it. A keyed send that meets the exchange missing or without partitions
+fails with `OutcomeUnknown`, to be sent again.
 
 Everything is declared on one channel, replaced when an error closed it (RabbitMQ closes it on
 a 406), and remembered: the topology registers with the connection and declares it all again
@@ -43,6 +48,7 @@ import hashlib
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -54,7 +60,7 @@ from aio_pika.abc import AbstractChannel
 from mersal.errors import ConfigurationError, MersalError, Unreachable, Unroutable
 from mersal.transport import mask, partition_queue
 from mersal.transport.status import QueueStatus
-from mersal_rabbitmq.connection import Connection, closed_under, why
+from mersal_rabbitmq.connection import Connection, close_quietly, closed_under, why
 from mersal_rabbitmq.delays import wait_queue_name
 
 log = logging.getLogger("mersal.rabbitmq")
@@ -72,6 +78,11 @@ MATCH_ROUNDS = 20
 """Arguments of an existing queue taken over, one a declaration, to tell its type."""
 PARTITIONED_RECHECK = 30.0
 """Seconds after which a sender looks again whether a queue it found unpartitioned is now."""
+MARKER_RECHECK = 1.0
+"""Seconds after which an instance that owns partitions looks again, before a keyed send,
+whether their ring is being made again elsewhere (its marker exists)."""
+RING_LOCK_WAIT = 30.0
+"""Seconds an instance waits for another connection to let go of a ring's lock queue."""
 
 
 PLUGIN_HINT = (
@@ -109,6 +120,19 @@ def migrating_exchange(queue: str) -> str:
 def ring_lock(queue: str) -> str:
     """The exclusive queue an instance holds while it binds `queue`'s partitions again."""
     return f"{queue}.partitions.lock"
+
+
+class RingLocked(MersalError):
+    """Another connection held a ring's lock queue for RING_LOCK_WAIT seconds."""
+
+    def __init__(self, queue: str) -> None:
+        super().__init__(
+            f"the partitions of {queue!r} are being migrated or their exchange made again: "
+            f"another connection has held {ring_lock(queue)!r} for {RING_LOCK_WAIT:g}s "
+            "(`mersal queues migrate`, or an instance binding the partitions again): let it "
+            "finish, or close that connection (`rabbitmqctl list_queues name owner_pid`), "
+            "then start again"
+        )
 
 
 class PartitionsMigrating(MersalError):
@@ -204,6 +228,7 @@ class Topology:
         """The partitioned queues declared here, and how many partitions each has."""
         self._partitioned: dict[str, tuple[bool, float]] = {}  # looked up: whether, and when
         self._rebuilding: dict[str, asyncio.Event] = {}  # set once the ring is made again
+        self._marker_looked: dict[str, float] = {}  # when an owner last looked for the marker
 
     async def start(self) -> None:
         """Declare the topic exchange; from now on, everything again after each reconnect."""
@@ -308,17 +333,14 @@ class Topology:
 
     async def partition(self, queue: str, count: int) -> list[str]:
         """Split keyed sends to `queue` over `count` partitions; the partitions' names."""
-        partitioning = partial(self._locked_partition, queue, count)
-        await self.through_reconnects(f"partition queue {queue!r}", partitioning)
+        await self._declare_partitions(queue, count)
         self.partitions[queue] = count
         return [partition_queue(queue, index) for index in range(count)]
 
     async def partitioned(self, queue: str) -> str | None:
         """The exchange of `queue`'s partitions if it has any, else None (looked up, cached)."""
         if queue in self.partitions:
-            rebuilding = self._rebuilding.get(queue)
-            if rebuilding is not None:
-                await rebuilding.wait()
+            await self._ring_ready(queue)
             return partition_exchange(queue)
         loop = asyncio.get_running_loop()
         known = self._partitioned.get(queue)
@@ -346,19 +368,60 @@ class Topology:
         known = self._partitioned.pop(queue, None)
         return queue in self.partitions or (known is not None and known[0])
 
-    async def _locked_partition(self, queue: str, count: int) -> None:
-        async with self._lock:
-            await self._partition(queue, count)
+    async def _ring_ready(self, queue: str) -> None:
+        """Wait while this process makes the ring of `queue` again; finish one cut short.
 
-    async def _partition(self, queue: str, count: int) -> None:
+        The marker is looked for at most every MARKER_RECHECK seconds. Met without its lock
+        queue held, it is a rebuild whose instance died or stopped: this one finishes it. Met
+        held, another instance or `mersal queues migrate` is at it: `PartitionsMigrating`.
+        """
+        rebuilding = self._rebuilding.get(queue)
+        if rebuilding is not None:
+            await rebuilding.wait()
+            return
+        loop = asyncio.get_running_loop()
+        looked = self._marker_looked.get(queue)
+        if looked is not None and loop.time() - looked < MARKER_RECHECK:
+            return
+        self._marker_looked[queue] = loop.time()
+        marked = False
+
+        async def looking() -> None:
+            nonlocal marked
+            async with self._lock:
+                marked = await self._exchange_exists(migrating_exchange(queue))
+
+        await self.through_reconnects(f"look for the marker of {queue!r}", looking)
+        if not marked:
+            return
+        self._marker_looked.pop(queue, None)
+        if not await self._rebuild_ring(queue, self.partitions[queue], wait=0.0, marked=True):
+            raise PartitionsMigrating(queue)
+
+    async def _declare_partitions(self, queue: str, count: int) -> None:
+        """Declare the partitions and bind them; make the ring again if it must be."""
+        rebuild: str | None = None
+
+        async def partitioning() -> None:
+            nonlocal rebuild
+            async with self._lock:
+                rebuild = await self._partition(queue, count)
+
+        await self.through_reconnects(f"partition queue {queue!r}", partitioning)
+        if rebuild is None:
+            return
+        marked = rebuild == "marked"
+        if not await self._rebuild_ring(queue, count, wait=RING_LOCK_WAIT, marked=marked):
+            raise RingLocked(queue)
+
+    async def _partition(self, queue: str, count: int) -> str | None:
+        """Declare the exchange and partitions; why the ring is to be made again, if it is.
+
+        "marked": a rebuild or migration is under way, or was cut short (its marker exists);
+        "moved": a partition came back before others, and would be bound out of order.
+        """
         exchange = partition_exchange(queue)
         marked = await self._exchange_exists(migrating_exchange(queue))
-        if marked and queue not in self.partitions:
-            raise ConfigurationError(
-                f"the partitions of {queue!r} are being migrated ({migrating_exchange(queue)!r} "
-                "exists): let `mersal queues migrate` finish, or run it again if it was "
-                "interrupted, then start the app"
-            )
         existed = await self._exchange_exists(exchange)
         channel = await self._ready_channel()
         try:
@@ -381,12 +444,6 @@ class Topology:
                 created.append(index)
             await self._declare(name, shape)
             self.queues[name] = shape
-        if marked or (existed and created and len(created) + created[0] < count):
-            # a partition came back before others, or a rebuild was under way (or cut short)
-            await self._rebuild_ring(queue, count)
-        else:  # in order, as every instance binds: a ring that was made in order stays so
-            for index in range(count):
-                await self._bind_partition(partition_queue(queue, index), exchange)
         extra = partition_queue(queue, count)
         if await self._exists(extra):
             raise ConfigurationError(
@@ -395,50 +452,105 @@ class Topology:
                 "stop every instance, move the messages of the extra partitions into "
                 f"{queue!r} and delete those queues"
             )
+        if marked:
+            return "marked"
+        if existed and created and len(created) + created[0] < count:
+            return "moved"
+        for index in range(count):  # in order, as every instance binds: the ring stays so
+            await self._bind_partition(partition_queue(queue, index), exchange)
+        return None
 
-    async def _rebuild_ring(self, queue: str, count: int) -> None:
+    async def _rebuild_ring(self, queue: str, count: int, *, wait: float, marked: bool) -> bool:
         """Make the partitions' exchange again with every partition bound in index order.
 
         RabbitMQ's consistent-hash exchange numbers its ring in the order queues were bound, and
         a deleted queue's binding renumbers the rest: a partition declared again would be bound
         last, and keys would move for good. As `mersal queues migrate` does, the marker exchange
         makes keyed sends wait (here and elsewhere) while the exchange is deleted and made
-        again, bound in order. An exclusive queue lets one instance at a time do it.
+        again, bound in order. An exclusive queue, the lock, lets one connection at a time do
+        it; a marker found once the lock is taken is a rebuild cut short, finished here. With
+        `marked`, nothing is made again when the marker went meanwhile. False when another
+        connection held the lock for `wait` seconds.
         """
+        while (earlier := self._rebuilding.get(queue)) is not None:
+            await earlier.wait()
         done = self._rebuilding[queue] = asyncio.Event()
         try:
-            await self._take_ring_lock(queue)
-            channel = await self._ready_channel()
-            marker = migrating_exchange(queue)
-            await channel.declare_exchange(marker, aio_pika.ExchangeType.FANOUT, durable=True)
-            await channel.exchange_delete(partition_exchange(queue))
-            await channel.declare_exchange(
-                partition_exchange(queue), "x-consistent-hash", durable=True
-            )
-            for index in range(count):
-                await self._bind_partition(partition_queue(queue, index), partition_exchange(queue))
-            await channel.exchange_delete(marker)
-            await channel.queue_delete(ring_lock(queue))
-            log.warning(
-                "a partition of %r was declared again: made its exchange again with every "
-                "partition bound in order, so that each key keeps its partition",
-                queue,
-            )
+            if not await self._take_ring_lock(queue, wait):
+                return False
+            try:
+                remaking = partial(self._remake_ring, queue, count, marked)
+                await self.through_reconnects(f"make the ring of {queue!r} again", remaking)
+            finally:
+                await self._release_ring_lock(queue)
+            return True
         finally:
             del self._rebuilding[queue]
             done.set()
 
-    async def _take_ring_lock(self, queue: str) -> None:
-        """Declare the exclusive queue that one instance at a time holds while it rebuilds."""
-        while True:
-            channel = await self._ready_channel()
+    async def _remake_ring(self, queue: str, count: int, marked: bool) -> None:
+        async with self._lock:
+            exchange = partition_exchange(queue)
+            if marked and not await self._exchange_exists(migrating_exchange(queue)):
+                if await self._exchange_exists(exchange):  # made by another: bind ours too
+                    for index in range(count):
+                        await self._bind_partition(partition_queue(queue, index), exchange)
+                return
+            await _finished_once_begun(self._remake(queue, count))
+        log.warning(
+            "the partitions of %r were declared again, or their exchange left half-made: made "
+            "it again with every partition bound in order, so that each key keeps its partition",
+            queue,
+        )
+
+    async def _remake(self, queue: str, count: int) -> None:
+        channel = await self._ready_channel()
+        marker = migrating_exchange(queue)
+        await channel.declare_exchange(marker, aio_pika.ExchangeType.FANOUT, durable=True)
+        await channel.exchange_delete(partition_exchange(queue))
+        await channel.declare_exchange(partition_exchange(queue), "x-consistent-hash", durable=True)
+        for index in range(count):
+            await self._bind_partition(partition_queue(queue, index), partition_exchange(queue))
+        await channel.exchange_delete(marker)
+
+    async def _take_ring_lock(self, queue: str, wait: float) -> bool:
+        """Declare the exclusive queue that one connection at a time holds while it rebuilds.
+
+        Each try on a channel of its own (a refusal closes it), so that declarations go on
+        meanwhile. False when another connection held it for `wait` seconds.
+        """
+        deadline = asyncio.get_running_loop().time() + wait
+        taken = False
+
+        async def taking() -> None:
+            nonlocal taken
+            channel = await self._connection.channel()
             try:
                 await channel.declare_queue(
                     ring_lock(queue), exclusive=True, auto_delete=True, durable=False
                 )
-                return
-            except aiormq.exceptions.ChannelLockedResource:  # another instance rebuilds
-                await asyncio.sleep(RETRY_PAUSE)
+                taken = True
+            except aiormq.exceptions.ChannelLockedResource:  # another connection holds it
+                taken = False
+            finally:
+                await close_quietly(channel)
+
+        while True:
+            await self.through_reconnects(f"take the lock of {queue!r}'s ring", taking)
+            if taken:
+                return True
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(RETRY_PAUSE)
+
+    async def _release_ring_lock(self, queue: str) -> None:
+        """Delete the lock queue (it goes with the connection anyway)."""
+        with suppress(Exception):
+            channel = await self._connection.channel()
+            try:
+                await channel.queue_delete(ring_lock(queue))
+            finally:
+                await close_quietly(channel)
 
     async def _bind_partition(self, name: str, exchange: str) -> None:
         amqp_queue = await (await self._ready_channel()).get_queue(name, ensure=False)
@@ -523,11 +635,13 @@ class Topology:
         shape = self.queues.get(name)
         if shape is None:
             return
+        base = self._partitioned_by(name)
         async with self._lock:
-            base = self._partitioned_by(name)
-            if base is not None and not await self._exists(name):
-                await self._partition(base, self.partitions[base])  # the ring, in order
-            else:
+            missing = base is not None and not await self._exists(name)
+        if base is not None and missing:
+            await self._declare_partitions(base, self.partitions[base])  # the ring, in order
+        async with self._lock:
+            if not missing:
                 await self._declare(name, shape)
             for topic in sorted(self.bindings.get(name, ())):
                 await self._bind(name, topic)
@@ -543,7 +657,8 @@ class Topology:
         """Declare everything remembered again (after a reconnect); log what fails."""
         await _logging_failure(EVENTS, self.declare_exchange())
         for queue, count in list(self.partitions.items()):
-            await _logging_failure(partition_exchange(queue), self._locked_partition(queue, count))
+            declaring = self._declare_partitions(queue, count)
+            await _logging_failure(partition_exchange(queue), declaring)
         for name in list(self.queues):
             await _logging_failure(name, self.restore_queue(name))
 
@@ -699,6 +814,19 @@ def _reply(error: BaseException) -> str:
     """The broker's reply text without its code prefix."""
     text = str(error)
     return text.partition(" - ")[2] or text
+
+
+async def _finished_once_begun(work: Awaitable[None]) -> None:
+    """Run `work` to its end even if cancelled meanwhile (for up to RECONNECT_WAIT), then stop.
+
+    A ring whose exchange was deleted must be bound again before a `stop()` goes on.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait((task,), timeout=RECONNECT_WAIT)
+        raise
 
 
 async def _logging_failure(name: str, declaration: Awaitable[None]) -> None:

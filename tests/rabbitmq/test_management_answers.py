@@ -17,6 +17,7 @@ import pytest
 
 from mersal_rabbitmq import management
 from mersal_rabbitmq.management import Management
+from tests.support import eventually
 
 
 class Answers(http.server.BaseHTTPRequestHandler):
@@ -94,6 +95,20 @@ async def test_an_api_that_trickles_bytes_is_given_up_on_after_the_deadline(
         view = await at(api).look(["orders"], [])
     assert time.monotonic() - started < 5
     assert view.note is not None and "did not answer within 1s" in view.note
+
+
+async def test_a_request_given_up_on_ends_its_thread(
+    api: http.server.ThreadingHTTPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api.body = "trickle"  # type: ignore[attr-defined]
+    monkeypatch.setattr(management, "DEADLINE", 0.5)
+
+    def asking() -> int:
+        return sum(1 for thread in threading.enumerate() if thread.name == "mersal-command")
+
+    before = asking()
+    await at(api).look(["orders"], [])
+    await eventually(lambda: asking() <= before, "the request's thread ended", timeout=5)
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,13 @@ import json
 import random
 from dataclasses import dataclass
 
+import aio_pika
 import pytest
 from rabbitmq_support import Broker, rabbitmqctl
 
 from mersal import App, ConfigurationError, MessageContext, OutcomeUnknown, RetryPolicy
-from mersal_rabbitmq import RabbitMQTransport
+from mersal_rabbitmq import RabbitMQTransport, topology
+from mersal_rabbitmq.topology import PartitionsMigrating, RingLocked, Topology
 from tests.support import eventually, rabbitmqctl_rows
 
 pytestmark = pytest.mark.integration
@@ -249,6 +251,149 @@ async def test_keys_keep_their_partition_after_a_partition_was_deleted(
     moved = [key for key in keys if handled[(1, key)] != handled[(2, key)]]
     assert moved == []
     assert len({handled[(1, key)] for key in keys}) == 3  # the keys are spread over all three
+
+
+async def cut_short_rebuild(broker: Broker, name: str, bound: int) -> None:
+    """Leave the ring as an instance killed while it made it again: marker, a few bound."""
+    channel = broker.channel
+    marker = f"{name}.partitions.migrating"
+    await channel.declare_exchange(marker, aio_pika.ExchangeType.FANOUT, durable=True)
+    await channel.exchange_delete(f"{name}.partitions")
+    exchange = await channel.declare_exchange(
+        f"{name}.partitions", "x-consistent-hash", durable=True
+    )
+    for index in range(bound):
+        queue = await channel.get_queue(f"{name}.partition.{index}", ensure=False)
+        await queue.bind(exchange, "1")
+
+
+async def exchange_exists(broker: Broker, name: str) -> bool:
+    """Whether the exchange `name` exists (a passive declare, on a channel of its own)."""
+    channel = await broker.connection.channel()
+    try:
+        await channel.declare_exchange(name, passive=True)
+    except aio_pika.exceptions.ChannelNotFoundEntity:
+        return False
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+    return True
+
+
+async def ring_bound(vhost: str, name: str, count: int) -> bool:
+    """Whether every partition is bound to the exchange."""
+    rows = await asyncio.to_thread(
+        rabbitmqctl_rows, "list_bindings", "-p", vhost, "source_name", "destination_name"
+    )
+    return all(
+        {"source_name": f"{name}.partitions", "destination_name": f"{name}.partition.{n}"} in rows
+        for n in range(count)
+    )
+
+
+@pytest.mark.parametrize("finisher", ["a starting instance", "a keyed send of a running one"])
+async def test_a_rebuild_cut_short_is_finished_and_keys_keep_their_partition(
+    url: str, broker: Broker, prefix: str, finisher: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(topology, "MARKER_RECHECK", 0.0)
+    name = f"{prefix}.orders"
+    handled: dict[tuple[int, str], str] = {}
+
+    async def handle(step: Step, context: MessageContext) -> None:
+        assert context.delivery is not None
+        handled[(step.seq, step.key)] = context.delivery.queue
+
+    def instance() -> App:
+        app = partitioned_app(name, url, broker, partitions=3)
+        app.register(Step, handle)
+        app.route(Step, name)
+        return app
+
+    keys = [f"k{n}" for n in range(24)]
+
+    async def send_round(app: App, seq: int) -> None:
+        for key in keys:
+            await app.send(Step(key, seq), partition_key=key)
+        await eventually(lambda: len(handled) == seq * len(keys), f"round {seq} handled")
+
+    first = instance()
+    async with first:
+        await send_round(first, 1)
+        if finisher == "a keyed send of a running one":
+            await cut_short_rebuild(broker, name, bound=1)
+            await send_round(first, 2)
+    if finisher == "a starting instance":
+        await cut_short_rebuild(broker, name, bound=1)
+        second = instance()
+        async with second:
+            await send_round(second, 2)
+    assert [key for key in keys if handled[(1, key)] != handled[(2, key)]] == []
+    assert not await exchange_exists(broker, f"{name}.partitions.migrating")
+
+
+async def test_a_keyed_send_waits_while_another_connection_holds_the_ring_lock(
+    url: str, broker: Broker, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(topology, "MARKER_RECHECK", 0.0)
+    name = f"{prefix}.orders"
+    app = partitioned_app(name, url, broker, partitions=2)
+    app.register(Step, ignore)
+    app.route(Step, name)
+    lock = f"{name}.partitions.lock"
+    async with app:
+        await app.send(Step("k", 1), partition_key="k")
+        await broker.channel.declare_queue(lock, exclusive=True, auto_delete=True)
+        await cut_short_rebuild(broker, name, bound=1)
+        with pytest.raises(PartitionsMigrating):  # not through the half-made ring
+            await app.send(Step("k", 2), partition_key="k")
+        await broker.channel.queue_delete(lock)  # its holder is gone: the next send finishes
+        await app.send(Step("k", 3), partition_key="k")
+        assert not await exchange_exists(broker, f"{name}.partitions.migrating")
+
+
+async def test_a_start_waits_for_the_ring_lock_a_bounded_time(
+    url: str, broker: Broker, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(topology, "RING_LOCK_WAIT", 0.5)
+    name = f"{prefix}.orders"
+    app = partitioned_app(name, url, broker, partitions=2)
+    app.register(Step, ignore)
+    async with app:
+        pass
+    await broker.channel.declare_queue(f"{name}.partitions.lock", exclusive=True, auto_delete=True)
+    await cut_short_rebuild(broker, name, bound=1)
+    with pytest.raises(RingLocked, match=rf"{name}\.partitions\.lock.*let it finish"):
+        await asyncio.wait_for(app.start(), 15)
+    await app.stop()
+    await broker.channel.exchange_delete(f"{name}.partitions.migrating")
+
+
+async def test_a_stop_while_the_ring_is_made_again_lets_it_finish_first(
+    url: str, vhost: str, broker: Broker, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = f"{prefix}.orders"
+    app = partitioned_app(name, url, broker, partitions=3)
+    app.register(Step, ignore)
+    binding = asyncio.Event()
+    slow = False
+    bind = Topology._bind_partition
+
+    async def slow_bind(self: Topology, queue: str, exchange: str) -> None:
+        if slow:
+            binding.set()
+            await asyncio.sleep(0.3)
+        await bind(self, queue, exchange)
+
+    monkeypatch.setattr(Topology, "_bind_partition", slow_bind)
+    await app.start()
+    try:
+        slow = True
+        await broker.channel.queue_delete(f"{name}.partition.0")
+        await asyncio.wait_for(binding.wait(), 15)
+    finally:
+        await app.stop()
+    assert not await exchange_exists(broker, f"{name}.partitions.migrating")
+    assert await ring_bound(vhost, name, 3)
 
 
 @pytest.mark.parametrize("exchange", ["deleted", "made again without bindings"])
