@@ -1,4 +1,4 @@
-"""Hostile handlers (issue 8): whatever handlers do, every message ends once and the worker goes on.
+"""Hostile handlers: whatever handlers do, every message ends once and the worker goes on.
 
 Hypothesis draws a batch of messages, each with what its handler does: succeed; raise an
 Exception, a BaseException subclass, KeyboardInterrupt, SystemExit or CancelledError; raise an

@@ -1,4 +1,4 @@
-"""A newcomer's mistakes: each error or warning quotes what to change (issue 12, part 1)."""
+"""A newcomer's mistakes: each error or warning quotes what to change."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the property tests found on a fresh machine (issue 8, case 13), as explicit examples.
+"""What the property tests found on a fresh machine, as explicit examples.
 
 - A header holding a lone surrogate ('\\ud800'), which the memory transport can carry and a
   lenient decoder can produce: the delivery reaches the error queue once, with its headers

@@ -1,4 +1,4 @@
-"""Nothing grows without bound (issue 8, case 9): a soak, and the structures looked at directly.
+"""Nothing grows without bound: a soak, and the structures looked at directly.
 
 The soak runs an App on a private memory broker: messages with distinct partition keys, sent in
 batches and waited for, while short-lived consumers come and go on a side queue. Memory (RSS,

@@ -1,4 +1,4 @@
-"""The relay judges each outbox row; a stop leaves nothing half done (issue 8: 4, 6, 7, 11).
+"""The relay judges each outbox row; a stop leaves nothing half done.
 
 Rows that can never go (written by an older version, by hand, refused by the transport's limits
 or by the broker itself) are parked with a reason while every other row of their batch leaves

@@ -1,4 +1,4 @@
-"""The embedded default holds up (issue 8, case 12): many writers on one SQLite file.
+"""The embedded default holds up: many writers on one SQLite file.
 
 An App on `memory://` with `database=sqlite+aiosqlite:///<file>` and 32 concurrent handlers that
 sleep 50-200 ms and add one ORM row (the workload of `bench/sqlite.py`): writers queue in the
