@@ -228,7 +228,7 @@ class Topology:
         """The partitioned queues declared here, and how many partitions each has."""
         self._partitioned: dict[str, tuple[bool, float]] = {}  # looked up: whether, and when
         self._rebuilding: dict[str, asyncio.Event] = {}  # set once the ring is made again
-        self._marker_looked: dict[str, float] = {}  # when an owner last looked for the marker
+        self._marker_looked: dict[str, float] = {}  # when this process last looked for a marker
 
     async def start(self) -> None:
         """Declare the topic exchange; from now on, everything again after each reconnect."""
@@ -358,6 +358,9 @@ class Topology:
                 self._partitioned.pop(queue, None)
                 raise PartitionsMigrating(queue)
             known = self._partitioned[queue] = (exists, loop.time())
+            self._marker_looked[queue] = loop.time()
+        elif known[0] and await self._marked(queue):  # its ring is being made: may be half-bound
+            raise PartitionsMigrating(queue)
         return partition_exchange(queue) if known[0] else None
 
     def forget_partitions(self, queue: str) -> bool:
@@ -379,10 +382,18 @@ class Topology:
         if rebuilding is not None:
             await rebuilding.wait()
             return
+        if not await self._marked(queue):
+            return
+        if not await self._rebuild_ring(queue, self.partitions[queue], wait=0.0, marked=True):
+            raise PartitionsMigrating(queue)
+
+    async def _marked(self, queue: str) -> bool:
+        """Whether the marker of `queue`'s ring exists: looked up at most every MARKER_RECHECK
+        seconds while it is absent, at every call while it is there."""
         loop = asyncio.get_running_loop()
         looked = self._marker_looked.get(queue)
         if looked is not None and loop.time() - looked < MARKER_RECHECK:
-            return
+            return False
         self._marker_looked[queue] = loop.time()
         marked = False
 
@@ -392,11 +403,9 @@ class Topology:
                 marked = await self._exchange_exists(migrating_exchange(queue))
 
         await self.through_reconnects(f"look for the marker of {queue!r}", looking)
-        if not marked:
-            return
-        self._marker_looked.pop(queue, None)
-        if not await self._rebuild_ring(queue, self.partitions[queue], wait=0.0, marked=True):
-            raise PartitionsMigrating(queue)
+        if marked:
+            self._marker_looked.pop(queue, None)
+        return marked
 
     async def _declare_partitions(self, queue: str, count: int) -> None:
         """Declare the partitions and bind them; make the ring again if it must be."""

@@ -351,6 +351,26 @@ async def test_a_keyed_send_waits_while_another_connection_holds_the_ring_lock(
         assert not await exchange_exists(broker, f"{name}.partitions.migrating")
 
 
+async def test_a_send_only_app_does_not_send_through_a_half_made_ring(
+    url: str, broker: Broker, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(topology, "MARKER_RECHECK", 0.0)
+    name = f"{prefix}.orders"
+    owner = partitioned_app(name, url, broker, partitions=3)
+    owner.register(Step, ignore)
+    owner.route(Step, name)
+    sender = partitioned_app(f"{prefix}.front", url, broker, consume=False)
+    sender.route(Step, name)
+    async with owner, sender:
+        await sender.send(Step("k", 1), partition_key="k")  # it knows the queue is partitioned
+        await cut_short_rebuild(broker, name, bound=1)
+        with pytest.raises(PartitionsMigrating):  # not to a partition the ring half-holds
+            await sender.send(Step("k", 2), partition_key="k")
+        await owner.send(Step("k", 3), partition_key="k")  # an owner finishes the ring
+        await sender.send(Step("k", 4), partition_key="k")
+        assert not await exchange_exists(broker, f"{name}.partitions.migrating")
+
+
 async def test_a_start_waits_for_the_ring_lock_a_bounded_time(
     url: str, broker: Broker, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
