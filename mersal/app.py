@@ -162,6 +162,8 @@ class App:
         self._worker: Worker | None = None
         self._running = False
         self._stopping: asyncio.Future[None] | None = None
+        self._starting: asyncio.Task[Any] | None = None  # the task in start(), while it runs
+        self._start_ended: asyncio.Event | None = None
         self._replies: _Replies | None = None
         self.storage: Storage | None = None
         self.telemetry: Telemetry | None = None  # set by mersal.telemetry.instrument
@@ -576,6 +578,25 @@ class App:
         self.outgoing.freeze()
         transport = self.transport
         self.settler = Settler(transport, self.retry.error_queue)
+        self._starting, self._start_ended = asyncio.current_task(), asyncio.Event()
+        try:
+            await self._connect(transport)
+        finally:
+            self._starting = None
+            self._start_ended.set()
+        self._running = True
+        if self._worker is not None:
+            self._worker.start()
+            self._warn_undelivered()
+        log.info(
+            "app %r started on %s%s",
+            self.name,
+            mask(transport.address),
+            "" if self.consume else " (send-only)",
+        )
+
+    async def _connect(self, transport: Transport) -> None:
+        """Start the transport, declare and bind, start the storage, open the consumer."""
         await transport.start()
         try:
             if self.consume:
@@ -590,20 +611,11 @@ class App:
                     consumer, self._handle, self.settler, concurrency=self.concurrency
                 )
         except BaseException:
+            self._worker = None
             if self.storage is not None:
                 await self.storage.stop()
             await transport.stop()
             raise
-        self._running = True
-        if self._worker is not None:
-            self._worker.start()
-            self._warn_undelivered()
-        log.info(
-            "app %r started on %s%s",
-            self.name,
-            mask(transport.address),
-            "" if self.consume else " (send-only)",
-        )
 
     async def _bind_subscriptions(self, transport: Transport) -> None:
         """Bind the input queue to each subscribed topic, and unbind it from any other."""
@@ -614,9 +626,13 @@ class App:
             await transport.prune_bindings(self.name, topics)
 
     async def stop(self) -> None:
-        """Stop fetching, finish in-flight messages (within the grace period), disconnect."""
+        """Stop fetching, finish in-flight messages (within the grace period), disconnect.
+
+        During a `start()` in another task, that start is cancelled and undoes what it did.
+        """
         if self._stopping is None:
             if not self._running:
+                await self._abort_start()
                 return
             self._stopping = asyncio.ensure_future(self._shut_down())
         try:
@@ -624,6 +640,14 @@ class App:
         finally:
             if self._stopping.done():
                 self._stopping = None
+
+    async def _abort_start(self) -> None:
+        """Cancel a start() under way in another task, and wait until it has undone its work."""
+        starting, ended = self._starting, self._start_ended
+        if starting is None or ended is None or starting is asyncio.current_task():
+            return
+        starting.cancel()
+        await ended.wait()
 
     async def _shut_down(self) -> None:
         if self._worker is not None:

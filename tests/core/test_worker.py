@@ -4,13 +4,15 @@ import asyncio
 import logging
 import random
 import time
+import uuid
 from dataclasses import dataclass
 
 import pytest
 
 from mersal import App, MessageContext, RetryPolicy
 from mersal.testing import Harness
-from tests.support import eventually
+from mersal.transport.memory import MemoryTransport
+from tests.support import DelegatingTransport, eventually
 
 
 @dataclass
@@ -371,3 +373,34 @@ async def test_a_worker_that_loses_its_consumer_reports_it(
 
 async def _ignore(message: Job) -> None:
     return None
+
+
+class DeclaresForever(DelegatingTransport):
+    """A transport whose declarations never end (a broker that stopped answering)."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryTransport(f"memory://declares-forever-{uuid.uuid4().hex}"))
+        self.declaring = asyncio.Event()
+        self.stopped = False
+
+    async def declare(self, queue: str, *, temporary: bool = False) -> None:
+        self.declaring.set()
+        await asyncio.Event().wait()
+
+    async def stop(self) -> None:
+        self.stopped = True
+        await self.inner.stop()
+
+
+async def test_a_stop_during_start_ends_the_start_and_leaves_the_app_stopped() -> None:
+    transport = DeclaresForever()
+    app = App("declares-forever", transport=transport)
+    starting = asyncio.create_task(app.start())
+    await asyncio.wait_for(transport.declaring.wait(), 5)
+
+    await asyncio.wait_for(app.stop(), 5)
+
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert not app.running
+    assert transport.stopped
