@@ -416,12 +416,17 @@ class Topology:
             async with self._lock:
                 rebuild = await self._partition(queue, count)
 
-        await self.through_reconnects(f"partition queue {queue!r}", partitioning)
-        if rebuild is None:
-            return
-        marked = rebuild == "marked"
-        if not await self._rebuild_ring(queue, count, wait=RING_LOCK_WAIT, marked=marked):
+        # Under the ring's lock: two instances declaring the partitions at once would see each
+        # other's new queues as moved ones and make the ring again under the other's binds.
+        if not await self._take_ring_lock(queue, RING_LOCK_WAIT):
             raise RingLocked(queue)
+        try:
+            await self.through_reconnects(f"partition queue {queue!r}", partitioning)
+            if rebuild is not None:
+                marked = rebuild == "marked"
+                await self._rebuild_ring(queue, count, wait=0.0, marked=marked, locked=True)
+        finally:
+            await self._release_ring_lock(queue)
 
     async def _partition(self, queue: str, count: int) -> str | None:
         """Declare the exchange and partitions; why the ring is to be made again, if it is.
@@ -469,7 +474,9 @@ class Topology:
             await self._bind_partition(partition_queue(queue, index), exchange)
         return None
 
-    async def _rebuild_ring(self, queue: str, count: int, *, wait: float, marked: bool) -> bool:
+    async def _rebuild_ring(
+        self, queue: str, count: int, *, wait: float, marked: bool, locked: bool = False
+    ) -> bool:
         """Make the partitions' exchange again with every partition bound in index order.
 
         RabbitMQ's consistent-hash exchange numbers its ring in the order queues were bound, and
@@ -479,19 +486,20 @@ class Topology:
         again, bound in order. An exclusive queue, the lock, lets one connection at a time do
         it; a marker found once the lock is taken is a rebuild cut short, finished here. With
         `marked`, nothing is made again when the marker went meanwhile. False when another
-        connection held the lock for `wait` seconds.
+        connection held the lock for `wait` seconds. `locked`: the caller holds the lock.
         """
         while (earlier := self._rebuilding.get(queue)) is not None:
             await earlier.wait()
         done = self._rebuilding[queue] = asyncio.Event()
         try:
-            if not await self._take_ring_lock(queue, wait):
+            if not locked and not await self._take_ring_lock(queue, wait):
                 return False
             try:
                 remaking = partial(self._remake_ring, queue, count, marked)
                 await self.through_reconnects(f"make the ring of {queue!r} again", remaking)
             finally:
-                await self._release_ring_lock(queue)
+                if not locked:
+                    await self._release_ring_lock(queue)
             return True
         finally:
             del self._rebuilding[queue]

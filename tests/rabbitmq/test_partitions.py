@@ -351,6 +351,23 @@ async def test_a_keyed_send_waits_while_another_connection_holds_the_ring_lock(
         assert not await exchange_exists(broker, f"{name}.partitions.migrating")
 
 
+@pytest.mark.parametrize("attempt", range(4))
+async def test_two_instances_starting_at_once_on_new_queues_both_start_with_the_ring_in_order(
+    url: str, vhost: str, broker: Broker, prefix: str, attempt: int
+) -> None:
+    name = f"{prefix}.orders"
+    apps = [partitioned_app(name, url, broker, partitions=8) for _ in range(2)]
+    for app in apps:
+        app.register(Step, ignore)
+    try:
+        await asyncio.gather(*(app.start() for app in apps))
+        assert await ring_bound(vhost, name, 8)
+        assert not await exchange_exists(broker, f"{name}.partitions.migrating")
+    finally:
+        for app in apps:
+            await app.stop()
+
+
 async def test_a_send_only_app_does_not_send_through_a_half_made_ring(
     url: str, broker: Broker, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
