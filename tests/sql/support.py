@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lagom import Container
@@ -222,3 +225,34 @@ def envelope_of(app: App, message: object, message_id: str) -> Envelope:
         Header.CONTENT_TYPE: app.codec.content_type,
     }
     return Envelope(headers, app.codec.encode(message))
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What a command printed, and its exit status."""
+
+    code: int
+    out: str
+    err: str
+
+    @property
+    def said(self) -> str:
+        """The `mersal: ...` line it printed on stderr (Alembic's log lines left out)."""
+        lines = [line for line in self.err.splitlines() if line.startswith("mersal: ")]
+        assert len(lines) == 1, self.err
+        return lines[0]
+
+
+async def run_process(command: Sequence[str], cwd: Path, **environment: str) -> Ran:
+    """Run `command` in `cwd` in a process of its own, without the MERSAL_ variables."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("MERSAL_")}
+    done = await asyncio.to_thread(
+        subprocess.run,
+        list(command),
+        cwd=cwd,
+        env={**inherited, **environment},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return Ran(done.returncode, done.stdout, done.stderr)

@@ -10,9 +10,7 @@ shows.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +24,7 @@ from mersal import ConfigurationError
 from mersal.cli import main
 from mersal_sqlalchemy import make_engine
 from mersal_sqlalchemy.migrations import VERSIONS, VERSIONS_RESOURCE
-from tests.sql.support import Probe, orders_app
+from tests.sql.support import Probe, Ran, orders_app, run_process
 
 HERE = Path(__file__).parent
 ENV = HERE / "alembic_project" / "env.py"
@@ -103,15 +101,6 @@ OUR_BRANCH = "version_locations = %(here)s/alembic/versions mersal_sqlalchemy.mi
 
 
 @dataclass(frozen=True)
-class Ran:
-    """What one command printed, and how it exited."""
-
-    code: int
-    out: str
-    err: str
-
-
-@dataclass(frozen=True)
 class Project:
     """A user's Alembic project in a directory: alembic.ini, alembic/, myapp/models.py."""
 
@@ -124,17 +113,7 @@ class Project:
 
     async def alembic(self, *arguments: str) -> Ran:
         """Run `python -m alembic ARGUMENTS` in the project, as its user would."""
-        environment = {k: v for k, v in os.environ.items() if not k.startswith("MERSAL_")}
-        done = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "alembic", *arguments],
-            cwd=self.root,
-            env=environment,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        return Ran(done.returncode, done.stdout, done.stderr)
+        return await run_process([sys.executable, "-m", "alembic", *arguments], self.root)
 
     def own_tables(self, outbox: str = "mersal_outbox", inbox: str = "mersal_inbox") -> None:
         """Put our tables on the project's metadata, as `make_tables(metadata=...)` does."""

@@ -14,7 +14,6 @@ import shlex
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from uuid import uuid4
 
@@ -29,24 +28,7 @@ from mersal_sqlalchemy import make_engine, make_tables
 from mersal_sqlalchemy.tables import version_table_name
 from tests.sql.conftest import sqlite_file
 from tests.sql.legacy import migrate_as_before
-from tests.sql.support import Probe, execute, orders_app, storage_of
-
-
-@dataclass(frozen=True)
-class Ran:
-    """What `mersal` printed, and its exit status."""
-
-    code: int
-    out: str
-    err: str
-
-    @property
-    def said(self) -> str:
-        """The `mersal: ...` line it printed on stderr (Alembic's log lines left out)."""
-        lines = [line for line in self.err.splitlines() if line.startswith("mersal: ")]
-        assert len(lines) == 1, self.err
-        return lines[0]
-
+from tests.sql.support import Probe, Ran, execute, orders_app, storage_of
 
 Mersal = Callable[..., Awaitable[Ran]]
 

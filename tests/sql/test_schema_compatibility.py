@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shlex
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +24,12 @@ from tests.sql.support import (
     ORDERS,
     PlaceOrder,
     Probe,
+    Ran,
     count,
     create_business_tables,
     execute,
     orders_app,
+    run_process,
 )
 from tests.support import eventually
 
@@ -78,15 +78,6 @@ RELEASE_TABLES = {  # what the newer release's tables.py says of its revisions
 
 
 @dataclass(frozen=True)
-class Ran:
-    """What a command printed, and how it exited."""
-
-    code: int
-    out: str
-    err: str
-
-
-@dataclass(frozen=True)
 class Release:
     """A copy of the package tree with one revision more than this release."""
 
@@ -94,19 +85,9 @@ class Release:
 
     async def mersal(self, *arguments: str) -> Ran:
         """Run `mersal ARGUMENTS` from this release, in a process of its own."""
-        environment = {k: v for k, v in os.environ.items() if not k.startswith("MERSAL_")}
-        environment["PYTHONPATH"] = str(self.root)
         code = "import sys; from mersal.cli import main; sys.exit(main(sys.argv[1:]))"
-        done = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-c", code, *arguments],
-            cwd=self.root,
-            env=environment,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        return Ran(done.returncode, done.stdout, done.stderr)
+        command = [sys.executable, "-c", code, *arguments]
+        return await run_process(command, self.root, PYTHONPATH=str(self.root))
 
 
 def next_release(directory: Path, compatible_with: str) -> Release:
