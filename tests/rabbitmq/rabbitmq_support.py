@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import aio_pika
@@ -63,9 +63,16 @@ class Broker:
 
     async def exists(self, queue: str) -> bool:
         """Whether `queue` exists (a passive declare, on a channel of its own)."""
+        return await self._found(lambda channel: channel.declare_queue(queue, passive=True))
+
+    async def exchange_exists(self, exchange: str) -> bool:
+        """Whether `exchange` exists (a passive declare, on a channel of its own)."""
+        return await self._found(lambda channel: channel.declare_exchange(exchange, passive=True))
+
+    async def _found(self, declare: Callable[[AbstractChannel], Awaitable[object]]) -> bool:
         channel = await self.connection.channel()
         try:
-            await channel.declare_queue(queue, passive=True)
+            await declare(channel)
         except aio_pika.exceptions.ChannelNotFoundEntity:
             return False
         finally:

@@ -267,19 +267,6 @@ async def cut_short_rebuild(broker: Broker, name: str, bound: int) -> None:
         await queue.bind(exchange, "1")
 
 
-async def exchange_exists(broker: Broker, name: str) -> bool:
-    """Whether the exchange `name` exists (a passive declare, on a channel of its own)."""
-    channel = await broker.connection.channel()
-    try:
-        await channel.declare_exchange(name, passive=True)
-    except aio_pika.exceptions.ChannelNotFoundEntity:
-        return False
-    finally:
-        if not channel.is_closed:
-            await channel.close()
-    return True
-
-
 async def ring_bound(vhost: str, name: str, count: int) -> bool:
     """Whether every partition is bound to the exchange."""
     rows = await asyncio.to_thread(
@@ -328,7 +315,7 @@ async def test_a_rebuild_cut_short_is_finished_and_keys_keep_their_partition(
         async with second:
             await send_round(second, 2)
     assert [key for key in keys if handled[(1, key)] != handled[(2, key)]] == []
-    assert not await exchange_exists(broker, f"{name}.partitions.migrating")
+    assert not await broker.exchange_exists(f"{name}.partitions.migrating")
 
 
 async def test_a_keyed_send_waits_while_another_connection_holds_the_ring_lock(
@@ -348,7 +335,7 @@ async def test_a_keyed_send_waits_while_another_connection_holds_the_ring_lock(
             await app.send(Step("k", 2), partition_key="k")
         await broker.channel.queue_delete(lock)  # its holder is gone: the next send finishes
         await app.send(Step("k", 3), partition_key="k")
-        assert not await exchange_exists(broker, f"{name}.partitions.migrating")
+        assert not await broker.exchange_exists(f"{name}.partitions.migrating")
 
 
 @pytest.mark.parametrize("attempt", range(4))
@@ -362,7 +349,7 @@ async def test_two_instances_starting_at_once_on_new_queues_both_start_with_the_
     try:
         await asyncio.gather(*(app.start() for app in apps))
         assert await ring_bound(vhost, name, 8)
-        assert not await exchange_exists(broker, f"{name}.partitions.migrating")
+        assert not await broker.exchange_exists(f"{name}.partitions.migrating")
     finally:
         for app in apps:
             await app.stop()
@@ -385,7 +372,7 @@ async def test_a_send_only_app_does_not_send_through_a_half_made_ring(
             await sender.send(Step("k", 2), partition_key="k")
         await owner.send(Step("k", 3), partition_key="k")  # an owner finishes the ring
         await sender.send(Step("k", 4), partition_key="k")
-        assert not await exchange_exists(broker, f"{name}.partitions.migrating")
+        assert not await broker.exchange_exists(f"{name}.partitions.migrating")
 
 
 async def test_a_start_waits_for_the_ring_lock_a_bounded_time(
@@ -429,7 +416,7 @@ async def test_a_stop_while_the_ring_is_made_again_lets_it_finish_first(
         await asyncio.wait_for(binding.wait(), 15)
     finally:
         await app.stop()
-    assert not await exchange_exists(broker, f"{name}.partitions.migrating")
+    assert not await broker.exchange_exists(f"{name}.partitions.migrating")
     assert await ring_bound(vhost, name, 3)
 
 
