@@ -88,15 +88,9 @@ class Management:
         }
         path = f"/api/queues/{quote(self.vhost, safe='')}"
         try:
-            async with asyncio.timeout(DEADLINE):
-                page = await in_daemon_thread(self.get, path, query)
+            page = await self._ask(path, query)
         except ManagementUnavailable as error:
             return View(note=str(error))
-        except TimeoutError:
-            return View(
-                note=f"the RabbitMQ management API at {self.base} did not answer within "
-                f"{DEADLINE:g}s: {ENABLE}"
-            )
         items = page.get("items") if isinstance(page, dict) else page  # paged, or not
         if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
             return View(
@@ -126,14 +120,7 @@ class Management:
     async def _bound(self, queue: str) -> list[dict[str, Any]]:
         """The API's rows for the bindings of `queue` from a named exchange."""
         path = f"/api/queues/{quote(self.vhost, safe='')}/{quote(queue, safe='')}/bindings"
-        try:
-            async with asyncio.timeout(DEADLINE):
-                rows = await in_daemon_thread(self.get, path, {})
-        except TimeoutError:
-            raise ManagementUnavailable(
-                f"the RabbitMQ management API at {self.base} did not answer within "
-                f"{DEADLINE:g}s: {ENABLE}"
-            ) from None
+        rows = await self._ask(path)
         if not isinstance(rows, list):
             raise ManagementUnavailable(
                 f"the RabbitMQ management API at {self.base} answered what is not a list of "
@@ -151,20 +138,26 @@ class Management:
         ManagementUnavailable if the API could not be asked.
         """
         path = f"/api/queues/{quote(self.vhost, safe='')}/{quote(name, safe='')}"
-        try:
-            async with asyncio.timeout(DEADLINE):
-                info = await in_daemon_thread(self.get, path, {}, True)
-        except TimeoutError:
-            raise ManagementUnavailable(
-                f"the RabbitMQ management API at {self.base} did not answer within "
-                f"{DEADLINE:g}s: {ENABLE}"
-            ) from None
+        info = await self._ask(path, missing_ok=True)
         if info is not None and not isinstance(info, dict):
             raise ManagementUnavailable(
                 f"the RabbitMQ management API at {self.base} answered what is not a queue for "
                 f"{name!r}: is it the API's base URL?"
             )
         return info
+
+    async def _ask(
+        self, path: str, query: dict[str, str] | None = None, *, missing_ok: bool = False
+    ) -> Any:
+        """`get` in a thread of its own, within DEADLINE; ManagementUnavailable if not."""
+        try:
+            async with asyncio.timeout(DEADLINE):
+                return await in_daemon_thread(self.get, path, query or {}, missing_ok)
+        except TimeoutError:
+            raise ManagementUnavailable(
+                f"the RabbitMQ management API at {self.base} did not answer within "
+                f"{DEADLINE:g}s: {ENABLE}"
+            ) from None
 
     def get(self, path: str, query: dict[str, str], missing_ok: bool = False) -> Any:
         """GET `path` (blocking): the JSON answer, or ManagementUnavailable saying why not.
