@@ -30,8 +30,11 @@ class Answers(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if body == "trickle":
             for _ in range(60):
-                self.wfile.write(b" ")
-                self.wfile.flush()
+                try:
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                except OSError:  # the client shut the socket: what the trickle is for
+                    return
                 time.sleep(1)
             return
         self.wfile.write(json.dumps(body).encode())
