@@ -43,7 +43,7 @@ CANCEL_WAIT = 5.0
 STOP_MARGIN = 10.0
 """Seconds beyond the app's grace period that a stop may take before it is abandoned."""
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-CLIENT_LOGGERS = ("aiormq.connection", "aio_pika.robust_connection")
+CLIENT_LOGGERS = ("aiormq.connection",)
 """The broker client's loggers that report each failed connect of a start."""
 WATCH_INTERVAL = 1.0
 """Seconds between looks at whether the app still works."""
