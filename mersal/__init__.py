@@ -1,5 +1,11 @@
 """Mersal: an asyncio service bus with a transactional outbox."""
 
+from mersal.distribution import refuse_unrelated
+
+# First: where the other `mersal` project's files are installed beside ours, the modules imported
+# below may be its own.
+refuse_unrelated()
+
 from mersal.app import App
 from mersal.errors import (
     ConfigurationError,

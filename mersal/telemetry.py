@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Protocol
 
+from mersal.distribution import NAME
 from mersal.errors import ConfigurationError, MersalError
 from mersal.messages import Header
 from mersal.outbox import unreachable_reply
@@ -643,6 +644,6 @@ def _fail(span: Span, error: BaseException) -> str:
 
 def _version() -> str | None:
     try:
-        return version("mersal")
+        return version(NAME)
     except PackageNotFoundError:
         return None
