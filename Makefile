@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Paths that ruff looks at; ones that do not exist (yet) are left out.
 LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples)
 
-.PHONY: help run services test test-lowest lint format bench chaos cluster-test fuzz docs clean
+.PHONY: help run services test test-lowest lint format bench chaos cluster-test fuzz docs dist clean
 
 help:
 	@echo "Targets:"
@@ -22,14 +22,18 @@ help:
 	@echo "  make cluster-test [PYTEST_ARGS=...]  boot a local 3-node RabbitMQ cluster, run tests/cluster"
 	@echo "  make fuzz    [PYTEST_ARGS=...]  the property tests with new random examples, 10x as many"
 	@echo "  make docs                       build the docs site into site/ (mkdocs build --strict)"
+	@echo "  make dist                       build the sdist and the wheel of mersal-bus into dist/"
 	@echo "  make clean                      remove .venv and caches"
 	@echo "Variables: PY=$(PY) (interpreter used to create $(VENV))"
 
 # editable_mode=compat: the checkout's path in a .pth, which mypy follows (it cannot follow
 # setuptools' default editable import hook), so a user's code type-checks against mersal.
+# The distribution is mersal-bus; a .venv made before it was renamed has it as `mersal` (on PyPI
+# that name is another project's, which ships an import package `mersal` too): uninstalled first.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/pip uninstall -qq -y mersal
 	$(BIN)/pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
 
@@ -56,6 +60,7 @@ LOWEST_STAMP := $(LOWEST_VENV)/.installed
 
 $(LOWEST_STAMP): pyproject.toml Makefile
 	test -x $(LOWEST_VENV)/bin/python || $(PY) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/pip uninstall -qq -y mersal
 	$(LOWEST_VENV)/bin/pip install -q -e '.[rabbitmq,sqlalchemy,pydantic]' 'pytest>=8' \
 		'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'hypothesis>=6' $(LOWEST)
 	touch $@
@@ -91,6 +96,11 @@ fuzz: $(STAMP)
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The sdist, and the wheel built from it as an installer would build it: dist/mersal_bus-*.
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) .mypy_cache .ruff_cache .pytest_cache build dist *.egg-info

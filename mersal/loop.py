@@ -1,4 +1,4 @@
-"""The event loop Mersal's commands run on: uvloop when installed (`mersal[fast]`), else asyncio's.
+"""The event loop Mersal's commands run on: uvloop if there (`mersal-bus[fast]`), else asyncio's.
 
 `MERSAL_LOOP` (or `mersal run --loop`) chooses: `auto` (the default: uvloop if it imports),
 `uvloop`, or `asyncio`.
@@ -30,7 +30,7 @@ def chosen(choice: str | None = None) -> str:
         if choice == "uvloop":
             raise ConfigurationError(
                 "the uvloop loop was asked for but uvloop is not installed: "
-                "pip install 'mersal[fast]', or choose the asyncio loop"
+                "pip install 'mersal-bus[fast]', or choose the asyncio loop"
             ) from None
         return "asyncio"
     return "uvloop"

@@ -32,8 +32,8 @@ TRANSPORTS = "mersal.transports"
 STORAGES = "mersal.storages"
 COMMANDS = "mersal.commands"
 
-TRANSPORT_EXTRA = "pip install 'mersal[rabbitmq]' for amqp://"
-STORAGE_EXTRA = "pip install 'mersal[sqlalchemy]' for postgresql and sqlite"
+TRANSPORT_EXTRA = "pip install 'mersal-bus[rabbitmq]' for amqp://"
+STORAGE_EXTRA = "pip install 'mersal-bus[sqlalchemy]' for postgresql and sqlite"
 
 log = logging.getLogger("mersal.plugins")
 

@@ -2,8 +2,8 @@
 
 `/livez` and `/readyz` answer 200 or 503 with a JSON body naming each failing check and its
 reason (`app.health()`); `/metrics`, when the app's metrics go to Prometheus (the extra
-`mersal[prometheus]`), answers in Prometheus' text format, else 404 with what serves it.
-Served by aiohttp (`mersal[health]`).
+`mersal-bus[prometheus]`), answers in Prometheus' text format, else 404 with what serves it.
+Served by aiohttp (`mersal-bus[health]`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mersal.probes")
 
-HEALTH_EXTRA = "pip install 'mersal[health]'"
-PROMETHEUS_EXTRA = "pip install 'mersal[prometheus]'"
+HEALTH_EXTRA = "pip install 'mersal-bus[health]'"
+PROMETHEUS_EXTRA = "pip install 'mersal-bus[prometheus]'"
 
 Metrics = Callable[[], tuple[bytes, str]]
 """Renders the current metrics: the body and its content type."""
@@ -82,7 +82,7 @@ async def probes(
 
 
 def prometheus_metrics(app: App) -> Metrics | None:
-    """`/metrics` for `app` when `mersal[prometheus]` is installed (else None).
+    """`/metrics` for `app` when `mersal-bus[prometheus]` is installed (else None).
 
     An app not instrumented yet is instrumented here, its metrics going to the OpenTelemetry
     SDK's Prometheus reader (its spans to the global tracer provider); an app instrumented

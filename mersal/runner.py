@@ -78,7 +78,7 @@ def add_run_command(commands: argparse._SubParsersAction[Any]) -> None:
         "--health-port",
         type=_port,
         metavar="PORT",
-        help="serve /livez, /readyz (and /metrics with mersal[prometheus]) on this port",
+        help="serve /livez, /readyz (and /metrics with mersal-bus[prometheus]) on this port",
     )
     run.add_argument("--health-host", default="0.0.0.0", metavar="HOST", help="(default 0.0.0.0)")
     run.add_argument(
@@ -92,7 +92,7 @@ def add_run_command(commands: argparse._SubParsersAction[Any]) -> None:
         "--loop",
         choices=loop.LOOPS,
         default=None,
-        help="event loop: uvloop when installed (mersal[fast]), or asyncio's (default: "
+        help="event loop: uvloop when installed (mersal-bus[fast]), or asyncio's (default: "
         "MERSAL_LOOP, else auto)",
     )
     run.set_defaults(handler=run_command)

@@ -120,7 +120,7 @@ def instrument(
     if OPENTELEMETRY_MISSING is not None:
         raise MersalError(
             "mersal.telemetry needs OpenTelemetry, which is not installed: "
-            "pip install 'mersal[otel]'"
+            "pip install 'mersal-bus[otel]'"
         ) from OPENTELEMETRY_MISSING
     _check_instrumentable(app)
     telemetry = OpenTelemetry(app, tracer_provider, meter_provider)

@@ -442,11 +442,11 @@ class Schema:
             revision = next(iter(record.malformed))
             return (
                 f"set that row's compatible_with to the one in the revision file of {revision}, "
-                "in the release of mersal[sqlalchemy] that made it; or run that release"
+                "in the release of mersal-bus[sqlalchemy] that made it; or run that release"
             )
         if record is not None and record.unknown and not record.shared:
             release = (
-                "with the release of mersal[sqlalchemy] that migrated them (it knows "
+                "with the release of mersal-bus[sqlalchemy] that migrated them (it knows "
                 f"{', '.join(record.unknown)})"
             )
             if self.gone:
@@ -460,11 +460,14 @@ class Schema:
         if record is not None and record.unknown and record.needs:
             back = db_command(f"downgrade {HEAD_REVISION}", database, tables)
             return (
-                f"install a newer release of mersal[sqlalchemy], one that knows {record.needs}; "
-                f"or, to run this one, undo the migration with the release that made it: `{back}`"
+                "install a newer release of mersal-bus[sqlalchemy], one that knows "
+                f"{record.needs}; or, to run this one, undo the migration with the release that "
+                f"made it: `{back}`"
             )
         if record is not None and record.unknown:
-            return "install the release of mersal[sqlalchemy] that migrated them, or a newer one"
+            return (
+                "install the release of mersal-bus[sqlalchemy] that migrated them, or a newer one"
+            )
         if record is not None and record.shared:
             return (
                 "they are migrated by your own Alembic project: run `alembic upgrade heads` "

@@ -76,7 +76,7 @@ def alembic_config(
 
     if not (SCRIPTS / "env.py").is_file():
         raise ConfigurationError(
-            f"the migrations directory {SCRIPTS} is missing: reinstall mersal[sqlalchemy] "
+            f"the migrations directory {SCRIPTS} is missing: reinstall mersal-bus[sqlalchemy] "
             "(it ships them), or run alembic in your own project (see docs/outbox.md)"
         )
     arguments = [f"outbox_table={outbox_table}", f"inbox_table={inbox_table}"]

@@ -26,7 +26,7 @@ class StockCounted(msgspec.Struct):
 
 
 @message("catalog.NoteAdded.v1")
-class NoteAdded(BaseModel):  # pydantic: pip install 'mersal[pydantic]'
+class NoteAdded(BaseModel):  # pydantic: pip install 'mersal-bus[pydantic]'
     sku: str
     text: str
 

@@ -381,14 +381,14 @@ async def test_without_the_prometheus_extra_metrics_answers_404_saying_what_serv
         with pytest.raises(urllib.error.HTTPError) as answer:
             await asyncio.to_thread(get_text, f"http://127.0.0.1:{port}/metrics")
         assert answer.value.code == 404
-        assert "pip install 'mersal[prometheus]'" in answer.value.read().decode()
+        assert "pip install 'mersal-bus[prometheus]'" in answer.value.read().decode()
     finally:
         served.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await served
         await app.stop()
     started = [r.getMessage() for r in caplog.records if r.name == "mersal.probes"]
-    assert any("no /metrics" in line and "mersal[prometheus]" in line for line in started)
+    assert any("no /metrics" in line and "mersal-bus[prometheus]" in line for line in started)
 
 
 def test_concurrency_is_set_before_start_and_the_prefetch_follows() -> None:

@@ -176,9 +176,9 @@ async def test_a_revision_that_breaks_older_code_is_refused_with_what_it_needs(
     refused = (
         "the tables are at migration mersal_0004 (in mersal_outbox_alembic_version), on which "
         "only code of mersal_0004 or later runs: this version of mersal_sqlalchemy is at "
-        f"mersal_0003 in database {db}: install a newer release of mersal[sqlalchemy], one that "
-        "knows mersal_0004; or, to run this one, undo the migration with the release that made "
-        f"it: `mersal db downgrade mersal_0003 --database '{db}'`"
+        f"mersal_0003 in database {db}: install a newer release of mersal-bus[sqlalchemy], one "
+        "that knows mersal_0004; or, to run this one, undo the migration with the release that "
+        f"made it: `mersal db downgrade mersal_0003 --database '{db}'`"
     )
     app = orders_app(db, memory_url, Probe(), create_tables=False)
     with pytest.raises(ConfigurationError) as raised:
@@ -207,7 +207,7 @@ AT_NEXT = "UPDATE mersal_outbox_alembic_version SET version_num = 'mersal_0004'"
 """What a newer release's upgrade records, without its revision (the tables stay as they are)."""
 
 WITH_THE_NEWER_RELEASE = (
-    "with the release of mersal[sqlalchemy] that migrated them (it knows mersal_0004), run "
+    "with the release of mersal-bus[sqlalchemy] that migrated them (it knows mersal_0004), run "
 )
 
 BROKEN_SCHEMA_TABLES = {
@@ -223,7 +223,7 @@ BROKEN_SCHEMA_TABLES = {
         "row of mersal_0004 in mersal_schema records compatible_with 'garbage', which is not a "
         "Mersal revision: this version of mersal_sqlalchemy cannot tell whether it runs on them "
         "in database {db}: set that row's compatible_with to the one in the revision file of "
-        "mersal_0004, in the release of mersal[sqlalchemy] that made it; or run that release",
+        "mersal_0004, in the release of mersal-bus[sqlalchemy] that made it; or run that release",
         "; the compatible_with recorded for mersal_0004 in mersal_schema, 'garbage', is not a "
         "Mersal revision)",
     ),

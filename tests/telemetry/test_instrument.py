@@ -121,7 +121,7 @@ def test_the_core_runs_and_instrument_says_what_to_install_without_opentelemetry
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert "pip install 'mersal[otel]'" in lines[0]
+    assert "pip install 'mersal-bus[otel]'" in lines[0]
     assert lines[1:] == ["handled"]
 
 

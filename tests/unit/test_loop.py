@@ -35,7 +35,7 @@ def test_without_uvloop_auto_falls_back_and_uvloop_asked_for_is_an_error(
     monkeypatch.delenv("MERSAL_LOOP", raising=False)
     assert loop.chosen() == "asyncio"
     assert loop.run(loop_module()).startswith("asyncio")
-    with pytest.raises(ConfigurationError, match=r"pip install 'mersal\[fast\]'"):
+    with pytest.raises(ConfigurationError, match=r"pip install 'mersal-bus\[fast\]'"):
         loop.chosen("uvloop")
 
 
