@@ -13,5 +13,6 @@ endpoint writes an order and sends `PlaceOrder` in one database transaction. The
          -d '{"order_id": "o-1", "amount": 9.5}'
     curl localhost:8000/orders/o-1                   # "status": "billed" once the worker ran
 
-It needs `pip install 'mersal-bus[examples]'` (FastAPI, uvicorn, the RabbitMQ and SQL adapters).
+It needs `pip install -e '.[examples]'` in the checkout (FastAPI, uvicorn, the RabbitMQ and SQL
+adapters).
 """
