@@ -61,9 +61,7 @@ def test_the_docs_and_the_readme_show_how_to_install() -> None:
 
 
 @pytest.mark.parametrize(("where", "arguments"), INSTALLS, ids=[where for where, _ in INSTALLS])
-def test_each_install_names_mersal_bus_a_checkout_or_the_wheel(
-    where: str, arguments: str
-) -> None:
+def test_each_install_names_mersal_bus_a_checkout_or_the_wheel(where: str, arguments: str) -> None:
     words = [word.rstrip(",;:)") for word in shlex.split(arguments)]
     requirements = [word for word in words if word and not word.startswith("-")]
     assert requirements, f"{where}: `pip install {arguments}` installs nothing"
