@@ -21,6 +21,8 @@ Bind = Callable[[Callable[..., Awaitable[object]], "MessageContext"], Handle]
 MESSAGE, CONTEXT = 0, 1
 """What a parameter receives: the message or its MessageContext."""
 
+_CONTEXT = ("mersal.pipeline", "MessageContext")
+"""MessageContext, by module and name: the pipeline imports the handlers, not the reverse."""
 _EMPTY = inspect.Parameter.empty
 _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
@@ -303,11 +305,9 @@ def name_of(thing: Any) -> str:
 
 
 def _is_context(hint: Any) -> bool:
-    from mersal.pipeline import MessageContext  # the pipeline imports the handlers
-
     if is_union(hint):
-        return MessageContext in typing.get_args(hint)
-    return hint is MessageContext
+        return any(_is_context(member) for member in typing.get_args(hint))
+    return (getattr(hint, "__module__", None), getattr(hint, "__qualname__", None)) == _CONTEXT
 
 
 def _is_wildcard(hint: Any) -> bool:

@@ -35,8 +35,12 @@ Handler = (
     type[Handles[M]]
     | Callable[[M], Awaitable[object]]
     | Callable[[M, "MessageContext"], Awaitable[object]]
+    | Callable[["MessageContext", M], Awaitable[object]]
 )
-"""What `App.register` takes for messages of type M: a class, or an async function."""
+"""What `App.register` takes for messages of type M: a class, or an async function.
+
+The type spells the positional forms; `mersal.binding` checks every signature at register.
+"""
 
 _UNBUILDABLE = (str, int, float, bool, bytes, complex, list, dict, set, tuple, type(None))
 _SESSION = ("sqlalchemy.ext.asyncio.session", "AsyncSession")
