@@ -78,7 +78,10 @@ def function_binding(function: Any, message_type: type) -> Binding:
     else:
         where = f"{type(function).__qualname__}.__call__"
         form, target = "async def __call__(self, {})", type(function).__call__
-    parameters = list(inspect.signature(function).parameters.values())
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):  # a compiled callable without a signature: as before
+        return Binding((MESSAGE,))
     hints = _hints(where, target, parameters)
     signature = _Signature(name_of(function), where, form, parameters, hints, message_type)
     return _bind(signature, takes_context=True)
@@ -186,7 +189,8 @@ def _message_parameter(
     hint = hints.get(first.name, _EMPTY)
     if not _is_wildcard(hint):
         registered = message_type.__qualname__
-        instead = f"register it for {hint_name(hint)}, or " if isinstance(hint, type) else ""
+        plain = isinstance(hint, type) and not typing.get_args(hint)
+        instead = f"register it for {hint_name(hint)}, or " if plain else ""
         raise ConfigurationError(
             f"{signature.name} is registered for {registered} but its message parameter "
             f"`{first.name}` is annotated {hint_name(hint)}: {instead}annotate "

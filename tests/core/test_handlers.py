@@ -1,5 +1,6 @@
 """Handlers: class handlers with injected dependencies, function handlers, order, failures."""
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -472,6 +473,16 @@ class ContextFirstObject:
         seen_by_form.append((message, context))
 
 
+class Orders:
+    async def place(self, context: MessageContext, message: PlaceOrder) -> None:
+        seen_by_form.append((message, context))
+
+
+async def with_prefix(prefix: str, message: PlaceOrder, context: MessageContext) -> None:
+    assert prefix == "bound"
+    seen_by_form.append((message, context))
+
+
 @pytest.mark.parametrize(
     "handler",
     [
@@ -484,6 +495,8 @@ class ContextFirstObject:
         unannotated_context_first,
         string_annotations,
         ContextFirstObject(),
+        Orders().place,
+        functools.partial(with_prefix, "bound"),
     ],
     ids=lambda handler: getattr(handler, "__name__", type(handler).__name__),
 )
