@@ -204,7 +204,17 @@ class App:
     # Registration.
 
     def register(self, message_type: type[M], handler: Handler[M]) -> None:
-        """Handle `message_type` (and its subclasses) with a handler class or async function."""
+        """Handle `message_type` (and its subclasses) with a handler class or async function.
+
+        Accepted: `async def f(message: T)`, `(message: T, context: MessageContext)`, the
+        context in any position or by keyword (found by its annotation), the unannotated
+        `(message, context)`, an object with such an `async __call__`, and a class with
+        `async def __call__(self, message: T)` built per message with its `__init__`
+        dependencies injected. The message's annotation must accept `message_type` (it, a base,
+        a union with either, `Any`, `object`, or none). A `ConfigurationError` refuses, here,
+        a handler for another type, one taking no message, one with a required parameter
+        nothing fills, and a sync function.
+        """
         self._check_not_running("register handlers")
         check_message_class(message_type, self.codec, "register")
         self.types.add(message_type)

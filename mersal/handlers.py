@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from lagom import Container
 
+from mersal.binding import Binding, binder, class_binding, function_binding, name_of
 from mersal.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -34,8 +35,12 @@ Handler = (
     type[Handles[M]]
     | Callable[[M], Awaitable[object]]
     | Callable[[M, "MessageContext"], Awaitable[object]]
+    | Callable[["MessageContext", M], Awaitable[object]]
 )
-"""What `App.register` takes for messages of type M: a class, or an async function."""
+"""What `App.register` takes for messages of type M: a class, or an async function.
+
+The type spells the positional forms; `mersal.binding` checks every signature at register.
+"""
 
 _UNBUILDABLE = (str, int, float, bool, bytes, complex, list, dict, set, tuple, type(None))
 _SESSION = ("sqlalchemy.ext.asyncio.session", "AsyncSession")
@@ -70,9 +75,9 @@ class Handlers:
         for existing in self._registrations:
             if existing.message_type is message_type and existing.handler is handler:
                 raise ConfigurationError(
-                    f"{_name(handler)} is already registered for {message_type.__qualname__}"
+                    f"{name_of(handler)} is already registered for {message_type.__qualname__}"
                 )
-        build = self._builder(handler)
+        build = self._builder(message_type, handler)
         self._registrations.append(_Registration(message_type, handler, build))
         self._by_type.clear()
 
@@ -108,22 +113,26 @@ class Handlers:
             self._by_type[message_type] = found
         return found
 
-    def _builder(self, handler: Any) -> Callable[[MessageContext], Handle]:
+    def _builder(self, message_type: type, handler: Any) -> Callable[[MessageContext], Handle]:
+        """Check the handler's signature against the type once; bind its arguments per message."""
         if inspect.isclass(handler):
             call = getattr(handler, "__call__", None)  # noqa: B004
             if call is type.__call__ or not inspect.iscoroutinefunction(call):
                 raise ConfigurationError(
-                    f"handler class {_name(handler)} needs an `async def __call__(self, message)`"
+                    f"handler class {_name(handler)} needs an "
+                    f"`async def __call__(self, message: {message_type.__qualname__})`"
                 )
-            return self._class_builder(handler, _parameters(handler))
+            build = self._class_builder(handler, _parameters(handler))
+            binding = class_binding(handler, message_type)
+            if binding.message_only:
+                return build
+            bind = binder(binding)
+            return lambda context: bind(build(context), context)
         if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
             getattr(handler, "__call__", None)  # noqa: B004 (an async callable object)
         ):
-            return _function_builder(handler)
-        raise ConfigurationError(
-            f"{handler!r} is not a handler: register a class with `async def __call__(self, "
-            "message)` or an `async def` function taking the message"
-        )
+            return _function_builder(handler, function_binding(handler, message_type))
+        raise ConfigurationError(_not_a_handler(handler, message_type))
 
     def _class_builder(
         self, cls: type, parameters: list[tuple[str, Any]]
@@ -188,18 +197,25 @@ class Handlers:
             )
 
 
-def _function_builder(function: Any) -> Callable[[MessageContext], Handle]:
-    wants_context = len(inspect.signature(function).parameters) >= 2
-    if not wants_context:
+def _function_builder(function: Any, binding: Binding) -> Callable[[MessageContext], Handle]:
+    if binding.message_only:
         return lambda context: function
+    bind = binder(binding)
+    return lambda context: bind(function, context)
 
-    def build(context: MessageContext) -> Handle:
-        async def call(message: Any) -> object:
-            return await function(message, context)
 
-        return call
-
-    return build
+def _not_a_handler(handler: Any, message_type: type) -> str:
+    written = (
+        f"async def {getattr(handler, '__name__', 'handle')}(message: {message_type.__qualname__})"
+    )
+    if inspect.isasyncgenfunction(handler):
+        return f"{name_of(handler)} is an async generator (it yields): write `{written}`"
+    if inspect.isfunction(handler) or inspect.ismethod(handler):
+        return f"{name_of(handler)} is not async: write `{written}`"
+    return (
+        f"{name_of(handler)} is not a handler: register a class with `async def __call__(self, "
+        f"message: {message_type.__qualname__})` or an `async def` function taking the message"
+    )
 
 
 def _parameters(cls: type) -> list[tuple[str, Any]]:

@@ -1,11 +1,13 @@
 """Handlers: class handlers with injected dependencies, function handlers, order, failures."""
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from lagom import Container, Singleton
 
-from mersal import App, MessageContext, RetryPolicy
+from mersal import App, ConfigurationError, MessageContext, RetryPolicy
 from mersal.testing import Harness
 
 
@@ -412,3 +414,382 @@ async def test_an_object_with_an_async_call_is_a_handler_and_is_reused() -> None
         await bus.idle()
 
     assert sorted(m.order_id for m in handler.got) == ["o-1", "o-2"]
+
+
+# Signatures: which parameter receives the message and which the context, checked at register.
+
+
+@dataclass
+class Ping:
+    n: int
+
+
+@dataclass
+class Pong:
+    n: int
+
+
+Seen = list[tuple[object, object]]
+seen_by_form: Seen = []
+
+
+async def context_first(context: MessageContext, message: PlaceOrder) -> None:
+    seen_by_form.append((message, context))
+
+
+async def context_by_keyword(message: PlaceOrder, *, context: MessageContext) -> None:
+    seen_by_form.append((message, context))
+
+
+async def both_by_keyword(*, context: MessageContext, message: PlaceOrder) -> None:
+    seen_by_form.append((message, context))
+
+
+async def context_after_a_default(
+    message: PlaceOrder, note: str = "kept", context: MessageContext | None = None
+) -> None:
+    assert note == "kept"
+    seen_by_form.append((message, context))
+
+
+async def unannotated(message, context):
+    seen_by_form.append((message, context))
+
+
+async def unannotated_context(message: PlaceOrder, context) -> None:
+    seen_by_form.append((message, context))
+
+
+async def unannotated_context_first(context, message: PlaceOrder) -> None:
+    seen_by_form.append((message, context))
+
+
+async def string_annotations(message: "PlaceOrder", context: "MessageContext") -> None:
+    seen_by_form.append((message, context))
+
+
+class ContextFirstObject:
+    async def __call__(self, context: MessageContext, message: PlaceOrder) -> None:
+        seen_by_form.append((message, context))
+
+
+class Orders:
+    async def place(self, context: MessageContext, message: PlaceOrder) -> None:
+        seen_by_form.append((message, context))
+
+
+async def with_prefix(prefix: str, message: PlaceOrder, context: MessageContext) -> None:
+    assert prefix == "bound"
+    seen_by_form.append((message, context))
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [
+        context_first,
+        context_by_keyword,
+        both_by_keyword,
+        context_after_a_default,
+        unannotated,
+        unannotated_context,
+        unannotated_context_first,
+        string_annotations,
+        ContextFirstObject(),
+        Orders().place,
+        functools.partial(with_prefix, "bound"),
+    ],
+    ids=lambda handler: getattr(handler, "__name__", type(handler).__name__),
+)
+async def test_each_accepted_signature_gets_the_message_and_the_context_in_their_places(
+    handler: Any,
+) -> None:
+    seen_by_form.clear()
+    app = orders_app()
+    app.register(PlaceOrder, handler)
+    async with Harness(app) as bus:
+        message_id = await app.send(PlaceOrder("o-1", 1.0))
+        await bus.idle()
+
+    [(message, context)] = seen_by_form
+    assert message == PlaceOrder("o-1", 1.0)
+    assert isinstance(context, MessageContext)
+    assert context.message_id == message_id
+    assert bus.dead_lettered == []
+
+
+async def test_a_handler_class_call_with_a_defaulted_parameter_keeps_its_default() -> None:
+    notes: list[str] = []
+
+    class Handler:
+        async def __call__(self, message: PlaceOrder, note: str = "kept") -> None:
+            notes.append(f"{message.order_id} {note}")
+
+    app = orders_app()
+    app.register(PlaceOrder, Handler)
+    async with Harness(app) as bus:
+        await app.send(PlaceOrder("o-1", 1.0))
+        await bus.idle()
+
+    assert notes == ["o-1 kept"]
+
+
+async def for_animals(message: Animal) -> None:
+    pass
+
+
+async def for_dogs_or_nothing(message: Dog | None) -> None:
+    pass
+
+
+async def for_animals_or_notes(message: Notify | Animal) -> None:
+    pass
+
+
+async def for_anything(message: Any) -> None:
+    pass
+
+
+async def for_objects(message: object) -> None:
+    pass
+
+
+async def for_anything_unannotated(message):
+    pass
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [
+        for_animals,
+        for_dogs_or_nothing,
+        for_animals_or_notes,
+        for_anything,
+        for_objects,
+        for_anything_unannotated,
+    ],
+    ids=lambda handler: handler.__name__,
+)
+def test_a_message_annotation_that_accepts_the_registered_type_is_accepted(
+    handler: Any,
+) -> None:
+    app = App("vet")
+    app.register(Dog, handler)
+
+    assert app.handlers.has_handler(Dog)
+
+
+def refusal(message_type: type, handler: Any) -> str:
+    app = App("a")
+    with pytest.raises(ConfigurationError) as raised:
+        app.register(message_type, handler)
+    return str(raised.value)
+
+
+async def takes_nothing() -> None:
+    pass
+
+
+def test_a_function_taking_no_parameter_is_refused() -> None:
+    assert refusal(Ping, takes_nothing) == (
+        "takes_nothing takes no message: write `async def takes_nothing(message: Ping)`"
+    )
+
+
+async def takes_anything(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+def test_a_function_taking_only_args_and_kwargs_is_refused() -> None:
+    assert refusal(Ping, takes_anything) == (
+        "takes_anything takes no message, only *args/**kwargs: write `async def "
+        "takes_anything(message: Ping)` (a decorator keeps the handler's signature with "
+        "functools.wraps)"
+    )
+
+
+async def handle_pong(msg: Pong) -> None:
+    pass
+
+
+def test_a_function_annotated_for_another_type_is_refused() -> None:
+    assert refusal(Ping, handle_pong) == (
+        "handle_pong is registered for Ping but its message parameter `msg` is annotated Pong: "
+        "register it for Pong, or annotate `msg: Ping`"
+    )
+
+
+async def dogs_only(message: Dog) -> None:
+    pass
+
+
+def test_a_function_for_a_subclass_registered_for_its_base_is_refused() -> None:
+    """A handler for Dog registered for Animal would be given cats too."""
+    assert refusal(Animal, dogs_only) == (
+        "dogs_only is registered for Animal but its message parameter `message` is annotated "
+        "Dog: register it for Dog, or annotate `message: Animal`"
+    )
+
+
+async def pong_or_notify(msg: Pong | Notify) -> None:
+    pass
+
+
+def test_a_union_without_the_registered_type_is_refused() -> None:
+    assert refusal(Ping, pong_or_notify) == (
+        "pong_or_notify is registered for Ping but its message parameter `msg` is annotated "
+        "Pong | Notify: annotate `msg: Ping`"
+    )
+
+
+async def numbers(msg: list[int]) -> None:
+    pass
+
+
+def test_a_generic_alias_as_message_annotation_is_refused() -> None:
+    assert refusal(Ping, numbers) == (
+        "numbers is registered for Ping but its message parameter `msg` is annotated list[int]: "
+        "annotate `msg: Ping`"
+    )
+
+
+async def with_other(msg, other: int):
+    pass
+
+
+def test_a_function_with_a_parameter_nothing_fills_is_refused() -> None:
+    assert refusal(Ping, with_other) == (
+        "with_other's parameter `other: int` would receive nothing: a handler function takes "
+        "the message and, if it wants, the context, e.g. `async def with_other(msg: Ping, "
+        "context: MessageContext)`; take other dependencies in a handler class's __init__, or "
+        "give `other` a default"
+    )
+
+
+async def three_unannotated(message, context, extra):
+    pass
+
+
+def test_a_third_unannotated_parameter_is_refused() -> None:
+    assert refusal(Ping, three_unannotated) == (
+        "three_unannotated's parameter `extra` would receive nothing: a handler function takes "
+        "the message and, if it wants, the context, e.g. `async def three_unannotated(message: "
+        "Ping, context: MessageContext)`; take other dependencies in a handler class's "
+        "__init__, or give `extra` a default"
+    )
+
+
+async def two_contexts(message: Ping, first: MessageContext, second: MessageContext) -> None:
+    pass
+
+
+def test_a_function_taking_the_context_twice_is_refused() -> None:
+    assert refusal(Ping, two_contexts) == (
+        "two_contexts takes the MessageContext twice (`first`, `second`): keep one"
+    )
+
+
+async def positional_only_after_a_default(
+    message: Ping, note: str = "", context: MessageContext | None = None, /
+) -> None:
+    pass
+
+
+def test_a_positional_only_context_after_a_skipped_parameter_is_refused() -> None:
+    assert refusal(Ping, positional_only_after_a_default) == (
+        "positional_only_after_a_default cannot be given `context`: it is positional-only and "
+        "comes after `note`, which receives nothing; put it first"
+    )
+
+
+async def unresolvable(message: "Nowhere") -> None:  # noqa: F821
+    pass
+
+
+def test_an_annotation_that_cannot_be_resolved_is_refused() -> None:
+    assert refusal(Ping, unresolvable) == (
+        "cannot read the type hints of unresolvable (name 'Nowhere' is not defined): import "
+        "the annotated types at module level"
+    )
+
+
+class PongHandler:
+    async def __call__(self, message: Pong) -> None:
+        pass
+
+
+def test_a_handler_class_annotated_for_another_type_is_refused() -> None:
+    assert refusal(Ping, PongHandler) == (
+        "PongHandler is registered for Ping but its message parameter `message` is annotated "
+        "Pong: register it for Pong, or annotate `message: Ping`"
+    )
+
+
+class CallTakesNothing:
+    async def __call__(self) -> None:
+        pass
+
+
+def test_a_handler_class_whose_call_takes_no_message_is_refused() -> None:
+    assert refusal(Ping, CallTakesNothing) == (
+        "CallTakesNothing.__call__ takes no message: write `async def __call__(self, message: "
+        "Ping)`"
+    )
+
+
+class CallTakesContext:
+    async def __call__(self, message: Ping, context: MessageContext) -> None:
+        pass
+
+
+def test_a_handler_class_whose_call_takes_more_than_the_message_is_refused() -> None:
+    assert refusal(Ping, CallTakesContext) == (
+        "CallTakesContext.__call__'s parameter `context: MessageContext` would receive nothing: "
+        "write `async def __call__(self, message: Ping)` and take the context and other "
+        "dependencies in CallTakesContext.__init__"
+    )
+
+
+class PongObject:
+    async def __call__(self, msg: Pong) -> None:
+        pass
+
+
+def test_an_async_callable_object_annotated_for_another_type_is_refused() -> None:
+    assert refusal(Ping, PongObject()) == (
+        "PongObject instance is registered for Ping but its message parameter `msg` is "
+        "annotated Pong: register it for Pong, or annotate `msg: Ping`"
+    )
+
+
+def not_async(message: Ping) -> None:
+    pass
+
+
+async def yields(message: Ping) -> Any:
+    yield message
+
+
+class SyncCall:
+    def __call__(self, message: Ping) -> None:
+        pass
+
+
+def test_what_is_not_an_async_handler_is_refused_with_the_form_to_write() -> None:
+    assert (
+        refusal(Ping, not_async)
+        == "not_async is not async: write `async def not_async(message: Ping)`"
+    )
+    assert refusal(Ping, yields) == (
+        "yields is an async generator (it yields): write `async def yields(message: Ping)`"
+    )
+    assert refusal(Ping, SyncCall) == (
+        "handler class SyncCall needs an `async def __call__(self, message: Ping)`"
+    )
+    assert refusal(Ping, SyncCall()) == (
+        "SyncCall instance is not a handler: register a class with `async def __call__(self, "
+        "message: Ping)` or an `async def` function taking the message"
+    )
+    assert refusal(Ping, "handle") == (
+        "'handle' is not a handler: register a class with `async def __call__(self, message: "
+        "Ping)` or an `async def` function taking the message"
+    )

@@ -46,6 +46,10 @@ async def place_in_context(message: PlaceOrder, context: MessageContext) -> None
     print(context.message_id)
 
 
+async def context_first(context: MessageContext, message: PlaceOrder) -> None:
+    print(context.message_id, message.order_id)
+
+
 async def anything(message: object) -> None:
     print(message)
 
@@ -61,6 +65,7 @@ GOOD = """
 app.register(PlaceOrder, PlaceOrderHandler)
 app.register(PlaceOrder, place)
 app.register(PlaceOrder, place_in_context)
+app.register(PlaceOrder, context_first)
 app.register(PlaceOrder, anything)
 
 
@@ -77,6 +82,7 @@ async def check(bus: Harness) -> str:
 BAD = {
     "a handler class for another type": "app.register(CancelOrder, PlaceOrderHandler)",
     "a function for another type": "app.register(CancelOrder, place)",
+    "a context-first function for another type": "app.register(CancelOrder, context_first)",
     "a function that is not async": "app.register(PlaceOrder, place_now)",
     "a published message read as another type": (
         "def read(bus: Harness) -> CancelOrder:\n    return bus.published_of(PlaceOrder)[0]"
