@@ -49,6 +49,7 @@ from mersal.sagas import (
     SagaRunner,
     SagaSpec,
     SagaStore,
+    check_subscriptions,
     saga_data,
     saga_spec,
 )
@@ -232,6 +233,7 @@ class App:
         """Receive every published `message_type` in this app's queue."""
         self._check_not_running("subscribe")
         check_message_class(message_type, self.codec, "subscribe", bases=False)
+        check_subscriptions(self._sagas, [message_type])
         self.types.add(message_type)
         if message_type not in self._subscriptions:
             self._subscriptions.append(message_type)
@@ -252,6 +254,7 @@ class App:
                 )
         for message_type in spec.methods:
             check_message_class(message_type, self.codec, "register_saga")
+        check_subscriptions([spec], self._subscriptions)
         build = self.handlers.builder(saga)
         runner = SagaRunner(spec, build, self.saga_store, self.codec, self._saga_runners)
         self._saga_runners[spec.name] = runner
@@ -764,6 +767,7 @@ class App:
         self.handlers.check()
         if self._sagas:
             self.saga_store()
+            check_subscriptions(self._sagas, self._subscriptions)
 
     def _check_own_queue(self, what: str) -> None:
         """Refuse `what` (a send to the app's own queue) in a send-only app, which has none."""

@@ -176,7 +176,7 @@ def check_message_class(cls: object, codec: object, use: str, *, bases: bool = T
     if accepts is None or accepts(cls):
         return
     builtin = cls.__module__ == "builtins"
-    if bases and not builtin and any(accepts(sub) for sub in _subclasses(cls)):
+    if bases and not builtin and any(accepts(sub) for sub in subclasses(cls)):
         return
     name = cls.__qualname__
     fix = (
@@ -243,7 +243,7 @@ class TypeRegistry:
         for base in list(self._by_type):
             if base is object:
                 continue
-            for sub in _subclasses(base):
+            for sub in subclasses(base):
                 if sub not in self._by_type and type_name_of(sub) == name:
                     try:
                         self.add(sub)
@@ -256,7 +256,8 @@ class TypeRegistry:
         return cls in self._by_type
 
 
-def _subclasses(cls: type) -> list[type]:
+def subclasses(cls: type) -> list[type]:
+    """Every subclass of `cls`, their subclasses too, as defined by now."""
     found: list[type] = []
     pending: list[type] = list(cls.__subclasses__())
     while pending:

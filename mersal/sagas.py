@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import difflib
 import hashlib
 import inspect
 import itertools
 import logging
+import sys
 import types
 import typing
 import uuid
 from collections.abc import (
     Callable,
+    Iterable,
     Iterator,
     Mapping,
     MutableMapping,
@@ -36,7 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 import msgspec
 
 from mersal.errors import ConcurrencyConflict, ConfigurationError, DecodeError, MersalError
-from mersal.messages import KEY_LENGTH, Header, describe, stored_key
+from mersal.messages import KEY_LENGTH, Header, describe, stored_key, subclasses
 from mersal.pipeline import MessageContext, current_message
 from mersal.serialization import MAX_DEPTH
 from mersal.transaction import Transaction, current_transaction
@@ -396,12 +399,13 @@ def saga_spec(cls: object, codec: Codec, *, pessimistic: bool = False) -> SagaSp
             "methods, one per message type"
         )
     correlation = {t: _correlator(cls, t, how) for t, how in _mapping(cls).items()}
-    for message_type in correlation:
+    for message_type, correlate in correlation.items():
         if message_type not in methods:
             raise ConfigurationError(
                 f"{name}.correlation names {message_type.__qualname__}, which no method of "
                 f"{name} takes: add `async def ...(self, message: {message_type.__qualname__})`"
             )
+        _check_correlation(cls, message_type, correlate)
     started_by = tuple(_started_by(cls))
     if not started_by:
         raise ConfigurationError(
@@ -420,9 +424,38 @@ def saga_spec(cls: object, codec: Codec, *, pessimistic: bool = False) -> SagaSp
             f"{SAGA_NAME_LENGTH} the saga table holds: give it a shorter one "
             f"(`class {cls.__name__}(Saga[...], name='...')`)"
         )
+    _check_new_data(cls, data_type, started_by)
     if not isinstance(pessimistic, bool):
         raise ConfigurationError(f"register_saga(pessimistic={pessimistic!r}) takes True or False")
     return SagaSpec(cls, cls.saga_name, data_type, started_by, correlation, methods, pessimistic)
+
+
+def check_subscriptions(specs: Iterable[SagaSpec], subscriptions: Iterable[type]) -> None:
+    """Refuse a subscribed event type that a saga takes without a correlation.
+
+    Such a type reaches the saga only as its timeout, found by the saga id in its headers: a
+    published event of it would never find its saga. (A route to the app's own queue is left
+    alone: what the app sends itself may carry a saga's headers.)
+    """
+    subscribed = list(subscriptions)
+    for spec in specs:
+        for message_type in subscribed:
+            method = spec.method_for(message_type)
+            if method is not None and spec.correlate(message_type) is None:
+                raise ConfigurationError(_uncorrelated_subscription(spec, message_type, method))
+
+
+def _uncorrelated_subscription(spec: SagaSpec, message_type: type, method: str) -> str:
+    saga, name = spec.cls.__qualname__, message_type.__qualname__
+    attributes = [c.name for c in spec.correlation.values() if isinstance(c, _Attribute)]
+    known = [a for a in attributes if _has_attribute(message_type, a)]
+    attribute = known[0] if known else "attribute"
+    return (
+        f"{saga} takes {name} (method {method}) but has no correlation for it, and the app "
+        f"subscribes to {name}: a published {name} would never find its saga. Add "
+        f"`{name}: {attribute!r}` to {saga}.correlation (or, if {name} is only this saga's "
+        "timeout, do not subscribe to it)"
+    )
 
 
 def _methods(cls: type) -> Iterator[tuple[type, str]]:
@@ -504,6 +537,145 @@ def _correlator(cls: type, message_type: type, how: object) -> Callable[[Any], o
         f"{cls.__qualname__}.correlation[{message_type.__qualname__}] must be an attribute name "
         f"or a function of the message, not {how!r}"
     )
+
+
+def _check_correlation(cls: type, message_type: type, correlate: Callable[[Any], object]) -> None:
+    """Refuse a correlation that cannot read the message: an attribute it does not have (when
+    its class's fields are known), or a function that does not take the message alone."""
+    where = f"{cls.__qualname__}.correlation[{message_type.__qualname__}]"
+    if isinstance(correlate, _Attribute):
+        _check_attribute(where, message_type, correlate.name)
+        return
+    try:
+        signature = inspect.signature(correlate)
+    except (TypeError, ValueError):  # a builtin or a class: nothing to read
+        return
+    try:
+        signature.bind(None)
+    except TypeError as error:
+        raise ConfigurationError(
+            f"{where} is {describe_correlation(correlate)}, which cannot be called with the "
+            f"message alone ({error}): give a function of one argument, e.g. "
+            "`lambda message: message.order_id`"
+        ) from None
+
+
+def _check_attribute(where: str, message_type: type, attribute: str) -> None:
+    """Refuse an attribute that neither the message class nor a subclass of it has."""
+    if not _knows_attributes(message_type) or any(
+        _has_attribute(t, attribute) for t in (message_type, *subclasses(message_type))
+    ):
+        return
+    name = message_type.__qualname__
+    fields = _fields(message_type)
+    names = [f.attribute for f in fields]
+    stored_as = [f.attribute for f in fields if attribute in f.keys]
+    missing = f"{where} is {attribute!r}, but {name} has no attribute {attribute!r}"
+    if not names:
+        raise ConfigurationError(f"{missing}, nor any field: give a function of the message")
+    if stored_as:
+        raise ConfigurationError(
+            f"{missing} ({attribute!r} is how its field {stored_as[0]!r} is stored; the "
+            f"correlation reads the attribute): name {stored_as[0]!r}, or give a function of "
+            "the message"
+        )
+    close = difflib.get_close_matches(attribute, names, n=1)
+    hint = f": did you mean {close[0]!r}? Name" if close else ": name"
+    listed = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
+    raise ConfigurationError(
+        f"{missing}{hint} one of its fields ({listed}), or give a function of the message"
+    )
+
+
+def _knows_attributes(cls: type) -> bool:
+    """Whether every attribute of `cls`'s messages is known from the class (fields and all).
+
+    Not so for a plain class, or one whose `__getattr__` may answer any name (pydantic's own
+    serves only private attributes and, with `extra="allow"`, unknown fields).
+    """
+    if not _is_data_class(cls) or _keeps_extras(cls):
+        return False
+    return not any(
+        "__getattr__" in klass.__dict__ and not klass.__module__.startswith("pydantic")
+        for klass in cls.__mro__
+    )
+
+
+def _has_attribute(cls: type, attribute: str) -> bool:
+    """Whether `cls`'s instances have `attribute`: a field, or one of the class (a property)."""
+    return hasattr(cls, attribute) or any(f.attribute == attribute for f in _fields(cls))
+
+
+def _check_new_data(cls: type, data_type: type, started_by: tuple[type, ...]) -> None:
+    """Refuse a saga whose first start message would fail to make its data."""
+    name = cls.__qualname__
+    made = inspect.getattr_static(cls, "new_data")
+    if inspect.iscoroutinefunction(made):
+        raise ConfigurationError(
+            f"{name}.new_data is `async def`, but it is called without await: make it a plain "
+            f"`def new_data(self, message)` that returns the {data_type.__qualname__}"
+        )
+    if inspect.isfunction(made) and made is not Saga.new_data:
+        try:
+            inspect.signature(made).bind(None, None)
+        except TypeError as error:
+            raise ConfigurationError(
+                f"{name}.new_data cannot take the start message ({error}): declare it "
+                f"`def new_data(self, message)`"
+            ) from None
+    if made is not Saga.new_data:
+        return
+    required = _required_fields(data_type)
+    if required:
+        one = len(required) == 1
+        raise ConfigurationError(
+            f"{name} does not override new_data, and its data {data_type.__qualname__} cannot "
+            f"be made without arguments: {', '.join(required)} {'has' if one else 'have'} no "
+            "default, so every start message would be dead-lettered. Give "
+            f"{'it a default' if one else 'them defaults'}, or make the data from the start "
+            f"message: {_new_data_sample(data_type, started_by, required)}"
+        )
+
+
+def _new_data_sample(data_type: type, started_by: tuple[type, ...], required: list[str]) -> str:
+    """A `new_data` that fills the required fields, from the start message where it has them."""
+    starts = " | ".join(t.__qualname__ for t in started_by)
+    data = data_type.__qualname__
+    arguments = ", ".join(
+        f"{field}=message.{field}"
+        if all(_has_attribute(t, field) for t in started_by)
+        else f"{field}=..."
+        for field in required
+    )
+    return f"`def new_data(self, message: {starts}) -> {data}: return {data}({arguments})`"
+
+
+def _required_fields(data_type: type) -> list[str]:
+    """The arguments `data_type()` cannot do without (as far as its kind of class tells)."""
+    if issubclass(data_type, msgspec.Struct):
+        return [f.name for f in msgspec.structs.fields(data_type) if f.required]
+    model_fields: Mapping[str, Any] | None = getattr(data_type, "model_fields", None)
+    if model_fields is not None:  # pydantic: its alias when it is built by that
+        return [
+            info.validation_alias if isinstance(info.validation_alias, str) else info.alias or name
+            for name, info in model_fields.items()
+            if info.is_required()
+        ]
+    if dataclasses.is_dataclass(data_type):
+        return [
+            f.name
+            for f in dataclasses.fields(data_type)
+            if f.init
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ]
+    attributes = getattr(data_type, "__attrs_attrs__", ())
+    nothing = getattr(sys.modules.get("attr"), "NOTHING", None)
+    return [
+        getattr(a, "alias", None) or a.name
+        for a in attributes
+        if a.init and a.default is nothing and nothing is not None
+    ]
 
 
 class SagaRunner:

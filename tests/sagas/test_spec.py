@@ -4,9 +4,13 @@ Every ConfigurationError must say what to change, so each test checks the fix is
 """
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+import attrs
+import msgspec
+import pydantic
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -22,6 +26,7 @@ from mersal.sagas import (
     saga_spec,
 )
 from mersal.serialization import JsonCodec
+from mersal.testing import Harness
 
 
 @dataclass
@@ -113,6 +118,11 @@ def refusal(saga: object) -> str:
         app.register_saga(saga)  # type: ignore[arg-type]
     assert app.sagas == []
     return str(raised.value)
+
+
+def plain(message: str) -> str:
+    """`message` with the classes defined in a test named as in a module (no `<locals>`)."""
+    return re.sub(r"\w+\.<locals>\.", "", message)
 
 
 # A valid saga's spec.
@@ -529,6 +539,443 @@ async def test_a_saga_needing_a_session_without_a_database_is_refused_at_start(
     assert "Writes" in message and "AsyncSession" in message
     assert "database" in message.lower()
     assert not app.running
+
+
+# A type the saga takes without a correlation reaches it only as a timeout.
+
+
+@dataclass
+class OrderShipped:
+    order_id: str
+
+
+class Shipping(Saga[Fulfilment]):
+    started_by = (OrderPlaced,)
+    correlation = {OrderPlaced: "order_id"}
+
+    async def placed(self, event: OrderPlaced) -> None:
+        pass
+
+    async def shipped(self, event: OrderShipped) -> None:
+        pass
+
+
+SUBSCRIBED_TIMEOUT = (
+    "Shipping takes OrderShipped (method shipped) but has no correlation for it, and the app "
+    "subscribes to OrderShipped: a published OrderShipped would never find its saga. Add "
+    "`OrderShipped: 'order_id'` to Shipping.correlation (or, if OrderShipped is only this "
+    "saga's timeout, do not subscribe to it)"
+)
+
+
+def test_subscribing_to_a_type_the_saga_takes_without_correlation_is_refused() -> None:
+    app = App("orders")
+    app.register_saga(Shipping)
+    with pytest.raises(ConfigurationError) as raised:
+        app.subscribe(OrderShipped)
+
+    assert str(raised.value) == SUBSCRIBED_TIMEOUT
+    assert app.subscriptions == []
+
+
+def test_a_saga_taking_a_subscribed_type_without_correlation_is_refused() -> None:
+    app = App("orders")
+    app.subscribe(OrderShipped)
+    with pytest.raises(ConfigurationError) as raised:
+        app.register_saga(Shipping)
+
+    assert str(raised.value) == SUBSCRIBED_TIMEOUT
+    assert app.sagas == []
+    assert not app.handlers.has_handler(OrderShipped)
+
+
+def test_a_subscribed_subclass_of_a_timeout_type_is_refused_by_its_own_name() -> None:
+    @dataclass
+    class ExpressShipped(OrderShipped):
+        pass
+
+    app = App("orders")
+    app.register_saga(Shipping)
+    with pytest.raises(ConfigurationError) as raised:
+        app.subscribe(ExpressShipped)
+
+    message = plain(str(raised.value))
+    assert message.startswith("Shipping takes ExpressShipped (method shipped) but has no ")
+    assert "Add `ExpressShipped: 'order_id'` to Shipping.correlation" in message
+
+
+def test_the_suggested_correlation_is_an_attribute_the_subscribed_type_has() -> None:
+    @dataclass
+    class Cancelled:
+        reason: str
+
+    class Cancelling(Saga[Fulfilment]):
+        started_by = (OrderPlaced,)
+        correlation = {OrderPlaced: "order_id"}
+
+        async def placed(self, event: OrderPlaced) -> None:
+            pass
+
+        async def cancelled(self, event: Cancelled) -> None:
+            pass
+
+    app = App("orders")
+    app.register_saga(Cancelling)
+    with pytest.raises(ConfigurationError) as raised:
+        app.subscribe(Cancelled)
+    assert "Add `Cancelled: 'attribute'` to Cancelling.correlation" in plain(str(raised.value))
+
+
+def test_subscribing_to_a_type_the_saga_correlates_is_accepted() -> None:
+    app = App("orders")
+    app.register_saga(OrderFulfilment)
+    app.subscribe(PaymentReceived)
+    app.subscribe(OrderPlaced)
+
+    assert app.subscriptions == [PaymentReceived, OrderPlaced]
+
+
+class Chasing(Saga[Fulfilment]):
+    """A saga with a timeout: PaymentOverdue has no correlation, it comes back by saga id."""
+
+    started_by = (OrderPlaced,)
+    correlation = {OrderPlaced: "order_id", PaymentReceived: "order_id"}
+
+    async def placed(self, event: OrderPlaced) -> None:
+        self.data.order_id = event.order_id
+        await self.request_timeout(3600, PaymentOverdue(event.order_id))
+
+    async def paid(self, event: PaymentReceived) -> None:
+        self.data.paid = True
+
+    async def overdue(self, timeout: PaymentOverdue) -> None:
+        self.data.notes.append(f"overdue, paid={self.data.paid}")
+
+
+@pytest.mark.parametrize("routed_home", [False, True], ids=["not-routed", "routed-home"])
+async def test_a_saga_with_a_timeout_registers_and_runs_whether_or_not_it_is_routed_home(
+    routed_home: bool,
+) -> None:
+    """A route to the app's own queue is no subscription: the app sends what it routes there
+    itself, and may send a timeout type with a saga's headers; request_timeout ignores it."""
+    app = App("orders")
+    app.register_saga(Chasing)
+    app.subscribe(OrderPlaced)
+    app.subscribe(PaymentReceived)
+    if routed_home:
+        app.route(PaymentOverdue, "orders")
+    async with Harness(app) as bus:
+        await app.publish(OrderPlaced("o-1"))
+        await app.publish(PaymentReceived("o-1"))
+        await bus.idle(include_delayed=False)
+        assert bus.deliver_delayed() == 1
+        await bus.idle()
+
+        data = await bus.saga_data(Chasing, "o-1")
+        assert data == Fulfilment("o-1", paid=True, notes=["overdue, paid=True"])
+    assert bus.dead_lettered == []
+
+
+# A correlation attribute the message class does not have.
+
+
+def test_a_correlation_attribute_missing_from_a_dataclass_is_refused_with_the_closest_field() -> (
+    None
+):
+    class Typo(Saga[Fulfilment]):
+        started_by = (OrderPlaced,)
+        correlation = {OrderPlaced: "orderid"}
+
+        async def placed(self, event: OrderPlaced) -> None:
+            pass
+
+    assert plain(refusal(Typo)) == (
+        "Typo.correlation[OrderPlaced] is 'orderid', but OrderPlaced has no attribute "
+        "'orderid': did you mean 'order_id'? Name one of its fields (order_id), or give a "
+        "function of the message"
+    )
+
+
+@attrs.define
+class AttrsPlaced:
+    order_id: str
+    total: int = 0
+
+
+class StructPlaced(msgspec.Struct):
+    order_id: str
+    total: int = 0
+
+
+class ModelPlaced(pydantic.BaseModel):
+    order_id: str
+    total: int = 0
+
+
+@pytest.mark.parametrize("placed", [AttrsPlaced, StructPlaced, ModelPlaced])
+def test_a_correlation_attribute_is_checked_for_every_kind_of_message_class(
+    placed: type,
+) -> None:
+    class Far(Saga[Fulfilment]):
+        started_by = (placed,)
+        correlation = {placed: "reference"}
+
+        async def start(self, event: placed) -> None:  # type: ignore[valid-type]
+            pass
+
+    assert plain(refusal(Far)) == (
+        f"Far.correlation[{placed.__qualname__}] is 'reference', but {placed.__qualname__} has "
+        "no attribute 'reference': name one of its fields (order_id, total), or give a "
+        "function of the message"
+    )
+
+
+class AliasedPlaced(pydantic.BaseModel):
+    order_id: str = pydantic.Field(alias="orderId")
+
+
+class RenamedPlaced(msgspec.Struct, rename="camel"):
+    order_id: str
+
+
+@pytest.mark.parametrize("placed", [AliasedPlaced, RenamedPlaced])
+def test_a_correlation_naming_a_stored_name_says_to_name_the_attribute(placed: type) -> None:
+    class Aliased(Saga[Fulfilment]):
+        started_by = (placed,)
+        correlation = {placed: "orderId"}
+
+        async def start(self, event: placed) -> None:  # type: ignore[valid-type]
+            pass
+
+    assert plain(refusal(Aliased)) == (
+        f"Aliased.correlation[{placed.__qualname__}] is 'orderId', but {placed.__qualname__} "
+        "has no attribute 'orderId' ('orderId' is how its field 'order_id' is stored; the "
+        "correlation reads the attribute): name 'order_id', or give a function of the message"
+    )
+
+
+def test_a_correlation_attribute_of_a_class_without_fields_is_refused() -> None:
+    @dataclass
+    class Ping:
+        pass
+
+    class Pinged(Saga[Fulfilment]):
+        started_by = (Ping,)
+        correlation = {Ping: "id"}
+
+        async def ping(self, event: Ping) -> None:
+            pass
+
+    assert plain(refusal(Pinged)) == (
+        "Pinged.correlation[Ping] is 'id', but Ping has no attribute 'id', nor any field: "
+        "give a function of the message"
+    )
+
+
+def test_correlation_attributes_that_messages_have_without_a_field_are_accepted() -> None:
+    """A property, a field of every subclass of a base type, an extra field that pydantic keeps,
+    and any attribute of a class whose fields are not known (here: a __getattr__)."""
+
+    @dataclass
+    class Keyed:
+        region: str
+        number: int
+
+        @property
+        def key(self) -> str:
+            return f"{self.region}-{self.number}"
+
+    @dataclass
+    class Event:
+        pass
+
+    @dataclass
+    class Paid(Event):
+        order_id: str
+
+    class Loose(pydantic.BaseModel, extra="allow"):
+        pass
+
+    @dataclass
+    class Dynamic:
+        def __getattr__(self, name: str) -> str:
+            return name
+
+    class Accepting(Saga[Fulfilment]):
+        started_by = (Keyed,)
+        correlation = {Keyed: "key", Event: "order_id", Loose: "order_id", Dynamic: "anything"}
+
+        async def keyed(self, event: Keyed) -> None:
+            pass
+
+        async def event(self, event: Event) -> None:
+            pass
+
+        async def loose(self, event: Loose) -> None:
+            pass
+
+        async def dynamic(self, event: Dynamic) -> None:
+            pass
+
+    app = App("orders")
+    app.register_saga(Accepting)
+    assert app.sagas == [Accepting]
+
+
+def test_a_correlation_function_that_cannot_take_the_message_alone_is_refused() -> None:
+    def both(message: OrderPlaced, other: str) -> str:
+        return message.order_id + other
+
+    class TwoArguments(Saga[Fulfilment]):
+        started_by = (OrderPlaced,)
+        correlation = {OrderPlaced: both}
+
+        async def placed(self, event: OrderPlaced) -> None:
+            pass
+
+    assert plain(refusal(TwoArguments)) == (
+        "TwoArguments.correlation[OrderPlaced] is correlation function 'both', which cannot "
+        "be called with the message alone (missing a required argument: "
+        "'other'): give a function of one argument, e.g. `lambda message: message.order_id`"
+    )
+
+
+# A new saga's data: made without arguments unless new_data is overridden.
+
+
+@dataclass
+class OrderData:
+    order_id: str
+    total: int
+    shipped: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+class Placed(msgspec.Struct):
+    order_id: str
+    total: int
+
+
+def test_data_with_required_fields_and_no_new_data_is_refused_with_a_new_data_to_write() -> None:
+    class Needy(Saga[OrderData]):
+        started_by = (Placed,)
+        correlation = {Placed: "order_id"}
+
+        async def placed(self, event: Placed) -> None:
+            pass
+
+    assert plain(refusal(Needy)) == (
+        "Needy does not override new_data, and its data OrderData cannot be made without "
+        "arguments: order_id, total have no default, so every start message would be "
+        "dead-lettered. Give them defaults, or make the data from the start message: "
+        "`def new_data(self, message: Placed) -> OrderData: return OrderData("
+        "order_id=message.order_id, total=message.total)`"
+    )
+
+
+@attrs.define
+class AttrsData:
+    order_id: str
+    n: int = 0
+
+
+class StructData(msgspec.Struct):
+    order_id: str
+    n: int = 0
+
+
+class ModelData(pydantic.BaseModel):
+    order_id: str
+    n: int = 0
+
+
+@pytest.mark.parametrize("data", [AttrsData, StructData, ModelData])
+def test_required_fields_are_found_in_every_kind_of_data_class(data: type) -> None:
+    class Needy(Saga[data]):  # type: ignore[valid-type]
+        started_by = (OrderPlaced, OrderCancelled)
+        correlation = {OrderPlaced: "order_id", OrderCancelled: "order_id"}
+
+        async def placed(self, event: OrderPlaced | OrderCancelled) -> None:
+            pass
+
+    assert plain(refusal(Needy)) == (
+        f"Needy does not override new_data, and its data {data.__qualname__} cannot be made "
+        "without arguments: order_id has no default, so every start message would be "
+        "dead-lettered. Give it a default, or make the data from the start message: "
+        f"`def new_data(self, message: OrderPlaced | OrderCancelled) -> {data.__qualname__}: "
+        f"return {data.__qualname__}(order_id=message.order_id)`"
+    )
+
+
+def test_a_required_field_the_start_message_lacks_is_left_to_fill_in() -> None:
+    @dataclass
+    class Counted:
+        count: int
+
+    class Counting(Saga[Counted]):
+        started_by = (OrderPlaced,)
+        correlation = {OrderPlaced: "order_id"}
+
+        async def placed(self, event: OrderPlaced) -> None:
+            pass
+
+    assert plain(refusal(Counting)).endswith(
+        "`def new_data(self, message: OrderPlaced) -> Counted: return Counted(count=...)`"
+    )
+
+
+def test_data_with_required_fields_and_new_data_overridden_is_accepted() -> None:
+    class Made(Saga[OrderData]):
+        started_by = (Placed,)
+        correlation = {Placed: "order_id"}
+
+        def new_data(self, message: Placed) -> OrderData:
+            return OrderData(message.order_id, message.total)
+
+        async def placed(self, event: Placed) -> None:
+            pass
+
+    class Inherits(Made):
+        pass
+
+    app = App("orders")
+    app.register_saga(Made)
+    app.register_saga(Inherits)
+    assert app.sagas == [Made, Inherits]
+
+
+def test_an_async_new_data_is_refused() -> None:
+    class Awaited(Saga[OrderData]):
+        started_by = (Placed,)
+        correlation = {Placed: "order_id"}
+
+        async def new_data(self, message: Placed) -> OrderData:  # type: ignore[override]
+            return OrderData(message.order_id, message.total)
+
+        async def placed(self, event: Placed) -> None:
+            pass
+
+    assert plain(refusal(Awaited)) == (
+        "Awaited.new_data is `async def`, but it is called without await: make it a plain "
+        "`def new_data(self, message)` that returns the OrderData"
+    )
+
+
+def test_a_new_data_that_does_not_take_the_message_is_refused() -> None:
+    class Blind(Saga[OrderData]):
+        started_by = (Placed,)
+        correlation = {Placed: "order_id"}
+
+        def new_data(self) -> OrderData:  # type: ignore[override]
+            return OrderData("", 0)
+
+        async def placed(self, event: Placed) -> None:
+            pass
+
+    assert plain(refusal(Blind)) == (
+        "Blind.new_data cannot take the start message (too many positional arguments): "
+        "declare it `def new_data(self, message)`"
+    )
 
 
 # Correlation values as stored.
