@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -26,7 +27,10 @@ class Codec(Protocol):
     """Encodes message objects to bytes and decodes bytes into a given class.
 
     A codec may also have `accepts(cls) -> bool` and `supported: str` (what it accepts, in
-    words): `register`, `route` and `subscribe` then refuse the classes it cannot carry.
+    words): `register`, `route` and `subscribe` then refuse the classes it cannot carry, and
+    sends refuse objects of other classes. With `validate(message, body) -> None` (an
+    `EncodeError` when a receiver could not decode `body` as the message's class), every send
+    is checked at the call.
     """
 
     content_type: str
@@ -65,20 +69,40 @@ class JsonCodec:
             refuse_non_finite(message)
         return body
 
+    def validate(self, message: object, body: bytes) -> None:
+        """An `EncodeError` naming the field unless `body` decodes as the message's class.
+
+        The body is decoded as a receiver decodes it: msgspec's encoder does not check values
+        against the class's annotations (a str in an int field encodes), the decoder does.
+        """
+        cls = type(message)
+        try:
+            validate = getattr(cls, "model_validate_json", None)
+            if validate is not None:
+                validate(body)
+            else:
+                self._decoder(cls).decode(body)
+        except ValueError as error:  # msgspec's and pydantic's ValidationError are ValueErrors
+            raise refusal(message, error) from None
+
     def decode(self, body: bytes, cls: type) -> Any:
         """An instance of `cls` validated from a JSON body."""
         validate = getattr(cls, "model_validate_json", None)
         if validate is not None:
             return _decode_pydantic(validate, body, cls)
-        decoder = self._decoders.get(cls)
-        if decoder is None:
-            decoder = self._decoders[cls] = msgspec.json.Decoder(cls)
+        decoder = self._decoder(cls)
         try:
             return decoder.decode(body)
         except msgspec.ValidationError as error:
             raise DecodeError(f"body does not match {cls.__qualname__}: {error}") from None
         except msgspec.DecodeError as error:
             raise DecodeError(f"body is not valid JSON for {cls.__qualname__}: {error}") from None
+
+    def _decoder(self, cls: type) -> msgspec.json.Decoder[Any]:
+        decoder = self._decoders.get(cls)
+        if decoder is None:
+            decoder = self._decoders[cls] = msgspec.json.Decoder(cls)
+        return decoder
 
 
 def is_message_class(cls: type) -> bool:
@@ -108,6 +132,98 @@ def encode_error(message: object, error: Exception, encode: Callable[[Any], byte
             f"{name} one (e.g. decorate it with @dataclass)"
         )
     return EncodeError(f"cannot encode {name} as JSON{reason}")
+
+
+def refusal(message: object, error: ValueError) -> EncodeError:
+    """Why a receiver would refuse the encoded `message` (`error`: its decoder's), and the fix."""
+    name = type(message).__qualname__
+    errors = getattr(error, "errors", None)  # a pydantic ValidationError
+    if callable(errors):
+        return EncodeError(f"cannot send {name}: {_pydantic_problem(type(message), errors())}")
+    return EncodeError(f"cannot send {name}: {_msgspec_problem(message, str(error))}")
+
+
+_EXPECTED = re.compile(r"Expected `(.+)`, got `(.+)`")
+_STEP = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
+CONVERT = "convert the value before sending"
+
+
+def _msgspec_problem(message: object, text: str) -> str:
+    name = type(message).__qualname__
+    reason, _, at = text.partition(" - at `$")
+    path = at.rstrip("`")
+    if not path:
+        return f"it would not decode as {name} ({reason}); {CONVERT}"
+    field = path.lstrip(".")
+    found, value = _at(message, path)
+    if not found:
+        return f"field {field} would not decode as {name} declares it ({reason}); {CONVERT}"
+    held = f"holds {a_type(type(value))} ({value!r:.80})"
+    if callable(getattr(value, "model_validate_json", None)):
+        return (
+            f"field {field} holds a pydantic model ({type(value).__qualname__}), which only a "
+            f"pydantic model can hold: make {name} a pydantic model too, or "
+            f"{type(value).__qualname__} a dataclass"
+        )
+    expected = _EXPECTED.fullmatch(reason)
+    if expected is not None:
+        return f"field {field} {held} where {name} declares {expected[1]}; {CONVERT}"
+    return f"field {field} {held}, which {name} refuses ({reason}); {CONVERT}"
+
+
+def _at(value: object, path: str) -> tuple[bool, object]:
+    """The part of `value` at a msgspec error path (`.items[0].qty`), if it can be found."""
+    for step in _STEP.finditer(path):
+        name, index = step.groups()
+        if name is not None:
+            fields = _wire_names(type(value))
+            if name not in fields:
+                return False, None
+            value = getattr(value, fields[name])
+        elif index == "..." or not isinstance(value, list | tuple | set | frozenset):
+            return False, None  # a dict value (msgspec does not name the key)
+        else:
+            items = list(value)
+            if int(index) >= len(items):
+                return False, None
+            value = items[int(index)]
+    return True, value
+
+
+def _wire_names(cls: type) -> dict[str, str]:
+    """The attribute of each field by the name it is encoded under."""
+    if issubclass(cls, msgspec.Struct):
+        return {f.encode_name: f.name for f in msgspec.structs.fields(cls)}
+    return {name: name for name in _field_names(cls)}
+
+
+def _pydantic_problem(cls: type, errors: list[dict[str, Any]]) -> str:
+    first = errors[0]
+    loc = first.get("loc", ())
+    field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+    field = field.lstrip(".")
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    value = first.get("input")
+    name = cls.__qualname__
+    if (
+        first.get("type") == "extra_forbidden"
+        and loc
+        and loc[0] in getattr(cls, "model_computed_fields", {})
+    ):
+        return (
+            f"field {field} is a computed field, which {name} refuses when it reads the message "
+            "back (extra='forbid'): let the model ignore extra fields, or drop the computed field"
+        )
+    return (
+        f"field {field} holds {a_type(type(value))} ({value!r:.80}), which {name} refuses: "
+        f"{first.get('msg')}{more}; {CONVERT}"
+    )
+
+
+def a_type(cls: type) -> str:
+    """A class name with its article: 'a str', 'an int'."""
+    name = cls.__qualname__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def refuse_non_finite(message: object) -> None:
