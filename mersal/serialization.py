@@ -72,17 +72,13 @@ class JsonCodec:
     def validate(self, message: object, body: bytes) -> None:
         """An `EncodeError` naming the field unless `body` decodes as the message's class.
 
-        The body is decoded as a receiver decodes it: msgspec's encoder does not check values
-        against the class's annotations (a str in an int field encodes), the decoder does.
+        The body is decoded as a receiver decodes it (with `decode`): msgspec's encoder does not
+        check values against the class's annotations (a str in an int field encodes), the
+        decoder does.
         """
-        cls = type(message)
         try:
-            validate = getattr(cls, "model_validate_json", None)
-            if validate is not None:
-                validate(body)
-            else:
-                self._decoder(cls).decode(body)
-        except ValueError as error:  # msgspec's and pydantic's ValidationError are ValueErrors
+            self.decode(body, type(message))
+        except DecodeError as error:
             raise refusal(message, error) from None
 
     def decode(self, body: bytes, cls: type) -> Any:
@@ -90,19 +86,15 @@ class JsonCodec:
         validate = getattr(cls, "model_validate_json", None)
         if validate is not None:
             return _decode_pydantic(validate, body, cls)
-        decoder = self._decoder(cls)
+        decoder = self._decoders.get(cls)
+        if decoder is None:
+            decoder = self._decoders[cls] = msgspec.json.Decoder(cls)
         try:
             return decoder.decode(body)
         except msgspec.ValidationError as error:
             raise DecodeError(f"body does not match {cls.__qualname__}: {error}") from None
         except msgspec.DecodeError as error:
             raise DecodeError(f"body is not valid JSON for {cls.__qualname__}: {error}") from None
-
-    def _decoder(self, cls: type) -> msgspec.json.Decoder[Any]:
-        decoder = self._decoders.get(cls)
-        if decoder is None:
-            decoder = self._decoders[cls] = msgspec.json.Decoder(cls)
-        return decoder
 
 
 def is_message_class(cls: type) -> bool:
@@ -134,13 +126,16 @@ def encode_error(message: object, error: Exception, encode: Callable[[Any], byte
     return EncodeError(f"cannot encode {name} as JSON{reason}")
 
 
-def refusal(message: object, error: ValueError) -> EncodeError:
-    """Why a receiver would refuse the encoded `message` (`error`: its decoder's), and the fix."""
+def refusal(message: object, error: DecodeError) -> EncodeError:
+    """Why a receiver would refuse the encoded `message` (`error`: its decode's), and the fix."""
     name = type(message).__qualname__
-    errors = getattr(error, "errors", None)  # a pydantic ValidationError
+    cause = error.__context__  # the decoder's own error, which `decode` raised it from
+    errors = getattr(cause, "errors", None)  # a pydantic ValidationError
     if callable(errors):
         return EncodeError(f"cannot send {name}: {_pydantic_problem(type(message), errors())}")
-    return EncodeError(f"cannot send {name}: {_msgspec_problem(message, str(error))}")
+    if isinstance(cause, msgspec.ValidationError):
+        return EncodeError(f"cannot send {name}: {_msgspec_problem(message, str(cause))}")
+    return EncodeError(f"cannot send {name}: a receiver could not decode it ({error}); {CONVERT}")
 
 
 _EXPECTED = re.compile(r"Expected `(.+)`, got `(.+)`")

@@ -483,3 +483,26 @@ def test_a_message_a_receiver_could_not_decode_is_an_encode_error_naming_the_fie
     assert str(raised.value) == text
     with pytest.raises(DecodeError):
         codec.decode(body, type(sent))
+
+
+class FramedCodec(JsonCodec):
+    """JSON after a marker byte: its own encode and decode around the JSON codec's."""
+
+    def encode(self, message: object) -> bytes:
+        return b"\x01" + super().encode(message)
+
+    def decode(self, body: bytes, cls: type) -> object:
+        return super().decode(body[1:], cls)
+
+
+def test_a_codec_built_on_the_json_codec_checks_through_its_own_decode() -> None:
+    codec = FramedCodec()
+
+    codec.validate(Counted(3), codec.encode(Counted(3)))
+    with pytest.raises(EncodeError) as raised:
+        codec.validate(Counted("3"), codec.encode(Counted("3")))  # type: ignore[arg-type]
+
+    assert str(raised.value) == (
+        "cannot send Counted: field count holds a str ('3') where Counted declares int; "
+        "convert the value before sending"
+    )
