@@ -83,11 +83,11 @@ class JsonCodec:
 
     def decode(self, body: bytes, cls: type) -> Any:
         """An instance of `cls` validated from a JSON body."""
-        validate = getattr(cls, "model_validate_json", None)
-        if validate is not None:
-            return _decode_pydantic(validate, body, cls)
         decoder = self._decoders.get(cls)
-        if decoder is None:
+        if decoder is None:  # a pydantic model, or a class not decoded before
+            validate = getattr(cls, "model_validate_json", None)
+            if validate is not None:
+                return _decode_pydantic(validate, body, cls)
             decoder = self._decoders[cls] = msgspec.json.Decoder(cls)
         try:
             return decoder.decode(body)
