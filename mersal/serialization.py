@@ -128,31 +128,39 @@ def encode_error(message: object, error: Exception, encode: Callable[[Any], byte
 
 def refusal(message: object, error: DecodeError) -> EncodeError:
     """Why a receiver would refuse the encoded `message` (`error`: its decode's), and the fix."""
-    name = type(message).__qualname__
-    cause = error.__context__  # the decoder's own error, which `decode` raised it from
-    errors = getattr(cause, "errors", None)  # a pydantic ValidationError
-    if callable(errors):
-        return EncodeError(f"cannot send {name}: {_pydantic_problem(type(message), errors())}")
-    if isinstance(cause, msgspec.ValidationError):
-        return EncodeError(f"cannot send {name}: {_msgspec_problem(message, str(cause))}")
-    return EncodeError(f"cannot send {name}: a receiver could not decode it ({error}); {CONVERT}")
+    return EncodeError(f"cannot send {type(message).__qualname__}: {explain(message, error)}")
 
 
+CONVERT = "convert the value before sending"
+"""What to do about a value that does not decode as its field's type, when sending."""
 _EXPECTED = re.compile(r"Expected `(.+)`, got `(.+)`")
 _STEP = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
-CONVERT = "convert the value before sending"
 
 
-def _msgspec_problem(message: object, text: str) -> str:
+def explain(value: object, error: DecodeError, fix: str = CONVERT) -> str:
+    """Why the encoding of `value` did not decode back as its class (`error`), then `fix`.
+
+    Names the field and what it holds when the decoder (msgspec's or pydantic's) says which.
+    """
+    cause = error.__context__  # the decoder's own error, which `decode` raised its own from
+    errors = getattr(cause, "errors", None)  # a pydantic ValidationError
+    if callable(errors):
+        return _pydantic_problem(type(value), errors(), fix)
+    if isinstance(cause, msgspec.ValidationError):
+        return _msgspec_problem(value, str(cause), fix)
+    return f"it would not decode as {type(value).__qualname__} ({error}); {fix}"
+
+
+def _msgspec_problem(message: object, text: str, fix: str) -> str:
     name = type(message).__qualname__
     reason, _, at = text.partition(" - at `$")
     path = at.rstrip("`")
     if not path:
-        return f"it would not decode as {name} ({reason}); {CONVERT}"
+        return f"it would not decode as {name} ({reason}); {fix}"
     field = path.lstrip(".")
     found, value = _at(message, path)
     if not found:
-        return f"field {field} would not decode as {name} declares it ({reason}); {CONVERT}"
+        return f"field {field} would not decode as {name} declares it ({reason}); {fix}"
     held = f"holds {a_type(type(value))} ({value!r:.80})"
     if callable(getattr(value, "model_validate_json", None)):
         return (
@@ -162,8 +170,8 @@ def _msgspec_problem(message: object, text: str) -> str:
         )
     expected = _EXPECTED.fullmatch(reason)
     if expected is not None:
-        return f"field {field} {held} where {name} declares {expected[1]}; {CONVERT}"
-    return f"field {field} {held}, which {name} refuses ({reason}); {CONVERT}"
+        return f"field {field} {held} where {name} declares {expected[1]}; {fix}"
+    return f"field {field} {held}, which {name} refuses ({reason}); {fix}"
 
 
 def _at(value: object, path: str) -> tuple[bool, object]:
@@ -174,7 +182,10 @@ def _at(value: object, path: str) -> tuple[bool, object]:
             fields = _wire_names(type(value))
             if name not in fields:
                 return False, None
-            value = getattr(value, fields[name])
+            try:
+                value = getattr(value, fields[name])
+            except AttributeError:  # a field never set
+                return False, None
         elif index == "..." or not isinstance(value, list | tuple | set | frozenset):
             return False, None  # a dict value (msgspec does not name the key)
         else:
@@ -192,7 +203,7 @@ def _wire_names(cls: type) -> dict[str, str]:
     return {name: name for name in _field_names(cls)}
 
 
-def _pydantic_problem(cls: type, errors: list[dict[str, Any]]) -> str:
+def _pydantic_problem(cls: type, errors: list[dict[str, Any]], fix: str) -> str:
     first = errors[0]
     loc = first.get("loc", ())
     field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
@@ -206,12 +217,13 @@ def _pydantic_problem(cls: type, errors: list[dict[str, Any]]) -> str:
         and loc[0] in getattr(cls, "model_computed_fields", {})
     ):
         return (
-            f"field {field} is a computed field, which {name} refuses when it reads the message "
-            "back (extra='forbid'): let the model ignore extra fields, or drop the computed field"
+            f"field {field} is a computed field, which {name} refuses when it decodes its own "
+            "encoding (extra='forbid'): let the model ignore extra fields, or drop the computed "
+            "field"
         )
     return (
         f"field {field} holds {a_type(type(value))} ({value!r:.80}), which {name} refuses: "
-        f"{first.get('msg')}{more}; {CONVERT}"
+        f"{first.get('msg')}{more}; {fix}"
     )
 
 

@@ -459,7 +459,7 @@ REFUSED = [
     (
         StrictComputedModel(net=10.0),
         "cannot send StrictComputedModel: field gross is a computed field, which "
-        "StrictComputedModel refuses when it reads the message back (extra='forbid'): let the "
+        "StrictComputedModel refuses when it decodes its own encoding (extra='forbid'): let the "
         "model ignore extra fields, or drop the computed field",
     ),
     (
