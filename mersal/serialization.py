@@ -161,7 +161,7 @@ def _msgspec_problem(message: object, text: str, fix: str) -> str:
     found, value = _at(message, path)
     if not found:
         return f"field {field} would not decode as {name} declares it ({reason}); {fix}"
-    held = f"holds {a_type(type(value))} ({value!r:.80})"
+    held = f"holds {_held(value)}"
     if callable(getattr(value, "model_validate_json", None)):
         return (
             f"field {field} holds a pydantic model ({type(value).__qualname__}), which only a "
@@ -222,9 +222,13 @@ def _pydantic_problem(cls: type, errors: list[dict[str, Any]], fix: str) -> str:
             "field"
         )
     return (
-        f"field {field} holds {a_type(type(value))} ({value!r:.80}), which {name} refuses: "
-        f"{first.get('msg')}{more}; {fix}"
+        f"field {field} holds {_held(value)}, which {name} refuses: {first.get('msg')}{more}; {fix}"
     )
+
+
+def _held(value: object) -> str:
+    """A value as a refusal shows it: 'a str ('9.5')', 'None'."""
+    return "None" if value is None else f"{a_type(type(value))} ({value!r:.80})"
 
 
 def a_type(cls: type) -> str:

@@ -436,6 +436,11 @@ REFUSED = [
         "int; convert the value before sending",
     ),
     (
+        Counted(None),  # type: ignore[arg-type]
+        "cannot send Counted: field count holds None where Counted declares int; convert the "
+        "value before sending",
+    ),
+    (
         AttrsLine("pen", "2"),  # type: ignore[arg-type]
         "cannot send AttrsLine: field quantity holds a str ('2') where AttrsLine declares int; "
         "convert the value before sending",
