@@ -29,7 +29,14 @@ from mersal.errors import (
 from mersal.handlers import Handler, Handlers, M
 from mersal.health import MAX_RELAY_LAG, Health, check
 from mersal.logs import log_handled
-from mersal.messages import Header, TypeRegistry, check_message_class, describe, new_id
+from mersal.messages import (
+    Header,
+    TypeRegistry,
+    check_message_class,
+    check_sendable,
+    describe,
+    new_id,
+)
 from mersal.outbox import Storage, attach_storage, unreachable_reply
 from mersal.pipeline import (
     MessageContext,
@@ -317,6 +324,7 @@ class App:
         partition_key: str | None = None,
     ) -> str:
         """Send a command to the queue its type is routed to; returns the message id."""
+        check_sendable(message, self.codec)
         return await self._emit(
             message, self.queue_for(type(message)), False, headers, partition_key
         )
@@ -329,6 +337,7 @@ class App:
         partition_key: str | None = None,
     ) -> str:
         """Send a message to this app's own queue; returns the message id."""
+        check_sendable(message, self.codec)
         self._check_own_queue("send_local()")
         return await self._emit(message, self.name, False, headers, partition_key)
 
@@ -340,6 +349,7 @@ class App:
         partition_key: str | None = None,
     ) -> str:
         """Publish an event to every app subscribed to its type; returns the message id."""
+        check_sendable(message, self.codec)
         topic = self.types.name_of(type(message))
         return await self._emit(message, topic, True, headers, partition_key)
 
@@ -356,6 +366,7 @@ class App:
 
         `to_self`: to this app's own queue whatever the type's route (a saga's timeout).
         """
+        check_sendable(message, self.codec)
         seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
         limit = self.limits.max_delay
         if not math.isfinite(seconds) or seconds > limit:
@@ -380,6 +391,7 @@ class App:
         partition_key: str | None = None,
     ) -> str:
         """Inside a handler: send `message` to the reply address of the message being handled."""
+        check_sendable(message, self.codec)
         incoming = current_message.get()
         if incoming is None or incoming.app is not self:
             raise MersalError("reply() works only inside a handler of this app")
@@ -430,6 +442,7 @@ class App:
         With `reply_type`, the reply's type is registered (so that it decodes), and a reply of
         another type raises `UnexpectedReply`.
         """
+        check_sendable(message, self.codec)
         if reply_type is not None:
             self.types.add(reply_type)
         replies = await self._reply_queue()

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mersal.errors import ConfigurationError, DecodeError
+from mersal.errors import ConfigurationError, DecodeError, EncodeError
+from mersal.serialization import a_type
 
 T = TypeVar("T", bound=type)
 
@@ -187,6 +188,31 @@ def check_message_class(cls: object, codec: object, use: str, *, bases: bool = T
     raise ConfigurationError(
         f"app.{use}({name}{'' if use == 'subscribe' else ', ...'}): {name} is not a message "
         f"class; a message is {getattr(codec, 'supported', 'a class the codec carries')}: {fix}"
+    )
+
+
+def check_sendable(message: object, codec: object) -> None:
+    """Refuse (`EncodeError`) an object that is not a message the codec carries (a dict, a class).
+
+    A codec without `accepts` (see `mersal.serialization.Codec`) is trusted with any object.
+    """
+    accepts: Callable[[type], bool] | None = getattr(codec, "accepts", None)
+    cls = type(message)
+    if accepts is None or accepts(cls):
+        return
+    supported = getattr(codec, "supported", "a class the codec carries")
+    if isinstance(message, type) and accepts(message):
+        name = message.__qualname__
+        raise EncodeError(f"cannot send the class {name} itself: send an instance, {name}(...)")
+    if cls.__module__ == "builtins":
+        raise EncodeError(
+            f"cannot send {a_type(cls)}: a message is {supported}; define one "
+            "(@dataclass class ...) and send an instance"
+        )
+    name = cls.__qualname__
+    raise EncodeError(
+        f"cannot send {name}: a message is {supported}; make {name} one (e.g. decorate it "
+        "with @dataclass)"
     )
 
 

@@ -265,7 +265,7 @@ def outgoing_pipeline(
         [
             ("headers", headers_step(types, queue, codec.content_type, replies=replies)),
             ("correlation", correlation_step),
-            ("serialize", serialize_step(codec.encode)),
+            ("serialize", serialize_step(codec)),
             ("send", send_step(transport_now)),
         ]
     )
@@ -408,11 +408,16 @@ async def correlation_step(context: OutgoingContext, next: Next[OutgoingContext]
     await next(context)
 
 
-def serialize_step(encode: Callable[[object], bytes]) -> Step[OutgoingContext]:
-    """Encode the message body into an envelope."""
+def serialize_step(codec: Codec) -> Step[OutgoingContext]:
+    """Encode the message body into an envelope, checked to decode back if the codec can check."""
+    encode = codec.encode
+    validate: Callable[[object, bytes], None] | None = getattr(codec, "validate", None)
 
     async def serialize(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
-        context.envelope = Envelope(context.headers, encode(context.message))
+        body = encode(context.message)
+        if validate is not None:
+            validate(context.message, body)
+        context.envelope = Envelope(context.headers, body)
         await next(context)
 
     return serialize

@@ -41,7 +41,7 @@ import msgspec
 from mersal.errors import ConcurrencyConflict, ConfigurationError, DecodeError, MersalError
 from mersal.messages import KEY_LENGTH, Header, describe, stored_key, subclasses
 from mersal.pipeline import MessageContext, current_message
-from mersal.serialization import MAX_DEPTH
+from mersal.serialization import MAX_DEPTH, explain
 from mersal.transaction import Transaction, current_transaction
 
 if TYPE_CHECKING:
@@ -65,6 +65,9 @@ SAGA_NAME_LENGTH = 200
 
 SAGA_ID_LENGTH = 36
 """A saga id is a UUID as text; a timeout naming a longer one names no saga."""
+
+STORE_DECLARED = "store values of the fields' declared types"
+"""What to do about saga data whose encoding does not decode back as its class."""
 
 Correlation = str | Callable[[Any], object]
 """How a message finds its saga: the name of one of its attributes, or a function of it."""
@@ -855,8 +858,8 @@ class SagaRunner:
         except DecodeError as error:
             raise MersalError(
                 f"{name} left data in saga {spec.name!r} that would not load back as "
-                f"{spec.data_type.__qualname__} ({error}): store values of the fields' "
-                "declared types; nothing was saved"
+                f"{spec.data_type.__qualname__}, so nothing was saved: "
+                f"{explain(data, error, STORE_DECLARED)}"
             ) from None
         self._check_nothing_newer(stored)
         return keep_unknown(encoded, stored.data, spec.data_type)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -26,7 +27,10 @@ class Codec(Protocol):
     """Encodes message objects to bytes and decodes bytes into a given class.
 
     A codec may also have `accepts(cls) -> bool` and `supported: str` (what it accepts, in
-    words): `register`, `route` and `subscribe` then refuse the classes it cannot carry.
+    words): `register`, `route` and `subscribe` then refuse the classes it cannot carry, and
+    sends refuse objects of other classes. With `validate(message, body) -> None` (an
+    `EncodeError` when a receiver could not decode `body` as the message's class), every send
+    is checked at the call.
     """
 
     content_type: str
@@ -65,13 +69,25 @@ class JsonCodec:
             refuse_non_finite(message)
         return body
 
+    def validate(self, message: object, body: bytes) -> None:
+        """An `EncodeError` naming the field unless `body` decodes as the message's class.
+
+        The body is decoded as a receiver decodes it (with `decode`): msgspec's encoder does not
+        check values against the class's annotations (a str in an int field encodes), the
+        decoder does.
+        """
+        try:
+            self.decode(body, type(message))
+        except DecodeError as error:
+            raise refusal(message, error) from None
+
     def decode(self, body: bytes, cls: type) -> Any:
         """An instance of `cls` validated from a JSON body."""
-        validate = getattr(cls, "model_validate_json", None)
-        if validate is not None:
-            return _decode_pydantic(validate, body, cls)
         decoder = self._decoders.get(cls)
-        if decoder is None:
+        if decoder is None:  # a pydantic model, or a class not decoded before
+            validate = getattr(cls, "model_validate_json", None)
+            if validate is not None:
+                return _decode_pydantic(validate, body, cls)
             decoder = self._decoders[cls] = msgspec.json.Decoder(cls)
         try:
             return decoder.decode(body)
@@ -108,6 +124,117 @@ def encode_error(message: object, error: Exception, encode: Callable[[Any], byte
             f"{name} one (e.g. decorate it with @dataclass)"
         )
     return EncodeError(f"cannot encode {name} as JSON{reason}")
+
+
+def refusal(message: object, error: DecodeError) -> EncodeError:
+    """Why a receiver would refuse the encoded `message` (`error`: its decode's), and the fix."""
+    return EncodeError(f"cannot send {type(message).__qualname__}: {explain(message, error)}")
+
+
+CONVERT = "convert the value before sending"
+"""What to do about a value that does not decode as its field's type, when sending."""
+_EXPECTED = re.compile(r"Expected `(.+)`, got `(.+)`")
+_STEP = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
+
+
+def explain(value: object, error: DecodeError, fix: str = CONVERT) -> str:
+    """Why the encoding of `value` did not decode back as its class (`error`), then `fix`.
+
+    Names the field and what it holds when the decoder (msgspec's or pydantic's) says which.
+    """
+    cause = error.__context__  # the decoder's own error, which `decode` raised its own from
+    errors = getattr(cause, "errors", None)  # a pydantic ValidationError
+    if callable(errors):
+        return _pydantic_problem(type(value), errors(), fix)
+    if isinstance(cause, msgspec.ValidationError):
+        return _msgspec_problem(value, str(cause), fix)
+    return f"it would not decode as {type(value).__qualname__} ({error}); {fix}"
+
+
+def _msgspec_problem(message: object, text: str, fix: str) -> str:
+    name = type(message).__qualname__
+    reason, _, at = text.partition(" - at `$")
+    path = at.rstrip("`")
+    if not path:
+        return f"it would not decode as {name} ({reason}); {fix}"
+    field = path.lstrip(".")
+    found, value = _at(message, path)
+    if not found:
+        return f"field {field} would not decode as {name} declares it ({reason}); {fix}"
+    held = f"holds {_held(value)}"
+    if callable(getattr(value, "model_validate_json", None)):
+        return (
+            f"field {field} holds a pydantic model ({type(value).__qualname__}), which only a "
+            f"pydantic model can hold: make {name} a pydantic model too, or "
+            f"{type(value).__qualname__} a dataclass"
+        )
+    expected = _EXPECTED.fullmatch(reason)
+    if expected is not None:
+        return f"field {field} {held} where {name} declares {expected[1]}; {fix}"
+    return f"field {field} {held}, which {name} refuses ({reason}); {fix}"
+
+
+def _at(value: object, path: str) -> tuple[bool, object]:
+    """The part of `value` at a msgspec error path (`.items[0].qty`), if it can be found."""
+    for step in _STEP.finditer(path):
+        name, index = step.groups()
+        if name is not None:
+            fields = _wire_names(type(value))
+            if name not in fields:
+                return False, None
+            try:
+                value = getattr(value, fields[name])
+            except AttributeError:  # a field never set
+                return False, None
+        elif index == "..." or not isinstance(value, list | tuple | set | frozenset):
+            return False, None  # a dict value (msgspec does not name the key)
+        else:
+            items = list(value)
+            if int(index) >= len(items):
+                return False, None
+            value = items[int(index)]
+    return True, value
+
+
+def _wire_names(cls: type) -> dict[str, str]:
+    """The attribute of each field by the name it is encoded under."""
+    if issubclass(cls, msgspec.Struct):
+        return {f.encode_name: f.name for f in msgspec.structs.fields(cls)}
+    return {name: name for name in _field_names(cls)}
+
+
+def _pydantic_problem(cls: type, errors: list[dict[str, Any]], fix: str) -> str:
+    first = errors[0]
+    loc = first.get("loc", ())
+    field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+    field = field.lstrip(".")
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    value = first.get("input")
+    name = cls.__qualname__
+    if (
+        first.get("type") == "extra_forbidden"
+        and loc
+        and loc[0] in getattr(cls, "model_computed_fields", {})
+    ):
+        return (
+            f"field {field} is a computed field, which {name} refuses when it decodes its own "
+            "encoding (extra='forbid'): let the model ignore extra fields, or drop the computed "
+            "field"
+        )
+    return (
+        f"field {field} holds {_held(value)}, which {name} refuses: {first.get('msg')}{more}; {fix}"
+    )
+
+
+def _held(value: object) -> str:
+    """A value as a refusal shows it: 'a str ('9.5')', 'None'."""
+    return "None" if value is None else f"{a_type(type(value))} ({value!r:.80})"
+
+
+def a_type(cls: type) -> str:
+    """A class name with its article: 'a str', 'an int'."""
+    name = cls.__qualname__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def refuse_non_finite(message: object) -> None:

@@ -286,8 +286,8 @@ async def test_publishing_an_object_that_is_not_a_message_says_what_a_message_is
             await app.publish(Money(250))
         assert bus.published == []
     assert str(raised.value) == (
-        "cannot encode Money as JSON: a message is a dataclass, a pydantic model, a msgspec "
-        "Struct or an attrs class; make Money one (e.g. decorate it with @dataclass)"
+        "cannot send Money: a message is a dataclass, a pydantic model, a msgspec Struct or an "
+        "attrs class; make Money one (e.g. decorate it with @dataclass)"
     )
 
 

@@ -5,11 +5,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
 from mersal import (
     App,
+    EncodeError,
     Header,
     MersalError,
     MessageContext,
@@ -559,3 +561,124 @@ async def test_a_reply_of_another_type_than_asked_for_raises_unexpected_reply() 
     async with Harness(shop, pricing):
         with pytest.raises(UnexpectedReply, match="is a GetQuote, not the Quote asked for"):
             await shop.request(GetQuote("pen"), reply_type=Quote, timeout=2)
+
+
+# A message a receiver could not decode is refused at the call.
+
+WRONG_AMOUNT = (
+    "cannot send PlaceOrder: field amount holds a str ('9.5') where PlaceOrder declares float; "
+    "convert the value before sending"
+)
+
+
+async def test_a_value_of_the_wrong_type_is_refused_at_the_call_and_nothing_is_sent() -> None:
+    app = App("orders")
+    app.route(PlaceOrder, "orders")
+    app.register(PlaceOrder, noop)
+    async with Harness(app) as bus:
+        with pytest.raises(EncodeError) as sent:
+            await app.send(PlaceOrder("o-1", "9.5"))  # type: ignore[arg-type]
+        with pytest.raises(EncodeError) as published:
+            await app.publish(PlaceOrder("o-1", "9.5"))  # type: ignore[arg-type]
+        with pytest.raises(EncodeError) as deferred:
+            await app.defer(60, PlaceOrder("o-1", "9.5"))  # type: ignore[arg-type]
+        await bus.idle()
+        assert bus.sent == bus.published == bus.deferred == bus.dead_lettered == []
+    assert str(sent.value) == str(published.value) == str(deferred.value) == WRONG_AMOUNT
+
+
+async def test_a_value_of_the_wrong_type_is_refused_inside_a_transaction_not_at_commit() -> None:
+    app = App("orders")
+    app.route(PlaceOrder, "orders")
+    app.register(PlaceOrder, noop)
+    async with Harness(app) as bus:
+        async with app.transaction():
+            await app.send(PlaceOrder("o-1", 1))
+            with pytest.raises(EncodeError) as raised:
+                await app.send(PlaceOrder("o-2", "9.5"))  # type: ignore[arg-type]
+            await app.send(PlaceOrder("o-3", 3.5))
+        await bus.idle()
+    assert str(raised.value) == WRONG_AMOUNT
+    assert bus.sent_of(PlaceOrder) == [PlaceOrder("o-1", 1), PlaceOrder("o-3", 3.5)]
+
+
+async def test_a_handler_sending_a_value_of_the_wrong_type_gets_the_error_at_its_call() -> None:
+    refused: list[str] = []
+
+    async def forward(message: Remind) -> None:
+        try:
+            await app.reply(ChargeCard("o-1", "9.5"))  # type: ignore[arg-type]
+        except EncodeError as error:
+            refused.append(str(error))
+        await app.send(ChargeCard("o-1", 9.5))
+
+    app = App("orders")
+    app.route(ChargeCard, "orders")
+    app.register(Remind, forward)
+    app.register(ChargeCard, noop)
+    async with Harness(app) as bus:
+        await app.send_local(Remind("go"))
+        await bus.idle()
+        assert bus.sent_of(ChargeCard) == [ChargeCard("o-1", 9.5)]
+        assert bus.dead_lettered == []
+    assert refused == [
+        "cannot send ChargeCard: field amount holds a str ('9.5') where ChargeCard declares "
+        "float; convert the value before sending"
+    ]
+
+
+NOT_A_MESSAGE = (
+    "cannot send a dict: a message is a dataclass, a pydantic model, a msgspec Struct or an "
+    "attrs class; define one (@dataclass class ...) and send an instance"
+)
+
+
+async def test_a_dict_is_refused_as_not_a_message_before_any_routing_advice() -> None:
+    app = App("orders")
+    async with Harness(app) as bus:
+        with pytest.raises(EncodeError) as sent:
+            await app.send({"order_id": "o-1"})
+        with pytest.raises(EncodeError) as published:
+            await app.publish({"order_id": "o-1"})
+        with pytest.raises(EncodeError) as requested:
+            await app.request({"order_id": "o-1"})
+        with pytest.raises(EncodeError) as local:
+            await app.send_local(["o-1"])
+        assert bus.sent == bus.published == []
+    assert str(sent.value) == str(published.value) == str(requested.value) == NOT_A_MESSAGE
+    assert str(local.value) == NOT_A_MESSAGE.replace("a dict", "a list")
+
+
+async def test_sending_a_message_class_instead_of_an_instance_says_to_send_an_instance() -> None:
+    app = App("orders")
+    app.route(PlaceOrder, "orders")
+    async with Harness(app):
+        with pytest.raises(EncodeError) as raised:
+            await app.send(PlaceOrder)
+    assert str(raised.value) == (
+        "cannot send the class PlaceOrder itself: send an instance, PlaceOrder(...)"
+    )
+
+
+async def test_a_codec_without_validation_sends_what_it_encodes() -> None:
+    class TextCodec:
+        content_type = "text/plain"
+
+        def encode(self, message: object) -> bytes:
+            return str(message).encode()
+
+        def decode(self, body: bytes, cls: type) -> Any:
+            return cls(body.decode())
+
+    got: list[str] = []
+
+    async def handle(message: str) -> None:
+        got.append(message)
+
+    app = App("notes", codec=TextCodec())
+    app.route(str, "notes")
+    app.register(str, handle)
+    async with Harness(app) as bus:
+        await app.send("hello")
+        await bus.idle()
+    assert got == ["hello"]

@@ -188,12 +188,13 @@ async def check_a_method_storing_what_its_class_cannot_read_fails_itself(app_of:
     bus = await run(app_of(Account1), Spoil("a-1", 2.5), Spoil("a-1", 2.0))
 
     first, second = bus.dead_lettered
-    for dead in (first, second):
+    for dead, amount in ((first, 2.5), (second, 2.0)):
         assert dead.error_type == "mersal.errors.MersalError"
-        assert "Account1.spoil() left data in saga 'tests.data.Account'" in dead.error_message
-        assert "would not load back as Release1" in dead.error_message
-        assert "Expected `int`, got `float`" in dead.error_message
-        assert "nothing was saved" in dead.error_message
+        assert dead.error_message == (
+            "Account1.spoil() left data in saga 'tests.data.Account' that would not load back "
+            f"as Release1, so nothing was saved: field balance holds a float ({amount}) where "
+            "Release1 declares int; store values of the fields' declared types"
+        )
     assert await read(app_of(Account1), Account1, "a-1") == Release1("a-1")
     bus = await run(app_of(Account2), Deposit("a-1", 3.0))  # the saga is not poisoned
     assert bus.dead_lettered == []

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-from mersal import App
+from mersal import App, EncodeError
 from mersal_sqlalchemy import make_engine
 from tests.sql.support import (
     ORDERS,
@@ -134,3 +134,23 @@ async def test_without_a_session_the_block_uses_one_of_the_apps_own(
                 raise Boom("no")
         await eventually(lambda: sink.ids() == [sent], "only the committed message leaves")
         assert await nothing_left(app)
+
+
+async def test_a_message_its_receiver_could_not_decode_is_refused_in_the_block_not_at_commit(
+    database: str, user_engine: AsyncEngine, memory_url: str
+) -> None:
+    sink = await Sink(memory_url).start()
+    app = orders_app(database, memory_url, Probe())
+    async with app, AsyncSession(user_engine) as session:
+        async with app.transaction(session):
+            session.add(Order(order_id="o-1"))
+            with pytest.raises(EncodeError) as raised:
+                await app.send(Ship("2"))  # type: ignore[arg-type]
+            sent = await app.send(Ship(1))
+        await eventually(lambda: sink.ids() == [sent], "the valid message leaves after commit")
+        assert await nothing_left(app)
+    assert await count(user_engine, ORDERS) == 1
+    assert str(raised.value) == (
+        "cannot send Ship: field n holds a str ('2') where Ship declares int; convert the value "
+        "before sending"
+    )

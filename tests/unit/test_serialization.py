@@ -1,14 +1,19 @@
 """The JSON codec: round trips, helpful decode errors, and JSON other languages can read."""
 
+import enum
 import json
+import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta, timezone
+from decimal import Decimal
+from typing import Annotated
 
+import attrs
 import msgspec
 import pydantic
 import pytest
 
-from mersal import DecodeError
+from mersal import DecodeError, EncodeError
 from mersal.serialization import JsonCodec
 
 PLACED_AT = datetime(2024, 5, 1, 12, 30, 15, 250_000, tzinfo=UTC)
@@ -263,3 +268,246 @@ def test_a_body_from_another_producer_with_extra_fields_and_spacing_decodes(
 
 def test_the_content_type_is_json(codec: JsonCodec) -> None:
     assert codec.content_type == "application/json"
+
+
+# Checking that an encoded message decodes back, as a receiver decodes it.
+
+
+class Colour(enum.Enum):
+    RED = "red"
+
+
+class Rank(enum.IntEnum):
+    FIRST = 1
+
+
+@dataclass
+class Everything:
+    at: datetime
+    local: datetime
+    price: Decimal
+    ref: uuid.UUID
+    colour: Colour
+    rank: Rank
+    pair: tuple[int, str]
+    many: tuple[int, ...]
+    names: set[str]
+    codes: frozenset[int]
+    blob: bytes
+    big: int
+    ratio: float
+    maybe: int | None = None
+    counted: int = field(init=False, default=0)
+    notes: list[str] = field(default_factory=list)
+
+
+class TaggedStruct(msgspec.Struct, tag=True, rename="camel", omit_defaults=True):
+    order_id: str
+    line_count: int = 0
+
+
+@attrs.define
+class AttrsLine:
+    sku: str
+    quantity: int
+
+
+class ComputedModel(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="allow")
+    net: float
+
+    @pydantic.computed_field  # type: ignore[prop-decorator]
+    @property
+    def gross(self) -> float:
+        return self.net * 1.2
+
+
+class StrictComputedModel(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    net: float
+
+    @pydantic.computed_field  # type: ignore[prop-decorator]
+    @property
+    def gross(self) -> float:
+        return self.net * 1.2
+
+
+@dataclass
+class Order:
+    order_id: str
+    lines: list[Line]
+
+
+@dataclass
+class Counted:
+    count: int
+
+
+@dataclass
+class Priced:
+    amount: float
+
+
+@dataclass
+class Limited:
+    count: Annotated[int, msgspec.Meta(ge=0)]
+
+
+@dataclass
+class Tally:
+    by_sku: dict[str, int]
+
+
+@dataclass
+class Holder:
+    line: LineModel
+
+
+def everything() -> Everything:
+    sent = Everything(
+        at=PLACED_AT,
+        local=datetime(2024, 5, 1, 12, 30),
+        price=Decimal("19.99"),
+        ref=uuid.UUID(int=7),
+        colour=Colour.RED,
+        rank=Rank.FIRST,
+        pair=[3, "x"],  # type: ignore[arg-type]
+        many=(1, 2, 3),
+        names={"a", "b"},
+        codes=frozenset({1}),
+        blob=b"\x00\xff",
+        big=2**80,
+        ratio=2,
+    )
+    sent.counted = 5
+    return sent
+
+
+def sendable() -> list[object]:
+    """Messages whose encoding changes their values' types but decodes back as their class."""
+    extra = ComputedModel(net=10.0, note="kept")  # type: ignore[call-arg]
+    return [
+        everything(),
+        TaggedStruct("o-1"),
+        TaggedStruct("o-1", line_count=3),
+        AttrsLine("pen", 2),
+        AliasedModel(orderId="o-1"),
+        extra,
+        InvoiceModel(invoice_id="i-1", total=3, issued_at=PLACED_AT, lines=[]),
+        Order("o-1", [Line("pen", 1), Line("ink", Rank.FIRST)]),
+    ]
+
+
+@pytest.mark.parametrize("sent", sendable(), ids=lambda sent: type(sent).__name__)
+def test_a_message_whose_encoding_decodes_back_as_its_class_passes(
+    codec: JsonCodec, sent: object
+) -> None:
+    body = codec.encode(sent)
+
+    codec.validate(sent, body)
+
+    assert type(codec.decode(body, type(sent))) is type(sent)
+
+
+REFUSED = [
+    (
+        Priced("9.5"),  # type: ignore[arg-type]
+        "cannot send Priced: field amount holds a str ('9.5') where Priced declares float; "
+        "convert the value before sending",
+    ),
+    (
+        Counted(True),
+        "cannot send Counted: field count holds a bool (True) where Counted declares int; "
+        "convert the value before sending",
+    ),
+    (
+        Counted(1.0),  # type: ignore[arg-type]
+        "cannot send Counted: field count holds a float (1.0) where Counted declares int; "
+        "convert the value before sending",
+    ),
+    (
+        Order("o-1", [Line("pen", 1), Line("ink", "2")]),  # type: ignore[arg-type]
+        "cannot send Order: field lines[1].quantity holds a str ('2') where Order declares int; "
+        "convert the value before sending",
+    ),
+    (
+        TaggedStruct("o-1", line_count="3"),  # type: ignore[arg-type]
+        "cannot send TaggedStruct: field lineCount holds a str ('3') where TaggedStruct declares "
+        "int; convert the value before sending",
+    ),
+    (
+        Counted(None),  # type: ignore[arg-type]
+        "cannot send Counted: field count holds None where Counted declares int; convert the "
+        "value before sending",
+    ),
+    (
+        AttrsLine("pen", "2"),  # type: ignore[arg-type]
+        "cannot send AttrsLine: field quantity holds a str ('2') where AttrsLine declares int; "
+        "convert the value before sending",
+    ),
+    (
+        Limited(-1),
+        "cannot send Limited: field count holds an int (-1), which Limited refuses (Expected "
+        "`int` >= 0); convert the value before sending",
+    ),
+    (
+        Tally({"pen": "2"}),  # type: ignore[dict-item]
+        "cannot send Tally: field by_sku[...] would not decode as Tally declares it (Expected "
+        "`int`, got `str`); convert the value before sending",
+    ),
+    (
+        LineModel.model_construct(sku="pen", quantity="two"),
+        "cannot send LineModel: field quantity holds a str ('two'), which LineModel refuses: "
+        "Input should be a valid integer, unable to parse string as an integer; convert the "
+        "value before sending",
+    ),
+    (
+        StrictComputedModel(net=10.0),
+        "cannot send StrictComputedModel: field gross is a computed field, which "
+        "StrictComputedModel refuses when it decodes its own encoding (extra='forbid'): let the "
+        "model ignore extra fields, or drop the computed field",
+    ),
+    (
+        Holder(LineModel(sku="pen", quantity=1)),
+        "cannot send Holder: field line holds a pydantic model (LineModel), which only a "
+        "pydantic model can hold: make Holder a pydantic model too, or LineModel a dataclass",
+    ),
+]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # pydantic warns serializing a wrong value
+@pytest.mark.parametrize(("sent", "text"), REFUSED, ids=lambda x: type(x).__name__)
+def test_a_message_a_receiver_could_not_decode_is_an_encode_error_naming_the_field(
+    codec: JsonCodec, sent: object, text: str
+) -> None:
+    body = codec.encode(sent)
+
+    with pytest.raises(EncodeError) as raised:
+        codec.validate(sent, body)
+
+    assert str(raised.value) == text
+    with pytest.raises(DecodeError):
+        codec.decode(body, type(sent))
+
+
+class FramedCodec(JsonCodec):
+    """JSON after a marker byte: its own encode and decode around the JSON codec's."""
+
+    def encode(self, message: object) -> bytes:
+        return b"\x01" + super().encode(message)
+
+    def decode(self, body: bytes, cls: type) -> object:
+        return super().decode(body[1:], cls)
+
+
+def test_a_codec_built_on_the_json_codec_checks_through_its_own_decode() -> None:
+    codec = FramedCodec()
+
+    codec.validate(Counted(3), codec.encode(Counted(3)))
+    with pytest.raises(EncodeError) as raised:
+        codec.validate(Counted("3"), codec.encode(Counted("3")))  # type: ignore[arg-type]
+
+    assert str(raised.value) == (
+        "cannot send Counted: field count holds a str ('3') where Counted declares int; "
+        "convert the value before sending"
+    )
