@@ -14,7 +14,7 @@ from mersal.messages import Envelope, Header
 from mersal.sagas import Saga
 from mersal.transport import Outgoing, delay_of
 from mersal.transport.memory import MemoryBroker, MemoryTransport
-from mersal.waiting import handlers_running, plural, seconds, type_of
+from mersal.waiting import pending_rows, plural, running_handlers, seconds, type_of, with_times
 
 T = TypeVar("T")
 D = TypeVar("D")
@@ -70,23 +70,15 @@ class NotIdle(MersalError, TimeoutError):
 def _handler_waits(app: App, several: bool) -> list[str]:
     """The app's running handlers and the messages waiting behind their partition key."""
     in_app = f" in app {app.name!r}" if several else ""
-    running, which = handlers_running(app)
-    waits = [f"{plural(running, 'handler')} running{in_app} for {which}"] if running else []
-    behind = app.in_flight - running
+    running = running_handlers(app)
+    waits = []
+    if running:
+        which = with_times(running)
+        waits.append(f"{plural(len(running), 'handler')} running{in_app} for {which}")
+    behind = app.in_flight - len(running)
     if behind > 0:
         waits.append(f"{plural(behind, 'message')}{in_app} waiting behind their partition key")
     return waits
-
-
-async def _pending_rows(app: App) -> int:
-    """The app's outbox rows not yet sent; 0 when it has no outbox or does not answer soon."""
-    if app.storage is None:
-        return 0
-    try:
-        async with asyncio.timeout(1.0):
-            return await app.storage.pending()
-    except Exception:  # a database that does not answer: the rest of the text still helps
-        return 0
 
 
 class Harness:
@@ -197,7 +189,7 @@ class Harness:
             if queue.ready and queue.consumers:
                 waits.append(f"{plural(len(queue), 'message')} queued in {name!r}, not yet taken")
         for app in self.apps:
-            pending = await _pending_rows(app)
+            pending = await pending_rows(app)
             if pending:
                 waits.append(f"{plural(pending, 'outbox row')} of app {app.name!r} not yet sent")
         return waits

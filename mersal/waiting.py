@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -10,6 +11,9 @@ from mersal.messages import Envelope, Header
 
 if TYPE_CHECKING:
     from mersal.app import App
+
+PENDING_WAIT = 1.0
+"""Seconds to wait for the outbox's count of pending rows before leaving it out."""
 
 
 def type_of(app: App, envelope: Envelope) -> str:
@@ -35,28 +39,61 @@ def seconds(value: float) -> str:
     return f"{value:.1f} s"
 
 
-def handlers_running(app: App) -> tuple[int, str]:
-    """How many handlers run now in `app`, and `Ping x2 (4.9 s), Pong (0.1 s)` (longest each)."""
+def running_handlers(app: App) -> list[tuple[str, float]]:
+    """The message type of each handler running now in `app`, with the seconds it has run."""
     worker = app.worker
     if worker is None:
-        return 0, ""
-    running = worker.handling()
+        return []
+    return [(type_of(app, delivery.envelope), taken) for delivery, taken in worker.handling()]
+
+
+def with_times(running: Sequence[tuple[str, float]]) -> str:
+    """`Ping x2 (4.9 s), Pong (0.1 s)`: each type, how many, the longest one's seconds."""
     longest: dict[str, float] = {}
-    names: list[str] = []
-    for delivery, taken in running:
-        name = type_of(app, delivery.envelope)
-        names.append(name)
+    for name, taken in running:
         longest[name] = max(taken, longest.get(name, 0.0))
-    counted = Counter(names)
-    parts = [
+    counted = Counter(name for name, _ in running)
+    return ", ".join(
         f"{name if n == 1 else f'{name} x{n}'} ({seconds(longest[name])})"
         for name, n in counted.items()
-    ]
-    return len(running), ", ".join(parts)
+    )
 
 
-def and_list(parts: Sequence[str]) -> str:
-    """`a`, `a and b`, `a, b and c`."""
-    if len(parts) <= 1:
-        return "".join(parts)
-    return f"{', '.join(parts[:-1])} and {parts[-1]}"
+async def stopping(app: App) -> str:
+    """What a graceful stop of `app` is about to wait for, and for how long at most."""
+    running = running_handlers(app)
+    waits = []
+    if running:
+        which = tally(name for name, _ in running)
+        waits.append(
+            f"up to {app.grace_period:g} s for {plural(len(running), 'handler')} in flight "
+            f"({which})"
+        )
+    rows = await pending_rows(app) if app.storage is not None and app.storage.relay else 0
+    if rows:
+        waits.append(f"for the outbox relay ({plural(rows, 'row')} pending)")
+    if not waits:
+        return f"stopping app {app.name!r}: nothing in flight"
+    return f"stopping app {app.name!r}: waiting {' and then '.join(waits)}"
+
+
+def stopped(app: App, took: float, unfinished: int) -> str:
+    """How a graceful stop of `app` ended: everything done, or what it gave up on."""
+    if not unfinished:
+        return f"app {app.name!r} stopped in {seconds(took)}"
+    return (
+        f"app {app.name!r} stopped in {seconds(took)}: gave up after {app.grace_period:g} s "
+        f"with {plural(unfinished, 'handler')} still running; their messages go back to the "
+        "queue and will be redelivered"
+    )
+
+
+async def pending_rows(app: App) -> int:
+    """The app's outbox rows not yet sent; 0 when it has no outbox or does not answer soon."""
+    if app.storage is None:
+        return 0
+    try:
+        async with asyncio.timeout(PENDING_WAIT):
+            return await app.storage.pending()
+    except Exception:  # a database that does not answer: the rest of the text still helps
+        return 0

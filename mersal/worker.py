@@ -95,10 +95,6 @@ class Worker:
             return 0
         _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
         unfinished = len(pending)
-        if pending:
-            log.warning(
-                "%d message(s) did not finish within %gs; returning them", len(pending), grace
-            )
         deadline = asyncio.get_running_loop().time() + max(grace, MIN_CANCEL_WAIT)
         while pending:  # cancel handling, not settling: a settle runs to its end
             for task in pending - self._settling:
