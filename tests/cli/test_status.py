@@ -465,7 +465,7 @@ async def test_a_queue_that_does_not_exist_is_named_and_nothing_is_declared(
 async def test_without_the_management_api_unacked_is_unknown_and_it_says_how_once(
     status: Status, own_vhost: str
 ) -> None:
-    await declare(own_vhost, "orders", "error")
+    await declare(own_vhost, "orders", "orders.error")
     elsewhere = ("--management", "http://127.0.0.1:1")
     queues = ("--queue", "orders", "--error-queue", "orders.error")
 
