@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from lagom import Container
 
+from mersal import waiting
 from mersal.errors import (
     ConfigurationError,
     DecodeError,
@@ -676,8 +677,11 @@ class App:
         await ended.wait()
 
     async def _shut_down(self) -> None:
+        began = time.monotonic()
+        log.info("%s", await waiting.stopping(self))
+        unfinished = 0
         if self._worker is not None:
-            await self._worker.stop(self.grace_period)
+            unfinished = await self._worker.stop(self.grace_period)
         self._worker = None
         await self.clock.stop()
         self._running = False
@@ -687,7 +691,8 @@ class App:
             await self._replies.close()
             self._replies = None
         await self.transport.stop()
-        log.info("app %r stopped", self.name)
+        ended = waiting.stopped(self, time.monotonic() - began, unfinished)
+        log.log(logging.WARNING if unfinished else logging.INFO, "%s", ended)
 
     async def __aenter__(self) -> App:
         await self.start()

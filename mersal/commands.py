@@ -11,11 +11,12 @@ import asyncio
 import contextlib
 import functools
 import importlib
+import inspect
 import math
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TextIO
 
 from mersal.app import App
@@ -23,7 +24,43 @@ from mersal.errors import ConfigurationError, MersalError
 
 
 def load_app(target: str) -> App:
-    """The App named by `module:attribute` (an App, or a callable returning one)."""
+    """The App named by `module:attribute` (an App, or a function returning one).
+
+    An async function's App is made in an event loop of its own: for commands that read the
+    app's configuration. `mersal run` awaits it in the loop it serves the app in (`open_app`).
+    """
+    found, called = find_app(target)
+    if not inspect.isawaitable(found):
+        return checked_app(target, found, called)
+    if _loop_running():
+        close = getattr(found, "close", None)
+        if callable(close):  # a coroutine never awaited: no warning about it
+            close()
+        raise ConfigurationError(
+            f"{target} is an async function: in a running event loop, "
+            f"`await mersal.commands.open_app({target!r})`"
+        )
+    return asyncio.run(_awaited(target, found))
+
+
+async def open_app(target: str) -> App:
+    """The App named by `module:attribute`, an async function's awaited in the running loop."""
+    found, called = find_app(target)
+    if inspect.isawaitable(found):
+        return await _awaited(target, found)
+    return checked_app(target, found, called)
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def find_app(target: str) -> tuple[object, bool]:
+    """What `module:attribute` names, called if it is a function; and whether it was called."""
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         raise ConfigurationError(f"{target!r} is not module:attribute, e.g. 'orders.service:app'")
@@ -40,18 +77,39 @@ def load_app(target: str) -> App:
     found = getattr(module, attribute, None)
     if found is None:
         raise ConfigurationError(f"module {module_name!r} has no attribute {attribute!r}")
-    if not isinstance(found, App) and callable(found):
-        try:
-            found = found()
-        except MersalError:
-            raise
-        except Exception as error:
-            raise ConfigurationError(
-                f"{target}() raised {type(error).__name__}: {error}"
-            ) from error
-    if not isinstance(found, App):
-        raise ConfigurationError(f"{target} is {type(found).__qualname__}, not a mersal App")
-    return found
+    if isinstance(found, App) or not callable(found):
+        return found, False
+    try:
+        return found(), True
+    except MersalError:
+        raise
+    except Exception as error:
+        raise _raised(target, error) from error
+
+
+async def _awaited(target: str, awaitable: Awaitable[object]) -> App:
+    try:
+        found = await awaitable
+    except MersalError:
+        raise
+    except Exception as error:
+        raise _raised(target, error) from error
+    return checked_app(target, found, called=True)
+
+
+def _raised(target: str, error: Exception) -> ConfigurationError:
+    return ConfigurationError(f"{target}() raised {type(error).__name__}: {error}")
+
+
+def checked_app(target: str, found: object, called: bool) -> App:
+    """`found` if it is an App; else a ConfigurationError saying what `target` gave instead."""
+    if isinstance(found, App):
+        return found
+    what = f"{target}() returned" if called else f"{target} is"
+    raise ConfigurationError(
+        f"{what} {type(found).__qualname__}, not a mersal App: name an App, or a "
+        "function (async or not) that returns one"
+    )
 
 
 def positive_int(text: str) -> int:

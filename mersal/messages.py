@@ -264,6 +264,10 @@ class TypeRegistry:
             raise DecodeError(f"unknown message type {shown!r}: no registered class has that name")
         return cls
 
+    def known(self, name: str) -> type | None:
+        """The class registered under a wire name, or None (registers nothing, unlike resolve)."""
+        return self._by_name.get(name)
+
     def _find_subclass(self, name: str) -> type | None:
         # A handler for a base class also covers subclasses already imported by the program.
         for base in list(self._by_type):

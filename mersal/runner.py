@@ -20,7 +20,7 @@ from contextlib import AsyncExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from mersal import loop
-from mersal.commands import load_app, positive_int, seconds
+from mersal.commands import open_app, positive_int, seconds
 from mersal.errors import Unreachable
 from mersal.health import MAX_RELAY_LAG
 from mersal.logs import JsonFormatter
@@ -101,13 +101,18 @@ def add_run_command(commands: argparse._SubParsersAction[Any]) -> None:
 def run_command(args: argparse.Namespace) -> int:
     """`mersal run`: load the app, set it up as the options say, serve it until told to stop."""
     configure_logging(args.log_level, args.log_format)
-    app = load_app(args.target)
+    return loop.run(serve_target(args), args.loop)
+
+
+async def serve_target(args: argparse.Namespace) -> int:
+    """Load the app in the running loop (awaiting an async factory), set it up, serve it."""
+    app = await open_app(args.target)
     warn_if_in_process(app)
     if args.concurrency is not None:
         app.set_concurrency(args.concurrency)
     app.log_messages = args.log_messages
     metrics = prometheus_metrics(app) if args.health_port is not None else None
-    served = serve(
+    return await serve(
         app,
         wait=args.wait,
         health_port=args.health_port,
@@ -115,7 +120,6 @@ def run_command(args: argparse.Namespace) -> int:
         max_relay_lag=args.max_relay_lag,
         metrics=metrics,
     )
-    return loop.run(served, args.loop)
 
 
 def warn_if_in_process(app: App) -> None:

@@ -36,6 +36,17 @@ PROBE_APP = "mersal-status"
 
 
 @dataclass(frozen=True)
+class AppRows:
+    """One app's rows in a shared outbox: the app that committed them (its `source`)."""
+
+    app: str
+    pending: int
+    parked: int
+    oldest_pending_age: float | None
+    """Seconds since its oldest pending row was committed; None when none is pending."""
+
+
+@dataclass(frozen=True)
 class StorageStatus:
     """The outbox and inbox as the database counts them (one app's rows, or every app's)."""
 
@@ -46,6 +57,13 @@ class StorageStatus:
     inbox: int
     app: str | None = None
     """Whose rows were counted; None for every app's."""
+    apps: tuple[AppRows, ...] = ()
+    """Every app's outbox rows in the database, by app name (send-only apps' too)."""
+
+    @property
+    def others(self) -> bool:
+        """Whether the outbox holds rows of an app other than the one counted."""
+        return any(rows.app != self.app for rows in self.apps)
 
 
 @runtime_checkable
@@ -241,6 +259,16 @@ class Status:
                 "pending": storage.pending,
                 "parked": storage.parked,
                 "oldest_pending_age": storage.oldest_pending_age,
+                "apps": [
+                    {
+                        "app": rows.app,
+                        "pending": rows.pending,
+                        "parked": rows.parked,
+                        "oldest_pending_age": rows.oldest_pending_age,
+                        "selected": rows.app == storage.app,
+                    }
+                    for rows in storage.apps
+                ],
             },
             "inbox": None if storage is None else {"app": storage.app, "rows": storage.inbox},
         }
@@ -259,6 +287,8 @@ class Status:
             rows_of = f" (the rows of app {storage.app!r})" if storage.app else ""
             lines.append(f"database {self.database}{rows_of}")
             lines.append(f"outbox: {_pending(storage)}, {storage.parked} parked")
+            if storage.others:
+                lines.extend(_by_app(storage))
             lines.append(f"inbox: {storage.inbox} row(s)")
         if self.exit_code == 0:
             lines.append("ok: nothing needs an operator")
@@ -279,6 +309,27 @@ def _cells(queue: QueueStatus) -> tuple[str, ...]:
 
 def _count(value: int | None) -> str:
     return "?" if value is None else str(value)
+
+
+def _by_app(storage: StorageStatus) -> list[str]:
+    """Every app's outbox rows, one line each, the counted app marked with `*`."""
+    header = ("  APP", "PENDING", "PARKED", "OLDEST PENDING")
+    rows = [
+        (
+            f"{'*' if rows.app == storage.app else ' '} {rows.app}",
+            str(rows.pending),
+            str(rows.parked),
+            "-" if rows.oldest_pending_age is None else f"{rows.oldest_pending_age:.1f}s",
+        )
+        for rows in storage.apps
+    ]
+    lines = align([header, *rows])
+    if storage.app is not None:
+        lines.append(
+            f"  (* is app {storage.app!r}: the outbox line above and the exit status count its "
+            "rows only)"
+        )
+    return lines
 
 
 def _pending(storage: StorageStatus) -> str:

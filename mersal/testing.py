@@ -14,6 +14,7 @@ from mersal.messages import Envelope, Header
 from mersal.sagas import Saga
 from mersal.transport import Outgoing, delay_of
 from mersal.transport.memory import MemoryBroker, MemoryTransport
+from mersal.waiting import pending_rows, plural, running_handlers, seconds, type_of, with_times
 
 T = TypeVar("T")
 D = TypeVar("D")
@@ -56,6 +57,28 @@ class DeadLetter(Recorded):
     def source_queue(self) -> str:
         """The queue it failed in."""
         return self.headers.get(Header.ERROR_QUEUE, "")
+
+
+SHOWN_DELAYED = 5
+"""The most delayed messages `NotIdle` names one by one."""
+
+
+class NotIdle(MersalError, TimeoutError):
+    """`Harness.idle` timed out; the message says what the apps were still busy with."""
+
+
+def _handler_waits(app: App, several: bool) -> list[str]:
+    """The app's running handlers and the messages waiting behind their partition key."""
+    in_app = f" in app {app.name!r}" if several else ""
+    running = running_handlers(app)
+    waits = []
+    if running:
+        which = with_times(running)
+        waits.append(f"{plural(len(running), 'handler')} running{in_app} for {which}")
+    behind = app.in_flight - len(running)
+    if behind > 0:
+        waits.append(f"{plural(behind, 'message')}{in_app} waiting behind their partition key")
+    return waits
 
 
 class Harness:
@@ -130,19 +153,73 @@ class Harness:
         return self._broker
 
     async def idle(self, timeout: float = 5.0, *, include_delayed: bool = True) -> None:
-        """Wait until no message is queued, in flight, in an outbox or (optionally) delayed."""
+        """Wait until no message is queued, in flight, in an outbox or (optionally) delayed.
+
+        After `timeout` seconds, raises `NotIdle` (a TimeoutError) naming what it still waits for.
+        """
         broker = self.broker
-        async with asyncio.timeout(timeout):
-            calm = 0
-            while calm < 3:
-                quiet = (
-                    all(queue.idle for queue in broker.queues.values())
-                    and (not include_delayed or not broker.delayed)
-                    and all(app.in_flight == 0 for app in self.apps)
-                    and await self._outboxes_empty()
-                )
-                calm = calm + 1 if quiet else 0
-                await asyncio.sleep(0 if calm else 0.001)
+        try:
+            async with asyncio.timeout(timeout):
+                calm = 0
+                while calm < 3:
+                    quiet = (
+                        all(queue.idle for queue in broker.queues.values())
+                        and (not include_delayed or not broker.delayed)
+                        and all(app.in_flight == 0 for app in self.apps)
+                        and await self._outboxes_empty()
+                    )
+                    calm = calm + 1 if quiet else 0
+                    await asyncio.sleep(0 if calm else 0.001)
+        except TimeoutError:
+            waits = await self._still_waiting(include_delayed) or [
+                "nothing any more (it settled as the time ran out)"
+            ]
+            raise NotIdle(
+                f"Harness.idle(timeout={timeout:g}): still waiting after {timeout:g} s for: "
+                + "; ".join(waits)
+            ) from None
+
+    async def _still_waiting(self, include_delayed: bool) -> list[str]:
+        """What keeps the apps from being idle, one phrase each."""
+        waits = self._delayed_waits() if include_delayed else []
+        several = len(self.apps) > 1
+        for app in self.apps:
+            waits += _handler_waits(app, several)
+        for name, queue in self.broker.queues.items():
+            if queue.ready and queue.consumers:
+                waits.append(f"{plural(len(queue), 'message')} queued in {name!r}, not yet taken")
+        for app in self.apps:
+            pending = await pending_rows(app)
+            if pending:
+                waits.append(f"{plural(pending, 'outbox row')} of app {app.name!r} not yet sent")
+        return waits
+
+    def _delayed_waits(self) -> list[str]:
+        waiting = self.broker.waiting()
+        waits = [
+            f"{self._delayed(envelope)} due in {seconds(max(0.0, due))}"
+            for _, envelope, due in waiting[:SHOWN_DELAYED]
+        ]
+        if len(waiting) > SHOWN_DELAYED:
+            waits.append(f"{len(waiting) - SHOWN_DELAYED} more delayed message(s)")
+        return waits
+
+    def _delayed(self, envelope: Envelope) -> str:
+        """`a delayed retry of Ping (attempt 2)`, `a timeout of saga 'checkout' (Expire)`..."""
+        headers = envelope.headers
+        name = self._type_name(envelope)
+        if Header.SAGA_TYPE in headers:
+            return f"a timeout of saga {headers[Header.SAGA_TYPE]!r} ({name})"
+        attempts = headers.get(Header.ATTEMPT, "")
+        if attempts.isdigit():
+            return f"a delayed retry of {name} (attempt {int(attempts) + 1})"
+        return f"a deferred {name}"
+
+    def _type_name(self, envelope: Envelope) -> str:
+        for app in self.apps:
+            if app.types.known(envelope.headers.get(Header.TYPE, "")) is not None:
+                return type_of(app, envelope)
+        return type_of(self.apps[0], envelope)
 
     def deliver_delayed(self, within: float | None = None) -> int:
         """Deliver deferred messages and timeouts due within `within` seconds now (None: all)."""

@@ -60,19 +60,29 @@ class Worker:
         self._settling: set[asyncio.Task[Any] | None] = set()
         self._fetcher: asyncio.Task[None] | None = None
         self._stopping = False
+        self._started: dict[Delivery, float] = {}
+        """The deliveries being handled or settled, each with the loop time it began."""
 
     @property
     def in_flight(self) -> int:
         """How many deliveries are being handled or wait in a lane."""
         return len(self._tasks) + sum(len(lane) for lane in self._lanes.values())
 
+    def handling(self) -> list[tuple[Delivery, float]]:
+        """The deliveries being handled (or settled) now, each with the seconds it has taken."""
+        now = asyncio.get_running_loop().time()
+        return [(delivery, now - began) for delivery, began in self._started.items()]
+
     def start(self) -> None:
         """Begin pulling deliveries."""
         self._fetcher = asyncio.create_task(self._fetch(), name="mersal-worker")
         self._fetcher.add_done_callback(self._fetch_ended)
 
-    async def stop(self, grace: float) -> None:
-        """Stop pulling, let in-flight work finish within `grace` seconds, return the rest."""
+    async def stop(self, grace: float) -> int:
+        """Stop pulling, let in-flight work finish within `grace` seconds, return the rest.
+
+        Returns how many deliveries did not finish within `grace` (given back to the broker).
+        """
         if self._fetcher is not None:
             self._fetcher.cancel()
             await asyncio.gather(self._fetcher, return_exceptions=True)
@@ -82,12 +92,9 @@ class Worker:
         await self.consumer.close()
         self._stopping = True
         if not self._tasks:
-            return
+            return 0
         _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
-        if pending:
-            log.warning(
-                "%d message(s) did not finish within %gs; returning them", len(pending), grace
-            )
+        unfinished = len(pending)
         deadline = asyncio.get_running_loop().time() + max(grace, MIN_CANCEL_WAIT)
         while pending:  # cancel handling, not settling: a settle runs to its end
             for task in pending - self._settling:
@@ -99,7 +106,8 @@ class Worker:
                     "their messages when it stops",
                     len(pending),
                 )
-                return
+                return unfinished
+        return unfinished
 
     @property
     def failed(self) -> BaseException | None:
@@ -164,6 +172,7 @@ class Worker:
 
         A stop cancels a task while it handles, never while it settles (see `stop`).
         """
+        self._started[delivery] = asyncio.get_running_loop().time()
         try:
             try:
                 outcome = await self._handle(delivery)
@@ -187,4 +196,5 @@ class Worker:
             finally:
                 self._settling.discard(task)
         finally:
+            self._started.pop(delivery, None)
             self._slots.release()

@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
 
 from mersal.errors import ConfigurationError, MersalError
-from mersal.status import StorageStatus
+from mersal.status import AppRows, StorageStatus
 from mersal.transport import mask
 from mersal_sqlalchemy.database import is_postgresql, read_schema, reason, upgrade_command
 from mersal_sqlalchemy.tables import Tables
@@ -41,13 +41,22 @@ async def storage_status(
             if problem is not None:
                 raise ConfigurationError(problem)
             outbox = (await connection.execute(outbox_counts(engine, tables.outbox, app))).one()
+            by_app = (await connection.execute(counts_by_app(engine, tables.outbox))).all()
             inbox = (await connection.execute(row_count(tables.inbox, app))).scalar_one()
     except (SQLAlchemyError, OSError) as error:
         raise MersalError(
             f"cannot look at the database {mask(database)}: {reason(error, url)}"
         ) from None
-    age = None if outbox.age is None else max(0.0, float(outbox.age))
-    return StorageStatus(int(outbox.pending), int(outbox.parked), age, int(inbox), app)
+    apps = tuple(
+        AppRows(str(row.app), int(row.pending), int(row.parked), _age(row.age)) for row in by_app
+    )
+    return StorageStatus(
+        int(outbox.pending), int(outbox.parked), _age(outbox.age), int(inbox), app, apps
+    )
+
+
+def _age(seconds: Any) -> float | None:
+    return None if seconds is None else max(0.0, float(seconds))
 
 
 def outbox_counts(engine: AsyncEngine, table: Table, app: str | None) -> Any:
@@ -59,6 +68,21 @@ def outbox_counts(engine: AsyncEngine, table: Table, app: str | None) -> Any:
         seconds_since(engine, func.min(table.c.created_at).filter(waiting)).label("age"),
     ).select_from(table)
     return query.where(table.c.app == app) if app is not None else query
+
+
+def counts_by_app(engine: AsyncEngine, table: Table) -> Any:
+    """`outbox_counts` of each app with rows in the outbox (`app` column), by app name."""
+    waiting = table.c.parked_at.is_(None)
+    return (
+        select(
+            table.c.app,
+            func.count().filter(waiting).label("pending"),
+            func.count().filter(table.c.parked_at.is_not(None)).label("parked"),
+            seconds_since(engine, func.min(table.c.created_at).filter(waiting)).label("age"),
+        )
+        .group_by(table.c.app)
+        .order_by(table.c.app)
+    )
 
 
 def row_count(table: Table, app: str | None) -> Any:

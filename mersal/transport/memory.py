@@ -140,6 +140,12 @@ class MemoryBroker:
         handle = asyncio.get_running_loop().call_later(delay, due)
         self._later[handle] = (queue.name, envelope)
 
+    def waiting(self) -> list[tuple[str, Envelope, float]]:
+        """What waits for its time: queue, message and seconds until it is due, soonest first."""
+        now = asyncio.get_running_loop().time()
+        later = sorted(self._later.items(), key=lambda item: item[0].when())
+        return [(queue, envelope, handle.when() - now) for handle, (queue, envelope) in later]
+
     def deliver_delayed(self, within: float | None = None) -> int:
         """Deliver now what waits to be delivered within `within` seconds (None: everything).
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,8 @@ import aio_pika
 import pytest
 
 from mersal import App, MersalError, message
-from mersal.errors import Unreachable
+from mersal.commands import load_app, open_app
+from mersal.errors import ConfigurationError, Unreachable
 from mersal.probes import prometheus_metrics
 from mersal.runner import serve, start_once, stop_within
 from tests.sql.conftest import postgres_database
@@ -441,6 +444,96 @@ async def _delete_queues(url: str, name: str) -> None:
         await connection.close()
 
 
+ASYNC_SERVICE = """
+import asyncio
+
+from mersal import App
+
+
+async def make_app() -> App:
+    await asyncio.sleep(0)  # runs in the loop that serves the app
+    return App("{name}", transport="memory://")
+"""
+
+
+async def test_an_async_factory_is_awaited_in_the_serving_loop_and_a_stop_says_how_it_went(
+    tmp_path: Path,
+) -> None:
+    name = f"run-{uuid4().hex[:8]}"
+    (tmp_path / "factory.py").write_text(ASYNC_SERVICE.format(name=name))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-W",
+        "error::RuntimeWarning",
+        "-m",
+        "mersal.cli",
+        "run",
+        "factory:make_app",
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+    run = Run(process, [])
+
+    async def read() -> None:
+        assert process.stderr is not None
+        async for line in process.stderr:
+            run.lines.append(line.decode().rstrip("\n"))
+
+    reader = asyncio.create_task(read())
+    try:
+        await eventually(
+            lambda: any(f"app '{name}' started on memory://" in line for line in run.lines),
+            "the app started",
+            timeout=20,
+        )
+        process.send_signal(signal.SIGTERM)
+        assert await ended(run) == 0, run.lines
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+        await reader
+    messages = [line.split(" ", 4)[-1] for line in run.lines]
+    assert f"stopping app '{name}': nothing in flight" in messages, run.lines
+    assert f"app '{name}' stopped in 0.0 s" in messages, run.lines
+    assert not [line for line in run.lines if "never awaited" in line or "Warning" in line]
+
+
+def test_commands_that_read_an_app_await_an_async_factory_in_a_loop_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = f"factory_{uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(ASYNC_SERVICE.format(name="orders"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        app = load_app(f"{module}:make_app")
+    assert (app.name, app.running) == ("orders", False)
+
+
+async def test_in_a_running_loop_an_async_factory_is_opened_not_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = f"factory_{uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(ASYNC_SERVICE.format(name="orders"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    target = f"{module}:make_app"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ConfigurationError) as raised:
+            load_app(target)
+        gc.collect()  # a coroutine left unawaited would warn when collected
+    assert str(raised.value) == (
+        f"{target} is an async function: in a running event loop, "
+        f"`await mersal.commands.open_app('{target}')`"
+    )
+    assert (await open_app(target)).name == "orders"
+
+
 @pytest.mark.parametrize(
     "source, target, said",
     [
@@ -449,6 +542,23 @@ async def _delete_queues(url: str, name: str) -> None:
             "def make():\n    return {}['missing']\n",
             "boom:make",
             "boom:make() raised KeyError: 'missing'",
+        ),
+        (
+            "async def make():\n    return {}['missing']\n",
+            "boom:make",
+            "boom:make() raised KeyError: 'missing'",
+        ),
+        (
+            "async def make():\n    return 42\n",
+            "boom:make",
+            "boom:make() returned int, not a mersal App: name an App, or a function (async or "
+            "not) that returns one",
+        ),
+        (
+            "app = 'orders'\n",
+            "boom:app",
+            "boom:app is str, not a mersal App: name an App, or a function (async or not) that "
+            "returns one",
         ),
     ],
 )
@@ -469,3 +579,4 @@ def test_a_module_that_fails_to_load_is_one_line_and_exit_2(
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(f"mersal: {said}")
     assert "Traceback" not in result.stderr
+    assert "never awaited" not in result.stderr

@@ -551,3 +551,73 @@ async def test_suggested_commands_show_no_password_and_say_to_add_it(
 
     assert suggested(from_environment.err[0], "dlq list") == ["--queue", "invoices.error"]
     assert await mersal("dlq", "list", "--queue", "invoices.error") == 0
+
+
+SHARED_MODULE = """
+from mersal import App
+
+
+async def make_app() -> App:
+    return App({name!r}, transport={transport!r}, database={database!r})
+
+
+def make_sender() -> App:
+    return App({sender!r}, transport={transport!r}, database={database!r}, consume=False)
+"""
+"""A consuming app (made by an async function) and a send-only app sharing one database."""
+
+OLDEST = re.compile(r"\d+\.\ds")
+
+
+@pytest.mark.integration
+async def test_every_app_sharing_the_outbox_is_shown_with_the_one_asked_for_marked(
+    status: Status,
+    own_vhost: str,
+    database: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module = f"shared_{uuid4().hex[:8]}"
+    source = SHARED_MODULE.format(
+        name="orders", sender="orders-web", transport=own_vhost, database=database
+    )
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    await declare(own_vhost, "orders", "error")
+    await add_rows(database, "orders", pending=1, parked=0, age=0.0)
+    await add_rows(database, "orders-web", pending=2, parked=1, age=30.0)
+
+    consumer = await status("--app", f"{module}:make_app", "--json")
+    sender = await status("--app", f"{module}:make_sender", "--json")
+    text = await status("--app", f"{module}:make_app")
+
+    assert consumer.code == 0, consumer.err  # the send-only app's parked row is its own problem
+    outbox = consumer.report["outbox"]
+    assert (outbox["app"], outbox["pending"], outbox["parked"]) == ("orders", 1, 0)
+    ages = [rows.pop("oldest_pending_age") for rows in outbox["apps"]]
+    assert outbox["apps"] == [
+        {"app": "orders", "pending": 1, "parked": 0, "selected": True},
+        {"app": "orders-web", "pending": 2, "parked": 1, "selected": False},
+    ]
+    assert 0 <= ages[0] < 60 and 29 <= ages[1] < 120
+
+    assert sender.code == 1
+    assert sender.report["reasons"][0].startswith("1 parked outbox row(s) of app 'orders-web'")
+    outbox = sender.report["outbox"]
+    assert (outbox["app"], outbox["pending"], outbox["parked"]) == ("orders-web", 2, 1)
+    assert [(rows["app"], rows["selected"]) for rows in outbox["apps"]] == [
+        ("orders", False),
+        ("orders-web", True),
+    ]
+
+    assert text.code == 0
+    lines = text.out.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("outbox: ")))
+    assert [OLDEST.sub("N.Ns", line) for line in lines[start : start + 5]] == [
+        "outbox: 1 pending (the oldest N.Ns old), 0 parked",
+        "  APP         PENDING  PARKED  OLDEST PENDING",
+        "* orders      1        0       N.Ns",
+        "  orders-web  2        1       N.Ns",
+        "  (* is app 'orders': the outbox line above and the exit status count its rows only)",
+    ]

@@ -1,6 +1,7 @@
 """The test harness: what it records, and idle()."""
 
 import asyncio
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -15,8 +16,9 @@ from mersal import (
     RetryPolicy,
     Unroutable,
 )
-from mersal.testing import DeadLetter, Harness
+from mersal.testing import DeadLetter, Harness, NotIdle
 from mersal.transport import Outgoing
+from tests.support import eventually
 
 
 @dataclass
@@ -202,6 +204,66 @@ async def test_idle_raises_timeout_error_when_a_handler_never_finishes() -> None
         assert 0.15 <= loop.time() - begun < 1.0
         assert started.is_set()
         assert app.in_flight == 1
+
+
+async def test_idle_names_the_delayed_retry_and_the_running_handler_it_still_waits_for() -> None:
+    async def hang(message: PlaceOrder) -> None:
+        await asyncio.Event().wait()
+
+    async def explode(message: Explode) -> None:
+        raise RuntimeError("boom")
+
+    app = App("orders", grace_period=0.05, retry=RetryPolicy(immediate=0, delayed=[30.0]))
+    app.register(PlaceOrder, hang)
+    app.register(Explode, explode)
+    async with Harness(app) as bus:
+        await app.send_local(Explode(1))
+        await eventually(lambda: bus.broker.delayed == 1, "the delayed retry")
+        await app.send_local(PlaceOrder("o-1"))
+        with pytest.raises(NotIdle) as raised:
+            await bus.idle(timeout=0.2)
+
+    assert isinstance(raised.value, TimeoutError)
+    assert isinstance(raised.value, MersalError)
+    assert re.fullmatch(
+        r"Harness\.idle\(timeout=0\.2\): still waiting after 0\.2 s for: "
+        r"a delayed retry of Explode \(attempt 2\) due in 29\.\d s; "
+        r"1 handler running for PlaceOrder \(0\.\d s\)",
+        str(raised.value),
+    ), str(raised.value)
+
+
+async def test_idle_names_the_messages_queued_behind_busy_handlers_and_a_deferred_one() -> None:
+    async def hang(message: PlaceOrder) -> None:
+        await asyncio.Event().wait()
+
+    app = App("orders", grace_period=0.05, concurrency=1)
+    app.register(PlaceOrder, hang)
+    app.register(Remind, ignore)
+    async with Harness(app) as bus:
+        await app.defer(60.0, Remind("later"))
+        for number in range(3):
+            await app.send_local(PlaceOrder(f"o-{number}"))
+        with pytest.raises(TimeoutError) as raised:
+            await bus.idle(timeout=0.1)
+        without_delayed = await _not_idle(bus, include_delayed=False)
+
+    assert re.fullmatch(
+        r"Harness\.idle\(timeout=0\.1\): still waiting after 0\.1 s for: "
+        r"a deferred Remind due in 59\.\d s; 1 handler running for PlaceOrder \(0\.\d s\); "
+        r"2 messages queued in 'orders', not yet taken",
+        str(raised.value),
+    ), str(raised.value)
+    assert "Remind" not in without_delayed
+    assert without_delayed.endswith("2 messages queued in 'orders', not yet taken")
+
+
+async def _not_idle(bus: Harness, *, include_delayed: bool) -> str:
+    try:
+        await bus.idle(timeout=0.05, include_delayed=include_delayed)
+    except NotIdle as error:
+        return str(error)
+    raise AssertionError("idle() returned while a handler hangs")
 
 
 def test_a_harness_needs_an_app() -> None:

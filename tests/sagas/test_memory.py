@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -17,7 +18,7 @@ from lagom import Container
 
 from mersal import App, Header, RetryPolicy
 from mersal.sagas import MemorySagaStore, Saga, StoredSaga
-from mersal.testing import Harness
+from mersal.testing import Harness, NotIdle
 
 QUEUE = "orders"
 ERRORS = "orders.error"
@@ -284,6 +285,20 @@ async def test_request_timeout_comes_back_to_the_saga_by_its_id() -> None:
         data = await bus.saga_data(Orders, "o-1")
         assert data is not None and data.timed_out
     assert bus.dead_lettered == []
+
+
+async def test_idle_names_the_saga_timeout_it_still_waits_for() -> None:
+    app = orders_app(Probe())
+    async with Harness(app) as bus:
+        await app.send(Start("o-1", timeout=3600))
+        with pytest.raises(NotIdle) as raised:
+            await bus.idle(timeout=0.2)
+
+    assert re.fullmatch(
+        r"Harness\.idle\(timeout=0\.2\): still waiting after 0\.2 s for: "
+        r"a timeout of saga 'tests\.sagas\.Orders' \(Expired\) due in 359\d\.\d s",
+        str(raised.value),
+    ), str(raised.value)
 
 
 async def test_a_timeout_after_completion_is_ignored(caplog: pytest.LogCaptureFixture) -> None:

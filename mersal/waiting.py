@@ -1,0 +1,99 @@
+"""What an app still waits for, in words: for `Harness.idle`'s timeout and a graceful stop's log."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from mersal.messages import Envelope, Header
+
+if TYPE_CHECKING:
+    from mersal.app import App
+
+PENDING_WAIT = 1.0
+"""Seconds to wait for the outbox's count of pending rows before leaving it out."""
+
+
+def type_of(app: App, envelope: Envelope) -> str:
+    """The message's class name if the app knows its type, else its wire type name."""
+    name = envelope.headers.get(Header.TYPE, "")
+    cls = app.types.known(name)
+    return cls.__qualname__ if cls is not None else name or "a message without a type"
+
+
+def tally(names: Iterable[str]) -> str:
+    """`Ping x2, Pong`: each name once, with how often it came when more than once."""
+    counted = Counter(names)
+    return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in counted.items())
+
+
+def plural(count: int, noun: str) -> str:
+    """`1 handler`, `3 handlers`."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def seconds(value: float) -> str:
+    """Seconds with one decimal: `4.9 s`."""
+    return f"{value:.1f} s"
+
+
+def running_handlers(app: App) -> list[tuple[str, float]]:
+    """The message type of each handler running now in `app`, with the seconds it has run."""
+    worker = app.worker
+    if worker is None:
+        return []
+    return [(type_of(app, delivery.envelope), taken) for delivery, taken in worker.handling()]
+
+
+def with_times(running: Sequence[tuple[str, float]]) -> str:
+    """`Ping x2 (4.9 s), Pong (0.1 s)`: each type, how many, the longest one's seconds."""
+    longest: dict[str, float] = {}
+    for name, taken in running:
+        longest[name] = max(taken, longest.get(name, 0.0))
+    counted = Counter(name for name, _ in running)
+    return ", ".join(
+        f"{name if n == 1 else f'{name} x{n}'} ({seconds(longest[name])})"
+        for name, n in counted.items()
+    )
+
+
+async def stopping(app: App) -> str:
+    """What a graceful stop of `app` is about to wait for, and for how long at most."""
+    running = running_handlers(app)
+    waits = []
+    if running:
+        which = tally(name for name, _ in running)
+        waits.append(
+            f"up to {app.grace_period:g} s for {plural(len(running), 'handler')} in flight "
+            f"({which})"
+        )
+    rows = await pending_rows(app) if app.storage is not None and app.storage.relay else 0
+    if rows:
+        waits.append(f"for the outbox relay ({plural(rows, 'row')} pending)")
+    if not waits:
+        return f"stopping app {app.name!r}: nothing in flight"
+    return f"stopping app {app.name!r}: waiting {' and then '.join(waits)}"
+
+
+def stopped(app: App, took: float, unfinished: int) -> str:
+    """How a graceful stop of `app` ended: everything done, or what it gave up on."""
+    if not unfinished:
+        return f"app {app.name!r} stopped in {seconds(took)}"
+    return (
+        f"app {app.name!r} stopped in {seconds(took)}: gave up after {app.grace_period:g} s "
+        f"with {plural(unfinished, 'handler')} still running; their messages go back to the "
+        "queue and will be redelivered"
+    )
+
+
+async def pending_rows(app: App) -> int:
+    """The app's outbox rows not yet sent; 0 when it has no outbox or does not answer soon."""
+    if app.storage is None:
+        return 0
+    try:
+        async with asyncio.timeout(PENDING_WAIT):
+            return await app.storage.pending()
+    except Exception:  # a database that does not answer: the rest of the text still helps
+        return 0
