@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -32,7 +31,7 @@ from examples.fastapi_orders.worker import create_app
 from mersal_sqlalchemy import make_engine, make_tables
 from tests.conftest import RABBITMQ_HOST
 from tests.sql.conftest import postgres_database
-from tests.support import eventually
+from tests.support import eventually, free_port
 
 ROOT = Path(__file__).parents[2]
 MERSAL = Path(sys.executable).with_name("mersal")
@@ -116,13 +115,6 @@ async def test_the_example_on_memory_and_sqlite(tmp_path: Path) -> None:
     # the worker first: it declares the queue the web layer sends to
     async with worker, served(api) as client:
         await place_orders_and_see_them_billed(client, database)
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def ready(url: str) -> bool:
