@@ -27,6 +27,7 @@ def own_vhost_url() -> Iterator[str]:
         yield url
 
 
+# --8<-- [start:served]
 @contextlib.asynccontextmanager
 async def served(api: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
     """A client for `api`, with its lifespan run around it (as a server would)."""
@@ -34,6 +35,7 @@ async def served(api: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
         transport = httpx.ASGITransport(app=api)
         async with httpx.AsyncClient(transport=transport, base_url="http://shop") as client:
             yield client
+            # --8<-- [end:served]
 
 
 async def ready(url: str) -> bool:

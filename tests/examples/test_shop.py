@@ -38,6 +38,7 @@ from tests.sql.conftest import postgres_database
 from tests.support import eventually, free_port
 
 
+# --8<-- [start:fixtures]
 @pytest.fixture
 async def settings(tmp_path: Path) -> Settings:
     """The shop on memory:// and a SQLite file of the test's own, its tables created."""
@@ -82,6 +83,7 @@ async def place(shop: Shop, order_id: str, amount: float) -> None:
     """Take an order as POST /orders does."""
     async with shop.sessions() as session:
         await take_order(shop.bus, session, order_id, amount)
+        # --8<-- [end:fixtures]
 
 
 # --8<-- [start:endpoint-test]
