@@ -571,7 +571,7 @@ class App:
 
         `wait`: seconds to keep trying while the broker or the database does not answer (as
         `mersal run --wait` does, each try logged), for an app started inside a web server's
-        lifespan; 0 fails at the first `Unreachable`.
+        lifespan; 0 fails at the first `Unreachable`. Cancel the awaiting task to stop waiting.
         """
         if self._running:
             return
