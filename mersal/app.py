@@ -70,6 +70,7 @@ from mersal.settle import (
     absorb_cancellation,
     cancelled_by_owner,
 )
+from mersal.starting import start_when_reachable
 from mersal.timeouts import HandlerClock
 from mersal.transaction import (
     Transaction,
@@ -592,9 +593,17 @@ class App:
         """How many deliveries the worker is handling now."""
         return self._worker.in_flight if self._worker is not None else 0
 
-    async def start(self) -> None:
-        """Declare the queues, bind the subscriptions and start the worker."""
+    async def start(self, *, wait: float = 0.0) -> None:
+        """Declare the queues, bind the subscriptions and start the worker.
+
+        `wait`: seconds to keep trying while the broker or the database does not answer (as
+        `mersal run --wait` does, each try logged), for an app started inside a web server's
+        lifespan; 0 fails at the first `Unreachable`. Cancel the awaiting task to stop waiting.
+        """
         if self._running:
+            return
+        if wait > 0:
+            await start_when_reachable(self, wait, hint="start(wait=SECONDS)", log=log)
             return
         if self.database is not None and self.storage is None:
             storage = attach_storage(self)  # before the check: it provides AsyncSession

@@ -15,13 +15,11 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Iterator, Sequence
-from contextlib import AsyncExitStack, contextmanager
+from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
-from mersal import loop
+from mersal import loop, starting
 from mersal.commands import open_app, positive_int, seconds
-from mersal.errors import Unreachable
 from mersal.health import MAX_RELAY_LAG
 from mersal.logs import JsonFormatter
 from mersal.probes import Metrics, probes, prometheus_metrics
@@ -34,17 +32,9 @@ log = logging.getLogger("mersal.run")
 
 WAIT = 30.0
 """Seconds `mersal run` waits for the broker and the database at start, by default."""
-FIRST_PAUSE = 0.5
-MAX_PAUSE = 5.0
-ATTEMPT_TIMEOUT = 15.0
-"""Seconds one start may take (at least) before its broker or database counts as unreachable."""
-CANCEL_WAIT = 5.0
-"""Seconds a cancelled start may take to clean up before it is left behind."""
 STOP_MARGIN = 10.0
 """Seconds beyond the app's grace period that a stop may take before it is abandoned."""
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-CLIENT_LOGGERS = ("aiormq.connection",)
-"""The broker client's loggers that report each failed connect of a start."""
 WATCH_INTERVAL = 1.0
 """Seconds between looks at whether the app still works."""
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -211,88 +201,12 @@ async def start_when_reachable(app: App, wait: float, stopping: asyncio.Event) -
 
     False when told to stop meanwhile; the last `Unreachable` once the time is up.
     """
-    with _quiet(CLIENT_LOGGERS):
-        return await _start_patiently(app, wait, stopping)
-
-
-async def _start_patiently(app: App, wait: float, stopping: asyncio.Event) -> bool:
-    running = asyncio.get_running_loop()
-    deadline = running.time() + wait
-    pause = FIRST_PAUSE
-    while True:
-        try:
-            limit = max(deadline - running.time(), ATTEMPT_TIMEOUT)
-            return await start_once(app, limit, stopping)
-        except Unreachable as error:
-            left = deadline - running.time()
-            if left <= 0:
-                if wait <= 0:
-                    raise
-                raise Unreachable(
-                    f"{error} (waited {wait:g}s; --wait SECONDS to wait longer)"
-                ) from error
-            pause = min(pause, left)
-            log.warning("%s; trying again in %.1fs", error, pause)
-            if await _set_within(stopping, pause):
-                return False
-            pause = min(pause * 2, MAX_PAUSE)
-
-
-@contextmanager
-def _quiet(names: Sequence[str]) -> Iterator[None]:
-    """Keep the named loggers' records below DEBUG out while the block runs.
-
-    The broker client logs each failed connect itself (aiormq at ERROR); while `mersal run`
-    waits, its own WARNING says the same once per try.
-    """
-    keep = _BelowDebugOnly()
-    loggers = [logging.getLogger(name) for name in names]
-    for logger in loggers:
-        logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        for logger in loggers:
-            logger.removeFilter(keep)
-
-
-class _BelowDebugOnly(logging.Filter):
-    """Passes a record only when DEBUG logging is on (`--log-level DEBUG` shows everything)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return logging.getLogger().isEnabledFor(logging.DEBUG)
-
-
-async def start_once(app: App, limit: float, stopping: asyncio.Event) -> bool:
-    """Start `app` within `limit` seconds: True once started, False if told to stop first.
-
-    An attempt that outlasts `limit` (a broker or database that takes the connection but
-    never answers) is cancelled and counts as `Unreachable`.
-    """
-    attempt = asyncio.ensure_future(app.start())
-    stop = asyncio.ensure_future(stopping.wait())
-    try:
-        done, _ = await asyncio.wait(
-            {attempt, stop}, timeout=limit, return_when=asyncio.FIRST_COMPLETED
-        )
-    finally:
-        stop.cancel()
-    if attempt in done:
-        attempt.result()
-        return True
-    attempt.cancel()
-    await asyncio.wait({attempt}, timeout=CANCEL_WAIT)
-    if stop in done:
-        return False
-    raise Unreachable(
-        f"app {app.name!r} could not start within {limit:g}s: its broker or database took "
-        "the connection but did not answer"
-    )
+    return await starting.start_when_reachable(app, wait, stopping, log=log)
 
 
 async def watch(app: App, stopping: asyncio.Event) -> int:
     """Wait for a stop signal (0), or for the app to stop working on its own (1)."""
-    while not await _set_within(stopping, WATCH_INTERVAL):
+    while not await starting.set_within(stopping, WATCH_INTERVAL):
         health = app.health()
         if not health.live:
             reasons = "; ".join(f"{name}: {reason}" for name, reason in health.checks.items())
@@ -301,15 +215,6 @@ async def watch(app: App, stopping: asyncio.Event) -> int:
             )
             return 1
     return 0
-
-
-async def _set_within(event: asyncio.Event, limit: float) -> bool:
-    try:
-        async with asyncio.timeout(limit):
-            await event.wait()
-    except TimeoutError:
-        return False
-    return True
 
 
 def _port(text: str) -> int:

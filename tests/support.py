@@ -7,11 +7,12 @@ import inspect
 import json
 import os
 import shutil
+import socket
 import subprocess
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, TypeVar, overload
 
 from mersal.transport import Consumer, Limits, Outgoing, Transport, first_failure
@@ -165,3 +166,32 @@ class DelegatingTransport:
     async def consume(self, queue: str, *, prefetch: int) -> Consumer:
         """Consume from a queue."""
         return await self.inner.consume(queue, prefetch=prefetch)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@asynccontextmanager
+async def forwarding(port: int, to: int) -> AsyncIterator[None]:
+    """Forward connections on 127.0.0.1:`port` to 127.0.0.1:`to` while the block runs."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with suppress(OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", to)
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+    server = await asyncio.start_server(accept, "127.0.0.1", port)
+    try:
+        yield
+    finally:
+        server.close()

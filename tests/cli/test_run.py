@@ -32,9 +32,10 @@ from mersal import App, MersalError, message
 from mersal.commands import load_app, open_app
 from mersal.errors import ConfigurationError, Unreachable
 from mersal.probes import prometheus_metrics
-from mersal.runner import serve, start_once, stop_within
+from mersal.runner import serve, stop_within
+from mersal.starting import start_once
 from tests.sql.conftest import postgres_database
-from tests.support import eventually
+from tests.support import eventually, forwarding, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -76,12 +77,6 @@ class Run:
 
     def json_lines(self) -> list[dict[str, object]]:
         return [json.loads(line) for line in self.lines if line.startswith("{")]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def get(url: str) -> tuple[int, dict[str, object]]:
@@ -411,28 +406,6 @@ def _answered(url: str) -> tuple[int, dict[str, object]] | None:
         return get(url)
     except OSError:
         return None
-
-
-@contextlib.asynccontextmanager
-async def forwarding(port: int, to: int) -> AsyncIterator[None]:
-    """Forward connections on 127.0.0.1:`port` to 127.0.0.1:`to` while the block runs."""
-
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", to)
-        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
-
-    server = await asyncio.start_server(accept, "127.0.0.1", port)
-    try:
-        yield
-    finally:
-        server.close()
 
 
 async def _delete_queues(url: str, name: str) -> None:

@@ -50,6 +50,13 @@ SNIPPET = re.compile(r'^[ \t]*-{1,3}8<-{1,2} "([^"]+)"[ \t]*$', re.MULTILINE)
 FENCE = re.compile(r"^([ \t]*)```python\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
 IN_DEPTH = {"guide.md", "rabbitmq.md", "outbox.md", "security.md", "operations.md", "extending.md"}
 """The pages that predate the site, whose samples are tested their own way (or not yet)."""
+TESTED = (
+    "docs/samples/",
+    "examples/fastapi_orders/",
+    "examples/shop/",
+    "tests/examples/",
+)
+"""Where the pages' code lives: modules that tests run (or tests themselves)."""
 SECTION = re.compile(r"#\s*-{1,3}8<-{1,2}\s*\[(start|end):(\w+)\]")
 
 
@@ -263,9 +270,9 @@ def test_every_included_section_exists_in_tested_code(page: Path, target: str) -
     path, _, name = target.partition(":")
     source = ROOT / path
     assert source.is_file(), f"{page.name} includes {path}, which does not exist"
-    assert path.startswith(("docs/samples/", "examples/fastapi_orders/")), (
-        f"{page.name} includes {path}: samples live in docs/samples (tested by tests/docs) "
-        "or in the FastAPI example (tested by tests/examples)"
+    assert path.startswith(TESTED), (
+        f"{page.name} includes {path}: samples live in docs/samples (tested by tests/docs), "
+        "in the FastAPI example or the tutorial's shop (tested by tests/examples)"
     )
     if name:
         assert section(source, name).strip(), f"{target} is empty"

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,7 +18,6 @@ import aio_pika
 import asyncpg  # type: ignore[import-untyped]
 import httpx
 import pytest
-from fastapi import FastAPI
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
@@ -31,20 +28,12 @@ from examples.fastapi_orders.web import WEB_APP, create_api
 from examples.fastapi_orders.worker import create_app
 from mersal_sqlalchemy import make_engine, make_tables
 from tests.conftest import RABBITMQ_HOST
+from tests.examples.conftest import mersal_run, ready, served
 from tests.sql.conftest import postgres_database
-from tests.support import eventually
+from tests.support import eventually, free_port
 
 ROOT = Path(__file__).parents[2]
 MERSAL = Path(sys.executable).with_name("mersal")
-
-
-@contextlib.asynccontextmanager
-async def served(api: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    """A client for `api`, with its lifespan run around it (as a server would)."""
-    async with api.router.lifespan_context(api):
-        transport = httpx.ASGITransport(app=api)
-        async with httpx.AsyncClient(transport=transport, base_url="http://shop") as client:
-            yield client
 
 
 async def status_of(client: httpx.AsyncClient, order_id: str) -> str:
@@ -118,46 +107,6 @@ async def test_the_example_on_memory_and_sqlite(tmp_path: Path) -> None:
         await place_orders_and_see_them_billed(client, database)
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-async def ready(url: str) -> bool:
-    """Whether the probe at `url` answers 200."""
-    try:
-        async with httpx.AsyncClient(timeout=2) as client:
-            return (await client.get(url)).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-@contextlib.asynccontextmanager
-async def mersal_run(env: dict[str, str], port: int) -> AsyncIterator[asyncio.subprocess.Process]:
-    """`mersal run examples.fastapi_orders.worker:create_app`; killed if it outlives the test."""
-    process = await asyncio.create_subprocess_exec(
-        str(MERSAL),
-        "run",
-        "examples.fastapi_orders.worker:create_app",
-        "--health-port",
-        str(port),
-        "--health-host",
-        "127.0.0.1",
-        cwd=ROOT,
-        env={**os.environ, **env},
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    try:
-        yield process
-    finally:
-        if process.returncode is None:
-            process.kill()
-        await process.wait()
-
-
 @contextlib.asynccontextmanager
 async def notifications(database: str, channel: str) -> AsyncIterator[list[str]]:
     """The payloads of the NOTIFYs on `channel` while the block runs."""
@@ -187,7 +136,7 @@ async def test_the_example_end_to_end_on_rabbitmq_and_postgresql(vhost: str) -> 
         await create_tables(database)
         env = {"MERSAL_TRANSPORT": url, "MERSAL_DATABASE": database}
         try:
-            async with mersal_run(env, port) as worker:
+            async with mersal_run("examples.fastapi_orders.worker:create_app", env, port) as worker:
                 await eventually(
                     lambda: ready(f"http://127.0.0.1:{port}/readyz"), "worker ready", timeout=30
                 )

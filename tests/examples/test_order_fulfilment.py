@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from uuid import uuid4
 
@@ -36,9 +35,7 @@ from examples.order_fulfilment import (
 )
 from mersal import App
 from mersal.testing import Harness
-from tests.conftest import RABBITMQ_HOST
 from tests.sql.conftest import postgres_database
-from tests.support import own_vhost
 
 ROOT = Path(__file__).parents[2]
 
@@ -186,13 +183,6 @@ async def test_the_command_on_memory_and_sqlite() -> None:
     assert figures["shipped"] == "5"
     assert figures["cancelled"] == figures["released"] == "1"
     assert figures["sagas_left"] == "0"
-
-
-@pytest.fixture(name="own_vhost")
-def own_vhost_url() -> Iterator[str]:
-    """The AMQP URL of a RabbitMQ vhost of this test's own, deleted afterwards."""
-    with own_vhost("mersal-fulfilment", RABBITMQ_HOST) as url:
-        yield url
 
 
 @pytest.mark.integration
