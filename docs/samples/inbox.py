@@ -38,7 +38,7 @@ class PayHandler:
 
 
 async def main(database: str) -> int:
-    """Send one payment twice with one message id; return how many payments were written."""
+    """Send a payment twice with one message id; return the payments written."""
     engine = make_engine(database)
     async with engine.begin() as connection:
         await connection.run_sync(Base.metadata.create_all)
@@ -47,7 +47,8 @@ async def main(database: str) -> int:
     app.route(Pay, "payments")
     async with Harness(app) as bus:
         # --8<-- [start:twice]
-        # a producer that sends again after a lost confirm: the same message, the same id
+        # a producer that sends again after a lost confirm: the same message,
+        # the same id
         await app.send(Pay("o-1"), headers={Header.MESSAGE_ID: "pay-o-1"})
         await app.send(Pay("o-1"), headers={Header.MESSAGE_ID: "pay-o-1"})
         # the second delivery finds "pay-o-1" in the inbox: skipped, acked
@@ -55,6 +56,9 @@ async def main(database: str) -> int:
         await bus.idle()
     try:
         async with AsyncSession(engine) as session:
-            return int(await session.scalar(select(func.count()).select_from(Payment)) or 0)
+            return int(
+                await session.scalar(select(func.count()).select_from(Payment))
+                or 0
+            )
     finally:
         await engine.dispose()

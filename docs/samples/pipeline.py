@@ -26,7 +26,9 @@ async def timed(context: MessageContext, next: Next[MessageContext]) -> None:
 
 
 async def tenant(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
-    context.headers.setdefault("tenant", "acme")  # before "serialize": part of the envelope
+    context.headers.setdefault(
+        "tenant", "acme"
+    )  # before "serialize": part of the envelope
     await next(context)
 
 
@@ -45,7 +47,7 @@ def build_app(tenants: list[str]) -> App:
 
 
 async def main() -> tuple[list[str], list[str]]:
-    """Send one Ping; return the incoming steps' names and the tenants the handler saw."""
+    """Send a Ping; return the incoming steps' names and the tenants seen."""
     tenants: list[str] = []
     app = build_app(tenants)
     async with Harness(app) as bus:
