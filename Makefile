@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 # Paths that ruff looks at; ones that do not exist (yet) are left out.
 LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples)
 
-.PHONY: help run services test test-lowest lint format bench chaos cluster-test fuzz docs clean
+.PHONY: help run services test test-lowest lint format bench chaos cluster-test fuzz docs \
+	docs-samples docs-serve clean
 
 help:
 	@echo "Targets:"
@@ -22,6 +23,8 @@ help:
 	@echo "  make cluster-test [PYTEST_ARGS=...]  boot a local 3-node RabbitMQ cluster, run tests/cluster"
 	@echo "  make fuzz    [PYTEST_ARGS=...]  the property tests with new random examples, 10x as many"
 	@echo "  make docs                       build the docs site into site/ (mkdocs build --strict)"
+	@echo "  make docs-serve                 serve the docs site on http://127.0.0.1:8000, rebuilt on change"
+	@echo "  make docs-samples               copy docs/samples' code into the pages' code blocks"
 	@echo "  make clean                      remove .venv and caches"
 	@echo "Variables: PY=$(PY) (interpreter used to create $(VENV))"
 
@@ -90,7 +93,16 @@ fuzz: $(STAMP)
 	$(BIN)/python -m tests.fuzz.fuzz_decode --iterations 200000
 
 docs: $(STAMP)
+	$(BIN)/python scripts/docs-samples --check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
+
+# The pages show copies of docs/samples (and of the FastAPI example): after changing a sample,
+# or writing `<!-- copied from docs/samples/module.py:section by make docs-samples -->` on a page.
+docs-samples:
+	$(PY) scripts/docs-samples
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) .mypy_cache .ruff_cache .pytest_cache build dist *.egg-info
