@@ -4,7 +4,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 # Paths that ruff looks at; ones that do not exist (yet) are left out.
-LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples)
+LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples \
+	scripts/docs-samples)
 
 .PHONY: help run services test test-lowest lint format bench chaos cluster-test fuzz docs \
 	docs-samples docs-serve clean

@@ -22,18 +22,16 @@ def cluster_app(user: str, password: str, hosts: list[str], vhost: str) -> App:
     nodes = ";".join(
         f"amqp://{user}:{password}@{host}/{vhost}" for host in hosts
     )
-    return App(
-        "docs.orders", transport=nodes
-    )  # or MERSAL_TRANSPORT="amqp://...;amqp://..."
+    # or MERSAL_TRANSPORT="amqp://...;amqp://..."
+    return App("docs.orders", transport=nodes)
     # --8<-- [end:urls]
 
 
 # --8<-- [start:classic]
 def classic(url: str) -> RabbitMQTransport:
     """Classic queues, for a development broker (quorum is the default)."""
-    return RabbitMQTransport(
-        url, queue_type="classic"
-    )  # or: amqp://host/vhost?queue_type=classic
+    # or: amqp://host/vhost?queue_type=classic
+    return RabbitMQTransport(url, queue_type="classic")
     # --8<-- [end:classic]
 
 

@@ -56,9 +56,8 @@ def build_app(prices: Prices) -> App:
     container[Prices] = prices  # every handler gets this one instance
     app = App("pricing", container=container)
     app.register(PriceChanged, PriceChangedHandler)  # runs first
-    app.register(
-        PriceChanged, audit_price
-    )  # then this, in the same transaction
+    # then this, in the same transaction
+    app.register(PriceChanged, audit_price)
     app.route(PriceChanged, "pricing")
     return app
     # --8<-- [end:register]

@@ -23,6 +23,7 @@ class Payment(Base):
     order_id: Mapped[str] = mapped_column(String(40))
 
 
+# --8<-- [start:handler]
 @message("payments.Pay.v1")
 @dataclass
 class Pay:
@@ -35,6 +36,7 @@ class PayHandler:
 
     async def __call__(self, message: Pay) -> None:
         self.session.add(Payment(order_id=message.order_id))
+        # --8<-- [end:handler]
 
 
 async def main(database: str) -> int:
@@ -42,9 +44,11 @@ async def main(database: str) -> int:
     engine = make_engine(database)
     async with engine.begin() as connection:
         await connection.run_sync(Base.metadata.create_all)
-    app = App("payments", database=database)
+    # --8<-- [start:app]
+    app = App("payments", database=database)  # its inbox table is there
     app.register(Pay, PayHandler)
     app.route(Pay, "payments")
+    # --8<-- [end:app]
     async with Harness(app) as bus:
         # --8<-- [start:twice]
         # a producer that sends again after a lost confirm: the same message,

@@ -26,9 +26,8 @@ async def timed(context: MessageContext, next: Next[MessageContext]) -> None:
 
 
 async def tenant(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
-    context.headers.setdefault(
-        "tenant", "acme"
-    )  # before "serialize": part of the envelope
+    # before "serialize": part of the envelope
+    context.headers.setdefault("tenant", "acme")
     await next(context)
 
 

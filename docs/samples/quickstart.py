@@ -27,9 +27,8 @@ class PlaceOrderHandler:
         self.app = app
 
     async def __call__(self, order: PlaceOrder) -> None:
-        await self.app.publish(
-            OrderPlaced(order.order_id)
-        )  # leaves once this succeeded
+        # leaves once this succeeded
+        await self.app.publish(OrderPlaced(order.order_id))
 
 
 async def main() -> list[str]:
@@ -43,9 +42,8 @@ async def main() -> list[str]:
 
     app.register(PlaceOrder, PlaceOrderHandler)  # a class (DI) ...
     app.register(OrderPlaced, bill)  # ... or an async function
-    app.route(
-        PlaceOrder, "orders"
-    )  # app.send(PlaceOrder(...)) goes to the queue "orders"
+    # app.send(PlaceOrder(...)) goes to the queue "orders"
+    app.route(PlaceOrder, "orders")
     app.subscribe(OrderPlaced)  # published OrderPlaced events reach this app
     async with app:  # declares its queue, starts the worker; leaving drains it
         await app.send(PlaceOrder("o-1", 9.5))

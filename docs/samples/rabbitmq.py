@@ -24,9 +24,8 @@ def build_app(url: str) -> App:
         publish_timeout=10.0,  # seconds for a publish and its confirm
     )
     retry = RetryPolicy(error_queue="docs.pings.error")
-    return App(
-        "docs.pings", transport=transport, retry=retry
-    )  # or transport=url
+    # or transport=url
+    return App("docs.pings", transport=transport, retry=retry)
     # --8<-- [end:app]
 
 

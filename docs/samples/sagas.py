@@ -127,18 +127,16 @@ class InvoiceCollection(Saga[Invoice], name="billing.InvoiceCollection"):
             raise UnmatchedPayment(
                 f"no open invoice for payment {message.reference!r}"
             )
-        await super().not_found(
-            message
-        )  # anything else: logged at INFO and acknowledged
+        # anything else: logged at INFO and acknowledged
+        await super().not_found(message)
         # --8<-- [end:not_found]
 
 
 # --8<-- [start:app]
 def billing_app() -> App:
     app = App("billing", retry=RetryPolicy(immediate=1, delayed=[0.01]))
-    app.register_saga(
-        InvoiceCollection
-    )  # registers the message types and their handler
+    # registers the message types and their handler
+    app.register_saga(InvoiceCollection)
     app.subscribe(InvoiceIssued)  # routes and subscriptions as for any handler
     app.subscribe(InvoiceCancelled)
     app.subscribe(PaymentReceived)
@@ -153,22 +151,19 @@ async def test_an_unpaid_invoice_is_reminded_three_times_then_overdue() -> None:
     async with Harness(app) as bus:
         await app.publish(InvoiceIssued("i-1", "ada@example.org", 90.0))
         await app.publish(InvoiceIssued("i-2", "alan@example.org", 40.0))
-        await bus.idle(
-            include_delayed=False
-        )  # the 14-day timeouts wait in the broker
+        # the 14-day timeouts wait in the broker
+        await bus.idle(include_delayed=False)
         await app.publish(PaymentReceived("INV-i-2", 40.0))
         await bus.idle(include_delayed=False)
 
         assert await bus.saga_data(InvoiceCollection, "i-1") == Invoice(
             "i-1", "ada@example.org", 90.0
         )
-        assert (
-            await bus.saga_data(InvoiceCollection, "i-2") is None
-        )  # paid: complete
+        # paid: complete
+        assert await bus.saga_data(InvoiceCollection, "i-2") is None
 
-        assert (
-            bus.deliver_delayed() == 2
-        )  # both 14-day timeouts, now; i-2's is ignored
+        # both 14-day timeouts, now; i-2's is ignored
+        assert bus.deliver_delayed() == 2
         await bus.idle(include_delayed=False)
         while bus.deliver_delayed():  # each reminder asked for the next one
             await bus.idle(include_delayed=False)
@@ -179,9 +174,8 @@ async def test_an_unpaid_invoice_is_reminded_three_times_then_overdue() -> None:
         3,
     ]
     assert bus.published_of(InvoiceOverdue) == [InvoiceOverdue("i-1")]
-    assert (
-        await app.saga_data(InvoiceCollection, "i-1") is None
-    )  # overdue: complete
+    # overdue: complete
+    assert await app.saga_data(InvoiceCollection, "i-1") is None
     # --8<-- [end:test]
 
 
@@ -202,9 +196,8 @@ async def main() -> tuple[Invoice | None, list[DeadLetter]]:
         await app.publish(InvoiceCancelled("i-2"))
         await app.publish(PaymentReceived("INV-i-3", 50.0))
         await bus.idle(include_delayed=False)
-        await app.publish(
-            PaymentReceived("INV-i-3", 50.0)
-        )  # again: no open invoice now
+        # again: no open invoice now
+        await app.publish(PaymentReceived("INV-i-3", 50.0))
         await app.publish(InvoiceCancelled("i-3"))  # too late: ignored
         await bus.idle(include_delayed=False)
         while bus.deliver_delayed(
@@ -266,9 +259,8 @@ class BatchProgress(Saga[Batch], name="imports.BatchProgress"):
 
 def imports_app(database: str | None = None) -> App:
     app = App("imports", database=database)
-    app.register_saga(
-        BatchProgress, pessimistic=True
-    )  # many messages at once for one saga
+    # many messages at once for one saga
+    app.register_saga(BatchProgress, pessimistic=True)
     app.subscribe(BatchStarted)
     app.subscribe(RowImported)
     return app

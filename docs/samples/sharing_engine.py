@@ -43,12 +43,10 @@ async def main(database: str) -> tuple[bool, list[str], list[str]]:
     engine = make_engine(database)  # the one engine (and pool) of this process
     app = App("signup", consume=False)  # a send-only front end
     app.route(Welcome, "mailer")
-    storage = attach(
-        app, engine=engine
-    )  # the outbox and its relay use that engine
-    sessions = async_sessionmaker(
-        engine, expire_on_commit=False
-    )  # what your code uses
+    # the outbox and its relay use that engine
+    storage = attach(app, engine=engine)
+    # what your code uses
+    sessions = async_sessionmaker(engine, expire_on_commit=False)
     # --8<-- [end:share]
     async with engine.begin() as connection:
         await connection.run_sync(Base.metadata.create_all)
@@ -57,9 +55,8 @@ async def main(database: str) -> tuple[bool, list[str], list[str]]:
             # --8<-- [start:use]
             async with sessions() as session, app.transaction(session):
                 session.add(Signup(email="ada@example.com"))
-                await app.send(
-                    Welcome("ada@example.com")
-                )  # an outbox row in this transaction
+                # an outbox row in this transaction
+                await app.send(Welcome("ada@example.com"))
             # --8<-- [end:use]
             await bus.idle()
         async with sessions() as session:
@@ -71,7 +68,6 @@ async def main(database: str) -> tuple[bool, list[str], list[str]]:
         )
     finally:
         # --8<-- [start:dispose]
-        await (
-            engine.dispose()
-        )  # yours to dispose of: attach(engine=...) leaves it open
+        # yours to dispose of: attach(engine=...) leaves it open
+        await engine.dispose()
         # --8<-- [end:dispose]

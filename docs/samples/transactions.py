@@ -65,9 +65,8 @@ class PlaceOrderHandler:
 # --8<-- [start:app]
 def build_app(engine: AsyncEngine) -> App:
     app = App("orders")
-    attach(
-        app, engine=engine
-    )  # or App("orders", database="sqlite+aiosqlite:///shop.db")
+    # or App("orders", database="sqlite+aiosqlite:///shop.db")
+    attach(app, engine=engine)
     app.register(PlaceOrder, PlaceOrderHandler)
     app.route(PlaceOrder, "orders")
     return app
@@ -107,9 +106,8 @@ async def main(database: str) -> tuple[list[str], list[str], list[OrderPlaced]]:
                 ):
                     session.add(Cart(cart_id="c-2"))
                     await app.send(PlaceOrder("c-2", 20.0))
-                    raise OutOfStock(
-                        "c-2"
-                    )  # rolled back: no cart row, no PlaceOrder
+                    # rolled back: no cart row, no PlaceOrder
+                    raise OutOfStock("c-2")
                 # --8<-- [end:failure]
             except OutOfStock:
                 pass

@@ -44,9 +44,8 @@ def create_api(
         WEB_APP, transport=transport or settings.transport(), consume=False
     )
     bus.route(PlaceOrder, settings.ORDERS_QUEUE)
-    attach(
-        bus, engine=engine
-    )  # the outbox and its relay use the web layer's engine
+    # the outbox and its relay use the web layer's engine
+    attach(bus, engine=engine)
 
     @asynccontextmanager
     async def lifespan(api: FastAPI) -> AsyncIterator[None]:
@@ -59,9 +58,8 @@ def create_api(
             ):  # starts the relay; leaving sends what waits, then stops
                 yield
         finally:
-            await (
-                engine.dispose()
-            )  # ours: attach(engine=...) leaves it to its owner
+            # ours: attach(engine=...) leaves it to its owner
+            await engine.dispose()
 
     api = FastAPI(title="shop", lifespan=lifespan)
     api.include_router(router)
@@ -129,9 +127,8 @@ async def place_order(
             session
         ):  # commits the session on a clean exit
             order = Orders(session).add(body.order_id, body.amount)
-            await bus.send(
-                PlaceOrder(body.order_id, body.amount)
-            )  # an outbox row
+            # an outbox row
+            await bus.send(PlaceOrder(body.order_id, body.amount))
     except IntegrityError:  # rolled back: no row, nothing sent
         raise HTTPException(
             409, f"order {body.order_id!r} exists already"

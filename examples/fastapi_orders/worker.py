@@ -33,7 +33,6 @@ def create_app(
         ),
     )
     app.register(PlaceOrder, PlaceOrderHandler)
-    app.route(
-        PlaceOrder, app.name
-    )  # the web app sends them here: say so (no start warning)
+    # the web app sends them here: say so (no start warning)
+    app.route(PlaceOrder, app.name)
     return app
