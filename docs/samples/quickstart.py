@@ -21,9 +21,8 @@ class OrderPlaced:
 
 
 class PlaceOrderHandler:
-    def __init__(
-        self, app: App
-    ) -> None:  # built per message, arguments injected by type
+    # built per message, arguments injected by type
+    def __init__(self, app: App) -> None:
         self.app = app
 
     async def __call__(self, order: PlaceOrder) -> None:

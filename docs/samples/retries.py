@@ -27,10 +27,8 @@ class InvalidAmount(Exception):
 def build_app() -> App:
     retry = RetryPolicy(
         immediate=1,  # one more attempt at once, in the process
-        delayed=[
-            0.05,
-            0.1,
-        ],  # then one attempt after each delay, through the broker
+        # then one attempt after each delay, through the broker
+        delayed=[0.05, 0.1],
         # then here, with the reason in its headers
         error_queue="payments.error",
         fail_fast=(InvalidAmount,),  # straight to the error queue, no retries

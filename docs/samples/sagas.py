@@ -76,19 +76,16 @@ class InvoiceCollection(Saga[Invoice], name="billing.InvoiceCollection"):
     correlation = {
         InvoiceIssued: "invoice_id",  # an attribute of the message
         InvoiceCancelled: "invoice_id",
-        PaymentReceived: lambda payment: payment.reference.removeprefix(
-            "INV-"
-        ),  # a function
+        # a function
+        PaymentReceived: lambda paid: paid.reference.removeprefix("INV-"),
     }
 
-    def __init__(
-        self, app: App
-    ) -> None:  # injected like a handler class's arguments
+    # injected like a handler class's arguments
+    def __init__(self, app: App) -> None:
         self.app = app
 
-    def new_data(
-        self, message: InvoiceIssued
-    ) -> Invoice:  # Invoice has required fields
+    # Invoice has required fields
+    def new_data(self, message: InvoiceIssued) -> Invoice:
         return Invoice(message.invoice_id, message.customer, message.amount)
 
     async def issued(self, event: InvoiceIssued) -> None:

@@ -46,9 +46,8 @@ class OrderPlaced:
 
 # --8<-- [start:handler]
 class PlaceOrderHandler:
-    def __init__(
-        self, app: App, session: AsyncSession
-    ) -> None:  # the message's session
+    # the message's session
+    def __init__(self, app: App, session: AsyncSession) -> None:
         self.app = app
         self.session = session
 
