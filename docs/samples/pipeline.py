@@ -5,8 +5,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+# --8<-- [start:imports]
 from mersal import App, MessageContext, OutgoingContext
 from mersal.pipeline import Next
+
+# --8<-- [end:imports]
 from mersal.testing import Harness
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+# --8<-- [start:imports]
 from mersal import App, RetryPolicy, message
 from mersal_rabbitmq import RabbitMQTransport
+
+# --8<-- [end:imports]
 
 
 @message("docs.rabbitmq.Ping.v1")
