@@ -4,9 +4,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 # Paths that ruff looks at; ones that do not exist (yet) are left out.
-LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples)
+LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples \
+	scripts/docs-samples)
 
-.PHONY: help run services test test-lowest lint format bench chaos cluster-test fuzz docs dist clean
+.PHONY: help run services test test-lowest lint format bench chaos cluster-test fuzz docs \
+	docs-samples docs-serve dist clean
 
 help:
 	@echo "Targets:"
@@ -23,6 +25,8 @@ help:
 	@echo "  make fuzz    [PYTEST_ARGS=...]  the property tests with new random examples, 10x as many"
 	@echo "  make docs                       build the docs site into site/ (mkdocs build --strict)"
 	@echo "  make dist                       build the sdist and the wheel of mersal-bus into dist/"
+	@echo "  make docs-serve                 serve the docs site on http://127.0.0.1:8000, rebuilt on change"
+	@echo "  make docs-samples               copy docs/samples' code into the pages' code blocks"
 	@echo "  make clean                      remove .venv and caches"
 	@echo "Variables: PY=$(PY) (interpreter used to create $(VENV))"
 
@@ -95,12 +99,21 @@ fuzz: $(STAMP)
 	$(BIN)/python -m tests.fuzz.fuzz_decode --iterations 200000
 
 docs: $(STAMP)
+	$(BIN)/python scripts/docs-samples --check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The sdist, and the wheel built from it as an installer would build it: dist/mersal_bus-*.
 dist: $(STAMP)
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
+
+# The pages show copies of docs/samples (and of the FastAPI example): after changing a sample,
+# or writing `<!-- copied from docs/samples/module.py:section by make docs-samples -->` on a page.
+docs-samples:
+	$(PY) scripts/docs-samples
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) .mypy_cache .ruff_cache .pytest_cache build dist *.egg-info

@@ -1,18 +1,71 @@
-"""The code in docs/operations.md's health and OpenTelemetry sections runs as it is."""
+"""docs/operations.md: its command table names every `mersal` sub-command, the page (or a page
+the table links to) names every option, and the code in its health and OpenTelemetry sections
+runs as it is."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
 import sys
+from itertools import takewhile
 from pathlib import Path
 
 import pytest
 
+from mersal.cli import main
+
 OPERATIONS = Path(__file__).parents[1] / "docs" / "operations.md"
 HEALTH = "## Health: `app.health()`, `/livez`, `/readyz`"
 TELEMETRY = "## Tracing and metrics: OpenTelemetry"
+
+
+def command_help(command: list[str]) -> str:
+    """What `mersal COMMAND --help` prints."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), pytest.raises(SystemExit):
+        main([*command, "--help"])
+    return printed.getvalue()
+
+
+def commands(command: list[str] | None = None) -> list[list[str]]:
+    """Every sub-command the installed `mersal` has, down to the ones that take no other."""
+    command = command or []
+    usage = command_help(command).split("\n\n")[0]
+    group = re.search(r"\{([\w,-]+)\} \.\.\.", usage)  # argparse's sub-commands, not choices
+    if group is None:
+        return [command]
+    return [found for name in group[1].split(",") for found in commands([*command, name])]
+
+
+def table() -> str:
+    """The command table at the top of the page."""
+    return OPERATIONS.read_text().split("\n## ")[0]
+
+
+def table_commands() -> set[str]:
+    """The sub-commands the table has a row for: "db upgrade", "run", ..."""
+    rows = re.findall(r"^\| `mersal ([^`]+)` \|", table(), flags=re.MULTILINE)
+    return {" ".join(takewhile(lambda word: word.isalpha(), row.split())) for row in rows}
+
+
+def test_the_table_has_a_row_for_every_sub_command() -> None:
+    installed = {" ".join(command) for command in commands()}
+    assert len(installed) > 10
+    assert installed - table_commands() == set(), "docs/operations.md's table lacks these"
+    assert table_commands() - installed == set(), "docs/operations.md's table has no such"
+
+
+@pytest.mark.parametrize("command", commands(), ids=" ".join)
+def test_every_option_is_on_the_page_or_a_page_the_table_links_to(command: list[str]) -> None:
+    linked = set(re.findall(r"\]\(([\w/-]+\.md)", table()))
+    pages = [OPERATIONS, *(OPERATIONS.parent / page for page in sorted(linked))]
+    text = "".join(page.read_text() for page in pages)
+    options = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", command_help(command))) - {"--help"}
+    missing = sorted(option for option in options if option not in text)
+    assert not missing, f"`mersal {' '.join(command)}`: docs/operations.md does not say {missing}"
 
 
 def python_blocks(heading: str) -> list[str]:

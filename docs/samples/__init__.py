@@ -1,4 +1,5 @@
-"""The code samples of the docs site: each page includes sections of these modules.
+"""The code samples of the docs site: each page shows sections of these modules.
 
-tests/docs runs every one of them, so the text cannot drift from code that works.
+tests/docs runs every one of them, so the text cannot drift from code that
+works; scripts/docs-samples copies the sections into the pages.
 """

@@ -1,4 +1,4 @@
-"""Your Alembic project's env.py: the part that keeps autogenerate off Mersal's tables."""
+"""Your Alembic project's env.py: autogenerate leaves Mersal's tables alone."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ from sqlalchemy import Connection, MetaData
 from mersal_sqlalchemy.migrations import include_object
 
 
-def run_on(context: Any, connection: Connection, target_metadata: MetaData) -> None:
-    """Configure Alembic on an open connection (and the same in run_migrations_offline)."""
+def run_on(
+    context: Any, connection: Connection, target_metadata: MetaData
+) -> None:
+    """Configure Alembic on an open connection (the same when offline)."""
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
-        include_object=include_object,  # autogenerate leaves Mersal's tables alone
+        # autogenerate leaves Mersal's tables alone
+        include_object=include_object,
     )
     # --8<-- [end:configure]

@@ -1,4 +1,4 @@
-"""An app on a RabbitMQ cluster: failover URLs, queue types, partitions; tests/docs runs it."""
+"""An app on a RabbitMQ cluster: failover URLs, queue types, partitions."""
 
 from __future__ import annotations
 
@@ -18,28 +18,34 @@ class Shipped:
 
 # --8<-- [start:urls]
 def cluster_app(user: str, password: str, hosts: list[str], vhost: str) -> App:
-    """An app that connects to the first of `hosts` that answers, then to the next."""
-    nodes = ";".join(f"amqp://{user}:{password}@{host}/{vhost}" for host in hosts)
-    return App("docs.orders", transport=nodes)  # or MERSAL_TRANSPORT="amqp://...;amqp://..."
+    """An app that connects to the first of `hosts` that answers."""
+    nodes = ";".join(
+        f"amqp://{user}:{password}@{host}/{vhost}" for host in hosts
+    )
+    # or MERSAL_TRANSPORT="amqp://...;amqp://..."
+    return App("docs.orders", transport=nodes)
     # --8<-- [end:urls]
 
 
 # --8<-- [start:classic]
 def classic(url: str) -> RabbitMQTransport:
-    """Classic queues, for a development broker (quorum queues are the default)."""
-    return RabbitMQTransport(url, queue_type="classic")  # or: amqp://host/vhost?queue_type=classic
+    """Classic queues, for a development broker (quorum is the default)."""
+    # or: amqp://host/vhost?queue_type=classic
+    return RabbitMQTransport(url, queue_type="classic")
     # --8<-- [end:classic]
 
 
 # --8<-- [start:partitions]
 def partitioned(transport: str, database: str | None = None) -> App:
-    """Every instance takes part; each order's messages are handled in order by one of them."""
-    return App("docs.shipping", transport=transport, database=database, partitions=8)
+    """Every instance takes part; one handles an order's messages in order."""
+    return App(
+        "docs.shipping", transport=transport, database=database, partitions=8
+    )
     # --8<-- [end:partitions]
 
 
 async def main(url: str, dead: str) -> list[tuple[str, int]]:
-    """On `dead;url` (a node that does not answer, then one that does): keyed steps in order."""
+    """On `dead;url` (a dead node, then a live one): keyed steps in order."""
     app = partitioned(f"{dead};{url}")
     handled: list[tuple[str, int]] = []
     all_six = asyncio.Event()

@@ -1,4 +1,5 @@
-"""Handlers: a class built per message with its dependencies injected, or an async function."""
+"""Handlers: a class built per message with its dependencies injected, or an
+async function."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ audit: list[str] = []
 
 
 async def audit_price(message: PriceChanged, context: MessageContext) -> None:
-    audit.append(f"{message.sku} on attempt {context.attempt} from {context.queue}")
+    audit.append(
+        f"{message.sku} on attempt {context.attempt} from {context.queue}"
+    )
     # --8<-- [end:function]
 
 
@@ -53,7 +56,8 @@ def build_app(prices: Prices) -> App:
     container[Prices] = prices  # every handler gets this one instance
     app = App("pricing", container=container)
     app.register(PriceChanged, PriceChangedHandler)  # runs first
-    app.register(PriceChanged, audit_price)  # then this, in the same transaction
+    # then this, in the same transaction
+    app.register(PriceChanged, audit_price)
     app.route(PriceChanged, "pricing")
     return app
     # --8<-- [end:register]

@@ -23,6 +23,7 @@ class Payment(Base):
     order_id: Mapped[str] = mapped_column(String(40))
 
 
+# --8<-- [start:handler]
 @message("payments.Pay.v1")
 @dataclass
 class Pay:
@@ -35,19 +36,23 @@ class PayHandler:
 
     async def __call__(self, message: Pay) -> None:
         self.session.add(Payment(order_id=message.order_id))
+        # --8<-- [end:handler]
 
 
 async def main(database: str) -> int:
-    """Send one payment twice with one message id; return how many payments were written."""
+    """Send a payment twice with one message id; return the payments written."""
     engine = make_engine(database)
     async with engine.begin() as connection:
         await connection.run_sync(Base.metadata.create_all)
-    app = App("payments", database=database)
+    # --8<-- [start:app]
+    app = App("payments", database=database)  # its inbox table is there
     app.register(Pay, PayHandler)
     app.route(Pay, "payments")
+    # --8<-- [end:app]
     async with Harness(app) as bus:
         # --8<-- [start:twice]
-        # a producer that sends again after a lost confirm: the same message, the same id
+        # a producer that sends again after a lost confirm: the same message,
+        # the same id
         await app.send(Pay("o-1"), headers={Header.MESSAGE_ID: "pay-o-1"})
         await app.send(Pay("o-1"), headers={Header.MESSAGE_ID: "pay-o-1"})
         # the second delivery finds "pay-o-1" in the inbox: skipped, acked
@@ -55,6 +60,9 @@ async def main(database: str) -> int:
         await bus.idle()
     try:
         async with AsyncSession(engine) as session:
-            return int(await session.scalar(select(func.count()).select_from(Payment)) or 0)
+            return int(
+                await session.scalar(select(func.count()).select_from(Payment))
+                or 0
+            )
     finally:
         await engine.dispose()

@@ -1,4 +1,4 @@
-"""Messages: dataclasses, msgspec Structs and pydantic models, each with a wire name."""
+"""Messages: dataclasses, msgspec Structs and pydantic models, named."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ async def main() -> tuple[list[object], list[str]]:
         received.append(message)
 
     for cls in (PriceChanged, StockCounted, NoteAdded):
-        app.register(cls, record)  # also allows the type: only registered types decode
+        # also allows the type: only registered types decode
+        app.register(cls, record)
         app.route(cls, "catalog")
     async with Harness(app) as bus:
         await app.send(PriceChanged("p-1", 9.5))

@@ -5,8 +5,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+# --8<-- [start:imports]
 from mersal import App, MessageContext, OutgoingContext
 from mersal.pipeline import Next
+
+# --8<-- [end:imports]
 from mersal.testing import Harness
 
 
@@ -26,7 +29,8 @@ async def timed(context: MessageContext, next: Next[MessageContext]) -> None:
 
 
 async def tenant(context: OutgoingContext, next: Next[OutgoingContext]) -> None:
-    context.headers.setdefault("tenant", "acme")  # before "serialize": part of the envelope
+    # before "serialize": part of the envelope
+    context.headers.setdefault("tenant", "acme")
     await next(context)
 
 
@@ -45,7 +49,7 @@ def build_app(tenants: list[str]) -> App:
 
 
 async def main() -> tuple[list[str], list[str]]:
-    """Send one Ping; return the incoming steps' names and the tenants the handler saw."""
+    """Send a Ping; return the incoming steps' names and the tenants seen."""
     tenants: list[str] = []
     app = build_app(tenants)
     async with Harness(app) as bus:

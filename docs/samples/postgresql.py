@@ -1,4 +1,5 @@
-"""An app with its outbox and inbox on PostgreSQL; tests/docs runs it on a database of its own."""
+"""An app with its outbox and inbox on PostgreSQL; tests/docs runs it on a
+database of its own."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class ShipHandler:
 
 # --8<-- [start:app]
 def build_app(database: str) -> App:
-    """`database` is like "postgresql+asyncpg://user:password@db.internal/shipping"."""
+    """`database`: "postgresql+asyncpg://user:password@db.internal/shipping"."""
     app = App("shipping", database=database)  # or MERSAL_DATABASE
     attach(  # optional: only to change the defaults
         app,
@@ -52,7 +53,7 @@ def build_app(database: str) -> App:
 
 
 async def main(database: str) -> list[str]:
-    """Ship one order (on memory://) and return the shipments the handler wrote."""
+    """Ship one order (on memory://); return the shipments the handler wrote."""
     engine = make_engine(database)
     try:
         async with engine.begin() as connection:
@@ -62,6 +63,8 @@ async def main(database: str) -> list[str]:
             await app.send(Ship("o-1"))
             await bus.idle()
         async with AsyncSession(engine) as session:
-            return list((await session.scalars(select(Shipment.order_id))).all())
+            return list(
+                (await session.scalars(select(Shipment.order_id))).all()
+            )
     finally:
         await engine.dispose()

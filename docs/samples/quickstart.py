@@ -1,4 +1,4 @@
-"""The quick start (README.md shows the same program): an order taken and billed on memory://."""
+"""The quick start (README.md shows it too): an order taken and billed."""
 
 # --8<-- [start:program]
 import asyncio
@@ -21,11 +21,13 @@ class OrderPlaced:
 
 
 class PlaceOrderHandler:
-    def __init__(self, app: App) -> None:  # built per message, arguments injected by type
+    # built per message, arguments injected by type
+    def __init__(self, app: App) -> None:
         self.app = app
 
     async def __call__(self, order: PlaceOrder) -> None:
-        await self.app.publish(OrderPlaced(order.order_id))  # leaves once this succeeded
+        # leaves once this succeeded
+        await self.app.publish(OrderPlaced(order.order_id))
 
 
 async def main() -> list[str]:
@@ -39,7 +41,8 @@ async def main() -> list[str]:
 
     app.register(PlaceOrder, PlaceOrderHandler)  # a class (DI) ...
     app.register(OrderPlaced, bill)  # ... or an async function
-    app.route(PlaceOrder, "orders")  # app.send(PlaceOrder(...)) goes to the queue "orders"
+    # app.send(PlaceOrder(...)) goes to the queue "orders"
+    app.route(PlaceOrder, "orders")
     app.subscribe(OrderPlaced)  # published OrderPlaced events reach this app
     async with app:  # declares its queue, starts the worker; leaving drains it
         await app.send(PlaceOrder("o-1", 9.5))

@@ -1,12 +1,15 @@
-"""An app on RabbitMQ: the URL, or a RabbitMQTransport with options; tests/docs runs it."""
+"""An app on RabbitMQ: the URL, or a RabbitMQTransport with options."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 
+# --8<-- [start:imports]
 from mersal import App, RetryPolicy, message
 from mersal_rabbitmq import RabbitMQTransport
+
+# --8<-- [end:imports]
 
 
 @message("docs.rabbitmq.Ping.v1")
@@ -24,12 +27,13 @@ def build_app(url: str) -> App:
         publish_timeout=10.0,  # seconds for a publish and its confirm
     )
     retry = RetryPolicy(error_queue="docs.pings.error")
-    return App("docs.pings", transport=transport, retry=retry)  # or transport=url
+    # or transport=url
+    return App("docs.pings", transport=transport, retry=retry)
     # --8<-- [end:app]
 
 
 async def main(url: str) -> list[int]:
-    """Send three pings through RabbitMQ and return what the handler received."""
+    """Send three pings through RabbitMQ; return what the handler received."""
     app = build_app(url)
     received: list[int] = []
     done = asyncio.Event()
@@ -41,7 +45,9 @@ async def main(url: str) -> list[int]:
 
     app.register(Ping, pong)
     app.route(Ping, app.name)
-    async with app:  # declares "docs.pings" (quorum) and "docs.pings.error" (durable)
+    async with (
+        app
+    ):  # declares "docs.pings" (quorum) and "docs.pings.error" (durable)
         for n in range(3):
             await app.send(Ping(n))  # returns once RabbitMQ confirmed it
         await asyncio.wait_for(done.wait(), timeout=10)

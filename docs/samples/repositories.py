@@ -1,4 +1,4 @@
-"""A repository behind an interface, built per message on the message's session (SQLite)."""
+"""A repository behind an interface, built per message on its session."""
 
 from __future__ import annotations
 
@@ -65,9 +65,11 @@ class ChangeEmailHandler:
 
 def build_app(database: str) -> App:
     container = Container()
-    # resolved per message, in the message's scope, where AsyncSession is the message's session
-    # (mypy wants a concrete class as the key, hence the ignore)
-    container[Customers] = lambda scope: SqlCustomers(scope[AsyncSession])  # type: ignore[type-abstract]
+    # resolved per message, in the message's scope, where AsyncSession is the
+    # message's session (mypy wants a concrete class as the key: the ignore)
+    container[Customers] = (  # type: ignore[type-abstract]
+        lambda scope: SqlCustomers(scope[AsyncSession])
+    )
     app = App("crm", database=database, container=container)
     app.register(ChangeEmail, ChangeEmailHandler)
     app.route(ChangeEmail, "crm")
@@ -89,7 +91,9 @@ async def main(database: str) -> list[tuple[str, str]]:
             await app.send(ChangeEmail("c-2", "alan@example.com"))
             await bus.idle()
         async with AsyncSession(engine) as session:
-            rows = await session.execute(select(Customer.customer_id, Customer.email))
+            rows = await session.execute(
+                select(Customer.customer_id, Customer.email)
+            )
             return sorted((row.customer_id, row.email) for row in rows)
     finally:
         await engine.dispose()

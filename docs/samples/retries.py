@@ -1,4 +1,4 @@
-"""Retries and dead letters: immediate retries, delayed retries, then the error queue."""
+"""Retries and dead letters: immediate, then delayed, then the error queue."""
 
 from __future__ import annotations
 
@@ -27,8 +27,10 @@ class InvalidAmount(Exception):
 def build_app() -> App:
     retry = RetryPolicy(
         immediate=1,  # one more attempt at once, in the process
-        delayed=[0.05, 0.1],  # then one attempt after each delay, through the broker
-        error_queue="payments.error",  # then here, with the reason in its headers
+        # then one attempt after each delay, through the broker
+        delayed=[0.05, 0.1],
+        # then here, with the reason in its headers
+        error_queue="payments.error",
         fail_fast=(InvalidAmount,),  # straight to the error queue, no retries
     )
     app = App("payments", retry=retry)

@@ -1,4 +1,5 @@
-"""Sagas: an invoice chased until it is paid, and a batch counted in from many messages."""
+"""Sagas: an invoice chased until it is paid, and a batch counted from many
+messages."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ class InvoiceIssued:
 @message("bank.PaymentReceived.v1")
 @dataclass
 class PaymentReceived:
-    reference: str  # what the customer wrote on the transfer: "INV-<invoice id>"
+    reference: (
+        str  # what the customer wrote on the transfer: "INV-<invoice id>"
+    )
     amount: float
 
 
@@ -59,7 +62,8 @@ class UnmatchedPayment(Exception):
 
 # --8<-- [start:saga]
 @dataclass
-class Invoice:  # the saga's data: a dataclass, a pydantic model or a msgspec Struct
+# the saga's data: a dataclass, a pydantic model or a msgspec Struct
+class Invoice:
     invoice_id: str
     customer: str
     amount: float
@@ -72,13 +76,16 @@ class InvoiceCollection(Saga[Invoice], name="billing.InvoiceCollection"):
     correlation = {
         InvoiceIssued: "invoice_id",  # an attribute of the message
         InvoiceCancelled: "invoice_id",
-        PaymentReceived: lambda payment: payment.reference.removeprefix("INV-"),  # a function
+        # a function
+        PaymentReceived: lambda paid: paid.reference.removeprefix("INV-"),
     }
 
-    def __init__(self, app: App) -> None:  # injected like a handler class's arguments
+    # injected like a handler class's arguments
+    def __init__(self, app: App) -> None:
         self.app = app
 
-    def new_data(self, message: InvoiceIssued) -> Invoice:  # Invoice has required fields
+    # Invoice has required fields
+    def new_data(self, message: InvoiceIssued) -> Invoice:
         return Invoice(message.invoice_id, message.customer, message.amount)
 
     async def issued(self, event: InvoiceIssued) -> None:
@@ -87,7 +94,8 @@ class InvoiceCollection(Saga[Invoice], name="billing.InvoiceCollection"):
     async def paid(self, event: PaymentReceived) -> None:
         self.data.paid += event.amount
         if self.data.paid >= self.data.amount:
-            self.mark_complete()  # the saga's row is deleted when this message commits
+            # the saga's row is deleted when this message commits
+            self.mark_complete()
 
     async def cancelled(self, event: InvoiceCancelled) -> None:
         self.mark_complete()
@@ -99,23 +107,33 @@ class InvoiceCollection(Saga[Invoice], name="billing.InvoiceCollection"):
             return
         self.data.reminders = timeout.reminder
         await self.app.publish(
-            ReminderDue(self.data.invoice_id, self.data.customer, timeout.reminder)
+            ReminderDue(
+                self.data.invoice_id, self.data.customer, timeout.reminder
+            )
         )
-        await self.request_timeout(timedelta(days=7), PaymentDue(timeout.reminder + 1))
+        await self.request_timeout(
+            timedelta(days=7), PaymentDue(timeout.reminder + 1)
+        )
         # --8<-- [end:saga]
 
     # --8<-- [start:not_found]
     async def not_found(self, message: object) -> None:
-        if isinstance(message, PaymentReceived):  # paid twice, paid after a cancel, a typo
-            raise UnmatchedPayment(f"no open invoice for payment {message.reference!r}")
-        await super().not_found(message)  # anything else: logged at INFO and acknowledged
+        if isinstance(
+            message, PaymentReceived
+        ):  # paid twice, paid after a cancel, a typo
+            raise UnmatchedPayment(
+                f"no open invoice for payment {message.reference!r}"
+            )
+        # anything else: logged at INFO and acknowledged
+        await super().not_found(message)
         # --8<-- [end:not_found]
 
 
 # --8<-- [start:app]
 def billing_app() -> App:
     app = App("billing", retry=RetryPolicy(immediate=1, delayed=[0.01]))
-    app.register_saga(InvoiceCollection)  # registers the message types and their handler
+    # registers the message types and their handler
+    app.register_saga(InvoiceCollection)
     app.subscribe(InvoiceIssued)  # routes and subscriptions as for any handler
     app.subscribe(InvoiceCancelled)
     app.subscribe(PaymentReceived)
@@ -130,44 +148,58 @@ async def test_an_unpaid_invoice_is_reminded_three_times_then_overdue() -> None:
     async with Harness(app) as bus:
         await app.publish(InvoiceIssued("i-1", "ada@example.org", 90.0))
         await app.publish(InvoiceIssued("i-2", "alan@example.org", 40.0))
-        await bus.idle(include_delayed=False)  # the 14-day timeouts wait in the broker
+        # the 14-day timeouts wait in the broker
+        await bus.idle(include_delayed=False)
         await app.publish(PaymentReceived("INV-i-2", 40.0))
         await bus.idle(include_delayed=False)
 
         assert await bus.saga_data(InvoiceCollection, "i-1") == Invoice(
             "i-1", "ada@example.org", 90.0
         )
-        assert await bus.saga_data(InvoiceCollection, "i-2") is None  # paid: complete
+        # paid: complete
+        assert await bus.saga_data(InvoiceCollection, "i-2") is None
 
-        assert bus.deliver_delayed() == 2  # both 14-day timeouts, now; i-2's is ignored
+        # both 14-day timeouts, now; i-2's is ignored
+        assert bus.deliver_delayed() == 2
         await bus.idle(include_delayed=False)
         while bus.deliver_delayed():  # each reminder asked for the next one
             await bus.idle(include_delayed=False)
 
-    assert [event.reminder for event in bus.published_of(ReminderDue)] == [1, 2, 3]
+    assert [event.reminder for event in bus.published_of(ReminderDue)] == [
+        1,
+        2,
+        3,
+    ]
     assert bus.published_of(InvoiceOverdue) == [InvoiceOverdue("i-1")]
-    assert await app.saga_data(InvoiceCollection, "i-1") is None  # overdue: complete
+    # overdue: complete
+    assert await app.saga_data(InvoiceCollection, "i-1") is None
     # --8<-- [end:test]
 
 
 async def main() -> tuple[Invoice | None, list[DeadLetter]]:
-    """Part-pay one invoice, cancel another, pay a third twice; return what is left.
+    """Part-pay an invoice, cancel one, pay a third twice; return what is left.
 
-    Returns the part-paid invoice's data and the dead letters (the second payment's).
+    Returns the part-paid invoice's data and the dead letters (the second
+    payment's).
     """
     app = billing_app()
     async with Harness(app) as bus:
         for invoice_id in ("i-1", "i-2", "i-3"):
-            await app.publish(InvoiceIssued(invoice_id, "ada@example.org", 50.0))
+            await app.publish(
+                InvoiceIssued(invoice_id, "ada@example.org", 50.0)
+            )
         await bus.idle(include_delayed=False)
         await app.publish(PaymentReceived("INV-i-1", 20.0))
         await app.publish(InvoiceCancelled("i-2"))
         await app.publish(PaymentReceived("INV-i-3", 50.0))
         await bus.idle(include_delayed=False)
-        await app.publish(PaymentReceived("INV-i-3", 50.0))  # again: no open invoice now
+        # again: no open invoice now
+        await app.publish(PaymentReceived("INV-i-3", 50.0))
         await app.publish(InvoiceCancelled("i-3"))  # too late: ignored
         await bus.idle(include_delayed=False)
-        while bus.deliver_delayed(within=1.0):  # the quick retries, not the timeouts
+        while bus.deliver_delayed(
+            within=1.0
+        ):  # the quick retries, not the timeouts
             await bus.idle(include_delayed=False)
         left = await bus.saga_data(InvoiceCollection, "i-1")
         return left, bus.dead_lettered
@@ -224,15 +256,18 @@ class BatchProgress(Saga[Batch], name="imports.BatchProgress"):
 
 def imports_app(database: str | None = None) -> App:
     app = App("imports", database=database)
-    app.register_saga(BatchProgress, pessimistic=True)  # many messages at once for one saga
+    # many messages at once for one saga
+    app.register_saga(BatchProgress, pessimistic=True)
     app.subscribe(BatchStarted)
     app.subscribe(RowImported)
     return app
     # --8<-- [end:hot]
 
 
-async def import_batch(rows: int, database: str | None = None) -> list[BatchImported]:
-    """Publish a batch's rows and its start together; return the BatchImported events."""
+async def import_batch(
+    rows: int, database: str | None = None
+) -> list[BatchImported]:
+    """Publish a batch's rows and its start together; return BatchImported."""
     app = imports_app(database)
     async with Harness(app) as bus:
         for row in range(rows):

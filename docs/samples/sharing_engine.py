@@ -1,4 +1,5 @@
-"""One engine for your code and the app's outbox: one pool, one database transaction (SQLite)."""
+"""One engine for your code and the app's outbox: one pool, one database
+transaction (SQLite)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class Welcome:
 
 
 async def main(database: str) -> tuple[bool, list[str], list[str]]:
-    """Sign one user up; return whether the outbox used our engine, the rows and the mails."""
+    """Sign a user up; return: the outbox used our engine?, rows, mails."""
     welcomed: list[str] = []
     mailer = App("mailer")
 
@@ -42,8 +43,10 @@ async def main(database: str) -> tuple[bool, list[str], list[str]]:
     engine = make_engine(database)  # the one engine (and pool) of this process
     app = App("signup", consume=False)  # a send-only front end
     app.route(Welcome, "mailer")
-    storage = attach(app, engine=engine)  # the outbox and its relay use that engine
-    sessions = async_sessionmaker(engine, expire_on_commit=False)  # what your code uses
+    # the outbox and its relay use that engine
+    storage = attach(app, engine=engine)
+    # what your code uses
+    sessions = async_sessionmaker(engine, expire_on_commit=False)
     # --8<-- [end:share]
     async with engine.begin() as connection:
         await connection.run_sync(Base.metadata.create_all)
@@ -52,13 +55,19 @@ async def main(database: str) -> tuple[bool, list[str], list[str]]:
             # --8<-- [start:use]
             async with sessions() as session, app.transaction(session):
                 session.add(Signup(email="ada@example.com"))
-                await app.send(Welcome("ada@example.com"))  # an outbox row in this transaction
+                # an outbox row in this transaction
+                await app.send(Welcome("ada@example.com"))
             # --8<-- [end:use]
             await bus.idle()
         async with sessions() as session:
             rows = list((await session.scalars(select(Signup.email))).all())
-        return isinstance(storage, SqlStorage) and storage.engine is engine, rows, welcomed
+        return (
+            isinstance(storage, SqlStorage) and storage.engine is engine,
+            rows,
+            welcomed,
+        )
     finally:
         # --8<-- [start:dispose]
-        await engine.dispose()  # yours to dispose of: attach(engine=...) leaves it open
+        # yours to dispose of: attach(engine=...) leaves it open
+        await engine.dispose()
         # --8<-- [end:dispose]

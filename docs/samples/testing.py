@@ -27,7 +27,8 @@ class PaymentDeclined(Exception):
 
 
 def build_app() -> App:
-    app = App("orders", retry=RetryPolicy(immediate=1, delayed=[0.01]))  # quick retries
+    # quick retries
+    app = App("orders", retry=RetryPolicy(immediate=1, delayed=[0.01]))
 
     async def place(message: PlaceOrder) -> None:
         if message.amount <= 0:
@@ -41,14 +42,22 @@ def build_app() -> App:
 
 async def test_a_declined_order_is_dead_lettered_after_three_attempts() -> None:
     app = build_app()
-    async with Harness(app) as bus:  # a private memory:// broker, whatever the app's transport
+    async with Harness(
+        app
+    ) as bus:  # a private memory:// broker, whatever the app's transport
         await app.send(PlaceOrder("o-1", 9.5))
         await app.send(PlaceOrder("o-2", 0))
-        await bus.idle()  # until nothing is queued, in flight, delayed or in an outbox
+        # until nothing is queued, in flight, delayed or in an outbox
+        await bus.idle()
     assert bus.published_of(OrderPlaced) == [OrderPlaced("o-1")]
     assert bus.dead_lettered_of(PlaceOrder) == [PlaceOrder("o-2", 0)]
     [dead] = bus.dead_lettered
-    assert (dead.address, dead.attempts, dead.source_queue) == ("error", 3, "orders")
+    assert (dead.address, dead.attempts, dead.source_queue) == (
+        "error",
+        3,
+        "orders",
+    )
     assert dead.error_type.endswith("PaymentDeclined")
-    assert len(bus.retried) == 1  # the one delayed retry went through the broker
+    # the one delayed retry went through the broker
+    assert len(bus.retried) == 1
     # --8<-- [end:test]

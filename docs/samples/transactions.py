@@ -1,4 +1,5 @@
-"""Transactions and the outbox on SQLite: a handler's rows and sends commit together."""
+"""Transactions and the outbox on SQLite: a handler's rows and sends commit
+together."""
 
 from __future__ import annotations
 
@@ -45,21 +46,26 @@ class OrderPlaced:
 
 # --8<-- [start:handler]
 class PlaceOrderHandler:
-    def __init__(self, app: App, session: AsyncSession) -> None:  # the message's session
+    # the message's session
+    def __init__(self, app: App, session: AsyncSession) -> None:
         self.app = app
         self.session = session
 
     async def __call__(self, message: PlaceOrder) -> None:
-        self.session.add(Order(order_id=message.order_id, amount=message.amount))
+        self.session.add(
+            Order(order_id=message.order_id, amount=message.amount)
+        )
         await self.app.publish(OrderPlaced(message.order_id))  # an outbox row
-        # Mersal commits the session after the handlers: order, outbox row and inbox row
+        # Mersal commits the session after the handlers: order, outbox row and
+        # inbox row
         # --8<-- [end:handler]
 
 
 # --8<-- [start:app]
 def build_app(engine: AsyncEngine) -> App:
     app = App("orders")
-    attach(app, engine=engine)  # or App("orders", database="sqlite+aiosqlite:///shop.db")
+    # or App("orders", database="sqlite+aiosqlite:///shop.db")
+    attach(app, engine=engine)
     app.register(PlaceOrder, PlaceOrderHandler)
     app.route(PlaceOrder, "orders")
     return app
@@ -67,7 +73,9 @@ def build_app(engine: AsyncEngine) -> App:
 
 
 # --8<-- [start:outside]
-async def check_out(app: App, engine: AsyncEngine, cart_id: str, amount: float) -> None:
+async def check_out(
+    app: App, engine: AsyncEngine, cart_id: str, amount: float
+) -> None:
     async with AsyncSession(engine) as session, app.transaction(session):
         session.add(Cart(cart_id=cart_id))
         await app.send(PlaceOrder(cart_id, amount))
@@ -81,7 +89,7 @@ class OutOfStock(Exception):
 
 
 async def main(database: str) -> tuple[list[str], list[str], list[OrderPlaced]]:
-    """Check out one cart and fail to check out another; return carts, orders and events."""
+    """Check out a cart, fail another; return carts, orders, events."""
     engine = make_engine(database)
     async with engine.begin() as connection:
         await connection.run_sync(Base.metadata.create_all)
@@ -91,10 +99,14 @@ async def main(database: str) -> tuple[list[str], list[str], list[OrderPlaced]]:
             await check_out(app, engine, "c-1", 9.5)
             try:
                 # --8<-- [start:failure]
-                async with AsyncSession(engine) as session, app.transaction(session):
+                async with (
+                    AsyncSession(engine) as session,
+                    app.transaction(session),
+                ):
                     session.add(Cart(cart_id="c-2"))
                     await app.send(PlaceOrder("c-2", 20.0))
-                    raise OutOfStock("c-2")  # rolled back: no cart row, no PlaceOrder
+                    # rolled back: no cart row, no PlaceOrder
+                    raise OutOfStock("c-2")
                 # --8<-- [end:failure]
             except OutOfStock:
                 pass

@@ -36,10 +36,11 @@ class UnknownOrder(Exception):
 
 # --8<-- [start:repository]
 class Orders:
-    """The orders repository: reads and writes through the session it was built with.
+    """The orders repository: reads and writes through its session.
 
-    The web layer builds it on the request's session; in the worker, Mersal builds it for each
-    message on the message's session, so its writes commit with the message's inbox row.
+    The web layer builds it on the request's session; in the worker, Mersal
+    builds it for each message on the message's session, so its writes commit
+    with the message's inbox row.
     """
 
     def __init__(self, session: AsyncSession) -> None:

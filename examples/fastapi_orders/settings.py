@@ -18,4 +18,7 @@ def transport() -> str:
 
 def database() -> str:
     """The database URL: MERSAL_DATABASE, else a PostgreSQL database `shop` on this machine."""
-    return os.environ.get("MERSAL_DATABASE") or "postgresql+asyncpg://postgres@127.0.0.1/shop"
+    return (
+        os.environ.get("MERSAL_DATABASE")
+        or "postgresql+asyncpg://postgres@127.0.0.1/shop"
+    )

@@ -35,21 +35,31 @@ class Shop:
 
 
 # --8<-- [start:lifespan]
-def create_api(*, transport: str | None = None, database: str | None = None) -> FastAPI:
+def create_api(
+    *, transport: str | None = None, database: str | None = None
+) -> FastAPI:
     """The web app (the settings' broker and database unless given others)."""
     engine = make_engine(database or settings.database())  # the one pool
-    bus = App(WEB_APP, transport=transport or settings.transport(), consume=False)
+    bus = App(
+        WEB_APP, transport=transport or settings.transport(), consume=False
+    )
     bus.route(PlaceOrder, settings.ORDERS_QUEUE)
-    attach(bus, engine=engine)  # the outbox and its relay use the web layer's engine
+    # the outbox and its relay use the web layer's engine
+    attach(bus, engine=engine)
 
     @asynccontextmanager
     async def lifespan(api: FastAPI) -> AsyncIterator[None]:
-        api.state.shop = Shop(bus, async_sessionmaker(engine, expire_on_commit=False))
+        api.state.shop = Shop(
+            bus, async_sessionmaker(engine, expire_on_commit=False)
+        )
         try:
-            async with bus:  # starts the relay; leaving sends what waits, then stops
+            async with (
+                bus
+            ):  # starts the relay; leaving sends what waits, then stops
                 yield
         finally:
-            await engine.dispose()  # ours: attach(engine=...) leaves it to its owner
+            # ours: attach(engine=...) leaves it to its owner
+            await engine.dispose()
 
     api = FastAPI(title="shop", lifespan=lifespan)
     api.include_router(router)
@@ -63,7 +73,9 @@ def get_shop(request: Request) -> Shop:
     return cast(Shop, request.app.state.shop)
 
 
-async def get_session(shop: Annotated[Shop, Depends(get_shop)]) -> AsyncIterator[AsyncSession]:
+async def get_session(
+    shop: Annotated[Shop, Depends(get_shop)],
+) -> AsyncIterator[AsyncSession]:
     """A session on the bus's engine, for one request."""
     async with shop.sessions() as session:
         yield session
@@ -96,7 +108,9 @@ class OrderView(BaseModel):
     @classmethod
     def of(cls, order: Order) -> OrderView:
         """The view of a stored order."""
-        return cls(order_id=order.order_id, amount=order.amount, status=order.status)
+        return cls(
+            order_id=order.order_id, amount=order.amount, status=order.status
+        )
 
 
 router = APIRouter()
@@ -104,14 +118,21 @@ router = APIRouter()
 
 # --8<-- [start:endpoint]
 @router.post("/orders", status_code=202)
-async def place_order(body: OrderRequest, session: DbSession, bus: Bus) -> OrderView:
-    """Take an order: its row and its PlaceOrder command commit together, or neither does."""
+async def place_order(
+    body: OrderRequest, session: DbSession, bus: Bus
+) -> OrderView:
+    """Take an order: its row and its PlaceOrder commit together, or neither."""
     try:
-        async with bus.transaction(session):  # commits the session on a clean exit
+        async with bus.transaction(
+            session
+        ):  # commits the session on a clean exit
             order = Orders(session).add(body.order_id, body.amount)
-            await bus.send(PlaceOrder(body.order_id, body.amount))  # an outbox row
+            # an outbox row
+            await bus.send(PlaceOrder(body.order_id, body.amount))
     except IntegrityError:  # rolled back: no row, nothing sent
-        raise HTTPException(409, f"order {body.order_id!r} exists already") from None
+        raise HTTPException(
+            409, f"order {body.order_id!r} exists already"
+        ) from None
     return OrderView.of(order)
     # --8<-- [end:endpoint]
 

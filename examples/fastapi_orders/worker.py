@@ -10,7 +10,7 @@ from mersal import App, RetryPolicy
 
 # --8<-- [start:handler]
 class PlaceOrderHandler:
-    """Bills an order through the repository, which Mersal builds on the message's session."""
+    """Bills an order through the repository, built on the message's session."""
 
     def __init__(self, orders: Orders) -> None:
         self.orders = orders
@@ -20,14 +20,19 @@ class PlaceOrderHandler:
         # --8<-- [end:handler]
 
 
-def create_app(*, transport: str | None = None, database: str | None = None) -> App:
-    """The worker app (the settings' broker and database unless given others)."""
+def create_app(
+    *, transport: str | None = None, database: str | None = None
+) -> App:
+    """The worker app, on the settings' broker and database unless given."""
     app = App(
         settings.ORDERS_QUEUE,
         transport=transport or settings.transport(),
         database=database or settings.database(),
-        retry=RetryPolicy(immediate=2, delayed=[1.0, 10.0], error_queue=settings.ORDERS_ERRORS),
+        retry=RetryPolicy(
+            immediate=2, delayed=[1.0, 10.0], error_queue=settings.ORDERS_ERRORS
+        ),
     )
     app.register(PlaceOrder, PlaceOrderHandler)
-    app.route(PlaceOrder, app.name)  # the web app sends them here: say so (no start warning)
+    # the web app sends them here: say so (no start warning)
+    app.route(PlaceOrder, app.name)
     return app

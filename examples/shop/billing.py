@@ -20,9 +20,13 @@ class Charge:
 
     async def __call__(self, command: ChargeOrder) -> None:
         # a real service would call its payment provider here, the order id as idempotency key
-        payment = Payment(order_id=command.order_id, amount=command.amount, status="charged")
+        payment = Payment(
+            order_id=command.order_id, amount=command.amount, status="charged"
+        )
         self.session.add(payment)
-        await self.app.publish(PaymentReceived(command.order_id, command.amount))
+        await self.app.publish(
+            PaymentReceived(command.order_id, command.amount)
+        )
 
 
 class Refund:
@@ -45,7 +49,9 @@ def create_app(settings: Settings | None = None) -> App:
     app = App(BILLING, transport=settings.transport, database=settings.database)
     app.register(ChargeOrder, Charge)
     app.register(RefundPayment, Refund)
-    app.route(ChargeOrder, BILLING)  # the orders service sends them here: say so
+    app.route(
+        ChargeOrder, BILLING
+    )  # the orders service sends them here: say so
     app.route(RefundPayment, BILLING)
     return app
     # --8<-- [end:app]

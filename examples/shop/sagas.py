@@ -49,7 +49,9 @@ class OrderPayment(Saga[Checkout], name="shop.OrderPayment"):
         """Ask billing to charge the order, and start the payment window."""
         self.data = Checkout(event.order_id, event.amount)
         await self.app.send(ChargeOrder(event.order_id, event.amount))
-        await self.request_timeout(self.settings.payment_window, PaymentOverdue(event.order_id))
+        await self.request_timeout(
+            self.settings.payment_window, PaymentOverdue(event.order_id)
+        )
 
     async def paid(self, event: PaymentReceived) -> None:
         """The payment came in time: the order is paid."""
@@ -59,7 +61,9 @@ class OrderPayment(Saga[Checkout], name="shop.OrderPayment"):
     async def overdue(self, timeout: PaymentOverdue) -> None:
         """The window ended first: cancel the order (a paid order has completed the saga)."""
         await self.orders.set_status(self.data.order_id, "cancelled")
-        await self.app.publish(OrderCancelled(self.data.order_id, "not paid in time"))
+        await self.app.publish(
+            OrderCancelled(self.data.order_id, "not paid in time")
+        )
         self.mark_complete()
 
     async def not_found(self, message: object) -> None:

@@ -26,13 +26,19 @@ class Settings:
     """Seconds the web service waits for the broker and the database at start."""
 
     @classmethod
-    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> Settings:
+    def from_environment(
+        cls, environ: Mapping[str, str] = os.environ
+    ) -> Settings:
         """MERSAL_TRANSPORT, MERSAL_DATABASE, SHOP_PAYMENT_WINDOW, SHOP_START_WAIT, or defaults."""
         defaults = cls()
         return cls(
             transport=environ.get("MERSAL_TRANSPORT") or defaults.transport,
             database=environ.get("MERSAL_DATABASE") or defaults.database,
-            payment_window=float(environ.get("SHOP_PAYMENT_WINDOW") or defaults.payment_window),
-            start_wait=float(environ.get("SHOP_START_WAIT") or defaults.start_wait),
+            payment_window=float(
+                environ.get("SHOP_PAYMENT_WINDOW") or defaults.payment_window
+            ),
+            start_wait=float(
+                environ.get("SHOP_START_WAIT") or defaults.start_wait
+            ),
         )
         # --8<-- [end:settings]

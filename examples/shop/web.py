@@ -19,7 +19,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from examples.shop.db import Order, Orders
-from examples.shop.messages import ChargeOrder, OrderPlaced, PaymentReceived, RefundPayment
+from examples.shop.messages import (
+    ChargeOrder,
+    OrderPlaced,
+    PaymentReceived,
+    RefundPayment,
+)
 from examples.shop.sagas import OrderPayment
 from examples.shop.settings import BILLING, ORDERS, Settings
 from mersal import App
@@ -39,17 +44,26 @@ class Shop:
 
 def create_shop(settings: Settings) -> Shop:
     """The orders service's app: it publishes OrderPlaced and runs the payment saga."""
-    engine = make_engine(settings.database)  # one pool for the requests and the app
+    engine = make_engine(
+        settings.database
+    )  # one pool for the requests and the app
     container = Container()
     container[Settings] = settings  # the saga asks for it
     bus = App(ORDERS, transport=settings.transport, container=container)
-    attach(bus, engine=engine)  # the outbox, the inbox and the sagas use the web's engine
+    attach(
+        bus, engine=engine
+    )  # the outbox, the inbox and the sagas use the web's engine
     bus.register_saga(OrderPayment)
     bus.subscribe(OrderPlaced)  # its own event starts the saga
     bus.subscribe(PaymentReceived)  # billing's event
     bus.route(ChargeOrder, BILLING)
     bus.route(RefundPayment, BILLING)
-    return Shop(bus, engine, async_sessionmaker(engine, expire_on_commit=False), settings)
+    return Shop(
+        bus,
+        engine,
+        async_sessionmaker(engine, expire_on_commit=False),
+        settings,
+    )
     # --8<-- [end:shop]
 
 
@@ -65,7 +79,9 @@ def create_api(shop: Shop | None = None) -> FastAPI:
         try:
             yield
         finally:
-            await shop.bus.stop()  # finishes the messages in hand, sends what the outbox holds
+            await (
+                shop.bus.stop()
+            )  # finishes the messages in hand, sends what the outbox holds
             await shop.engine.dispose()
 
     api = FastAPI(title="shop", lifespan=lifespan)
@@ -80,7 +96,9 @@ def get_shop(request: Request) -> Shop:
     return cast(Shop, request.app.state.shop)
 
 
-async def get_session(shop: Annotated[Shop, Depends(get_shop)]) -> AsyncIterator[AsyncSession]:
+async def get_session(
+    shop: Annotated[Shop, Depends(get_shop)],
+) -> AsyncIterator[AsyncSession]:
     """A session on the shop's engine, for one request."""
     async with shop.sessions() as session:
         yield session
@@ -107,28 +125,38 @@ class OrderView(BaseModel):
     @classmethod
     def of(cls, order: Order) -> OrderView:
         """The view of a stored order."""
-        return cls(order_id=order.order_id, amount=order.amount, status=order.status)
+        return cls(
+            order_id=order.order_id, amount=order.amount, status=order.status
+        )
 
 
 router = APIRouter()
 
 
 # --8<-- [start:endpoints]
-async def take_order(bus: App, session: AsyncSession, order_id: str, amount: float) -> Order:
+async def take_order(
+    bus: App, session: AsyncSession, order_id: str, amount: float
+) -> Order:
     """Write the order and publish OrderPlaced in one transaction (commits the session)."""
     async with bus.transaction(session):
         order = Orders(session).add(order_id, amount)
-        await bus.publish(OrderPlaced(order_id, amount))  # an outbox row, sent after commit
+        await bus.publish(
+            OrderPlaced(order_id, amount)
+        )  # an outbox row, sent after commit
     return order
 
 
 @router.post("/orders", status_code=202)
-async def place_order(body: OrderRequest, shop: ShopDep, session: DbSession) -> OrderView:
+async def place_order(
+    body: OrderRequest, shop: ShopDep, session: DbSession
+) -> OrderView:
     """Take an order; the saga charges it."""
     try:
         order = await take_order(shop.bus, session, body.order_id, body.amount)
     except IntegrityError:  # rolled back: no row, nothing sent
-        raise HTTPException(409, f"order {body.order_id!r} exists already") from None
+        raise HTTPException(
+            409, f"order {body.order_id!r} exists already"
+        ) from None
     return OrderView.of(order)
 
 

@@ -1,4 +1,4 @@
-"""Your Alembic project's env.py (async engine), with Mersal's tables left to Mersal."""
+"""Your Alembic project's env.py (async engine): Mersal's tables left alone."""
 
 import asyncio
 
@@ -18,7 +18,8 @@ def run_migrations_offline() -> None:
     context.configure(
         url=config.get_main_option("sqlalchemy.url"),
         target_metadata=target_metadata,
-        include_object=include_object,  # autogenerate leaves Mersal's tables alone
+        # autogenerate leaves Mersal's tables alone
+        include_object=include_object,
         literal_binds=True,
     )
     with context.begin_transaction():
@@ -30,7 +31,8 @@ def run_on(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
-        include_object=include_object,  # autogenerate leaves Mersal's tables alone
+        # autogenerate leaves Mersal's tables alone
+        include_object=include_object,
     )
     with context.begin_transaction():
         context.run_migrations()
