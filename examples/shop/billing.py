@@ -12,14 +12,16 @@ from mersal import App
 
 # --8<-- [start:handlers]
 class Charge:
-    """Charges an order and says so: the payment row and the event commit together."""
+    """Charges an order and says so: payment row and event commit together."""
 
     def __init__(self, app: App, session: AsyncSession) -> None:
         self.app = app
-        self.session = session  # the message's session: Mersal commits it with the inbox row
+        # the message's session: Mersal commits it with the inbox row
+        self.session = session
 
     async def __call__(self, command: ChargeOrder) -> None:
-        # a real service would call its payment provider here, the order id as idempotency key
+        # a real service would call its payment provider here, with the order id
+        # as idempotency key
         payment = Payment(
             order_id=command.order_id, amount=command.amount, status="charged"
         )
@@ -49,9 +51,8 @@ def create_app(settings: Settings | None = None) -> App:
     app = App(BILLING, transport=settings.transport, database=settings.database)
     app.register(ChargeOrder, Charge)
     app.register(RefundPayment, Refund)
-    app.route(
-        ChargeOrder, BILLING
-    )  # the orders service sends them here: say so
+    # the orders service sends them here: say so
+    app.route(ChargeOrder, BILLING)
     app.route(RefundPayment, BILLING)
     return app
     # --8<-- [end:app]

@@ -1,7 +1,8 @@
-"""The shop's tables and repositories; `python -m examples.shop.db` creates the tables.
+"""The shop's tables and repositories; `python -m examples.shop.db` makes them.
 
-Both services use one database here, to keep the tutorial short; each has tables of its own
-(and Mersal keeps each app's outbox rows, inbox rows and sagas apart by the app's name).
+Both services use one database here, to keep the tutorial short; each has tables
+of its own (and Mersal keeps each app's outbox rows, inbox rows and sagas apart
+by the app's name).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class Base(DeclarativeBase):
 
 
 class Order(Base):
-    """An order: "placed", then "paid" or "cancelled" (the orders service's table)."""
+    """An order: "placed", then "paid" or "cancelled" (the orders' table)."""
 
     __tablename__ = "shop_orders"
 
@@ -32,7 +33,7 @@ class Order(Base):
 
 
 class Payment(Base):
-    """A charge for an order: "charged", then perhaps "refunded" (billing's table)."""
+    """A charge for an order: "charged", maybe "refunded" (billing's table)."""
 
     __tablename__ = "shop_payments"
 
@@ -48,7 +49,7 @@ class UnknownOrder(Exception):
 
 # --8<-- [start:orders]
 class Orders:
-    """The orders repository: reads and writes through the session it was built with."""
+    """The orders repository, on the session it was built with."""
 
     def __init__(self, session: AsyncSession) -> None:
         self.session = session

@@ -38,7 +38,7 @@ class PaymentReceived:
 @message("shop.RefundPayment.v1")
 @dataclass
 class RefundPayment:
-    """Give a payment back: its order was cancelled before it came (a command, to billing)."""
+    """Give back a payment whose order was cancelled (a command, to billing)."""
 
     order_id: str
     amount: float

@@ -1,4 +1,4 @@
-"""The payment saga: charge an order, mark it paid, or cancel it when its payment window ends."""
+"""The payment saga: charge an order, mark it paid, or cancel it when late."""
 
 from __future__ import annotations
 
@@ -35,14 +35,15 @@ class Checkout:
 
 
 class OrderPayment(Saga[Checkout], name="shop.OrderPayment"):
-    """Charges an order; marks it paid when the payment comes, cancels it if it does not."""
+    """Charges an order; marks it paid when paid in time, else cancels it."""
 
     started_by = (OrderPlaced,)
     correlation = {OrderPlaced: "order_id", PaymentReceived: "order_id"}
 
     def __init__(self, app: App, orders: Orders, settings: Settings) -> None:
         self.app = app
-        self.orders = orders  # built on the message's session: its writes commit with the saga
+        # built on the message's session: its writes commit with the saga
+        self.orders = orders
         self.settings = settings
 
     async def placed(self, event: OrderPlaced) -> None:
@@ -59,7 +60,7 @@ class OrderPayment(Saga[Checkout], name="shop.OrderPayment"):
         self.mark_complete()
 
     async def overdue(self, timeout: PaymentOverdue) -> None:
-        """The window ended first: cancel the order (a paid order has completed the saga)."""
+        """The window ended first: cancel the order (a paid one is complete)."""
         await self.orders.set_status(self.data.order_id, "cancelled")
         await self.app.publish(
             OrderCancelled(self.data.order_id, "not paid in time")
@@ -67,7 +68,7 @@ class OrderPayment(Saga[Checkout], name="shop.OrderPayment"):
         self.mark_complete()
 
     async def not_found(self, message: object) -> None:
-        """A payment for an order that waits for none (cancelled already): give it back."""
+        """A payment no order waits for (cancelled already): give it back."""
         if isinstance(message, PaymentReceived):
             await self.app.send(RefundPayment(message.order_id, message.amount))
             return

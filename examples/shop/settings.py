@@ -1,4 +1,4 @@
-"""The shop's settings: from the environment, else defaults for a broker and database here."""
+"""The shop's settings: the environment's, else a local broker and database."""
 
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ class Settings:
     payment_window: float = 900.0
     """Seconds a customer has to pay before the order is cancelled."""
     start_wait: float = 30.0
-    """Seconds the web service waits for the broker and the database at start."""
+    """Seconds the web service waits at start for the broker and database."""
 
     @classmethod
     def from_environment(
         cls, environ: Mapping[str, str] = os.environ
     ) -> Settings:
-        """MERSAL_TRANSPORT, MERSAL_DATABASE, SHOP_PAYMENT_WINDOW, SHOP_START_WAIT, or defaults."""
+        """What the MERSAL_* and SHOP_* variables say, defaults for the rest."""
         defaults = cls()
         return cls(
             transport=environ.get("MERSAL_TRANSPORT") or defaults.transport,

@@ -1,8 +1,8 @@
 """The orders service: `uvicorn --factory examples.shop.web:create_api`.
 
-A FastAPI app whose Mersal app consumes too: it starts inside the server's lifespan, waiting
-for the broker and the database as `mersal run --wait` does, and runs the payment saga while
-the server takes requests.
+A FastAPI app whose Mersal app consumes too: it starts inside the server's
+lifespan, waiting for the broker and the database as `mersal run --wait` does,
+and runs the payment saga while the server takes requests.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from mersal_sqlalchemy import attach, make_engine
 # --8<-- [start:shop]
 @dataclass
 class Shop:
-    """The orders service: its app on the bus, and sessions on the engine the app uses too."""
+    """The orders service: its app, and sessions on the engine the app uses."""
 
     bus: App
     engine: AsyncEngine
@@ -43,16 +43,14 @@ class Shop:
 
 
 def create_shop(settings: Settings) -> Shop:
-    """The orders service's app: it publishes OrderPlaced and runs the payment saga."""
-    engine = make_engine(
-        settings.database
-    )  # one pool for the requests and the app
+    """The orders service: publishes OrderPlaced, runs the payment saga."""
+    # one pool for the requests and the app
+    engine = make_engine(settings.database)
     container = Container()
     container[Settings] = settings  # the saga asks for it
     bus = App(ORDERS, transport=settings.transport, container=container)
-    attach(
-        bus, engine=engine
-    )  # the outbox, the inbox and the sagas use the web's engine
+    # the outbox, the inbox and the sagas use the web's engine
+    attach(bus, engine=engine)
     bus.register_saga(OrderPayment)
     bus.subscribe(OrderPlaced)  # its own event starts the saga
     bus.subscribe(PaymentReceived)  # billing's event
@@ -74,14 +72,14 @@ def create_api(shop: Shop | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(api: FastAPI) -> AsyncIterator[None]:
-        # tries again while the broker or the database does not answer, then fails the start
+        # tries again while the broker or the database does not answer, then
+        # fails the start
         await shop.bus.start(wait=shop.settings.start_wait)
         try:
             yield
         finally:
-            await (
-                shop.bus.stop()
-            )  # finishes the messages in hand, sends what the outbox holds
+            # finishes the messages in hand, sends what the outbox holds
+            await shop.bus.stop()
             await shop.engine.dispose()
 
     api = FastAPI(title="shop", lifespan=lifespan)
@@ -137,12 +135,11 @@ router = APIRouter()
 async def take_order(
     bus: App, session: AsyncSession, order_id: str, amount: float
 ) -> Order:
-    """Write the order and publish OrderPlaced in one transaction (commits the session)."""
+    """Write the order and publish OrderPlaced in one transaction, committed."""
     async with bus.transaction(session):
         order = Orders(session).add(order_id, amount)
-        await bus.publish(
-            OrderPlaced(order_id, amount)
-        )  # an outbox row, sent after commit
+        # an outbox row, sent after commit
+        await bus.publish(OrderPlaced(order_id, amount))
     return order
 
 

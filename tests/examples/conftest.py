@@ -1,4 +1,4 @@
-"""Helpers for the examples' tests: a FastAPI app served in-process, `mersal run`, a vhost."""
+"""Helpers for the examples' tests: in-process apps, `mersal run`, vhosts."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ MERSAL = Path(sys.executable).with_name("mersal")
 
 @pytest.fixture(name="own_vhost")
 def own_vhost_url() -> Iterator[str]:
-    """The AMQP URL of a RabbitMQ vhost of this test's own, deleted afterwards."""
+    """The AMQP URL of a vhost of the test's own, deleted afterwards."""
     with own_vhost("mersal-examples", RABBITMQ_HOST) as url:
         yield url
 
@@ -30,7 +30,7 @@ def own_vhost_url() -> Iterator[str]:
 # --8<-- [start:served]
 @contextlib.asynccontextmanager
 async def served(api: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    """A client for `api`, with its lifespan run around it (as a server would)."""
+    """A client for `api`, its lifespan run around it (as a server would)."""
     async with api.router.lifespan_context(api):
         transport = httpx.ASGITransport(app=api)
         async with httpx.AsyncClient(transport=transport, base_url="http://shop") as client:
@@ -51,7 +51,7 @@ async def ready(url: str) -> bool:
 async def mersal_run(
     target: str, env: dict[str, str], port: int
 ) -> AsyncIterator[asyncio.subprocess.Process]:
-    """`mersal run TARGET` with probes on `port`; killed if it outlives the test."""
+    """`mersal run TARGET`, probes on `port`; killed if it outlives the test."""
     process = await asyncio.create_subprocess_exec(
         str(MERSAL),
         "run",

@@ -1,9 +1,10 @@
-"""The tutorial's shop (docs/tutorial.md): an order paid, an order cancelled, a late refund.
+"""The tutorial's shop: an order paid, an order cancelled, a late refund.
 
-On the Harness (memory and SQLite) the tests decide when billing answers and deliver the payment
-window's end at once; on RabbitMQ and PostgreSQL the orders service starts in its lifespan as
-uvicorn would start it, billing runs as `mersal run` or in this process, and the payment window
-is one real second (SHOP_PAYMENT_WINDOW).
+On the Harness (memory and SQLite) the tests decide when billing answers and
+deliver the payment window's end at once; on RabbitMQ and PostgreSQL the orders
+service starts in its lifespan as uvicorn would start it, billing runs as
+`mersal run` or in this process, and the payment window is one real second
+(SHOP_PAYMENT_WINDOW).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from tests.support import eventually, free_port
 # --8<-- [start:fixtures]
 @pytest.fixture
 async def settings(tmp_path: Path) -> Settings:
-    """The shop on memory:// and a SQLite file of the test's own, its tables created."""
+    """The shop on memory:// and a SQLite file of its own, tables created."""
     database = f"sqlite+aiosqlite:///{tmp_path / 'shop.db'}"
     await create_tables(database)
     return Settings(transport="memory://", database=database)
@@ -49,7 +50,7 @@ async def settings(tmp_path: Path) -> Settings:
 
 @pytest.fixture
 async def shop(settings: Settings) -> AsyncIterator[Shop]:
-    """The orders service (its app not started: the test hands it to a Harness)."""
+    """The orders service (not started: the test hands its app to a Harness)."""
     made = create_shop(settings)
     yield made
     await made.engine.dispose()
@@ -98,7 +99,8 @@ async def test_an_order_taken_over_http_is_charged_and_paid(shop: Shop, billing:
         assert again.status_code == 409
         assert again.json() == {"detail": "order 'o-1' exists already"}
 
-        await bus.idle(include_delayed=False)  # the payment window waits in the broker
+        # the payment window waits in the broker
+        await bus.idle(include_delayed=False)
         paid = await client.get("/orders/o-1")
         assert paid.json() == {"order_id": "o-1", "amount": 9.5, "status": "paid"}
         assert (await client.get("/orders/o-2")).status_code == 404
@@ -124,7 +126,8 @@ async def test_a_paid_order_ignores_the_end_of_its_payment_window(shop: Shop, bi
 
 
 async def test_an_order_not_paid_in_its_window_is_cancelled(shop: Shop) -> None:
-    async with Harness(shop.bus) as bus:  # billing is down: its queue keeps the charge
+    # billing is down: its queue keeps the charge
+    async with Harness(shop.bus) as bus:
         await shop.bus.transport.declare(BILLING)
         await place(shop, "o-1", 9.5)
         await bus.idle(include_delayed=False)
@@ -146,7 +149,8 @@ async def test_a_payment_after_the_cancel_is_refunded(shop: Shop) -> None:
         bus.deliver_delayed()
         await bus.idle(include_delayed=False)
 
-        await shop.bus.publish(PaymentReceived("o-1", 9.5))  # as billing would, too late
+        # as billing would, too late
+        await shop.bus.publish(PaymentReceived("o-1", 9.5))
         await bus.idle(include_delayed=False)
         assert await status_of(shop, "o-1") == "cancelled"
     assert bus.sent_of(RefundPayment) == [RefundPayment("o-1", 9.5)]
@@ -181,7 +185,7 @@ def test_the_settings_come_from_the_environment() -> None:
 
 @pytest.fixture
 async def environment(own_vhost: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
-    """MERSAL_TRANSPORT and MERSAL_DATABASE: the test's vhost and a new PostgreSQL database."""
+    """MERSAL_TRANSPORT and MERSAL_DATABASE: own vhost, new database."""
     async with postgres_database(migrate=True) as database:  # mersal db upgrade
         await create_tables(database)  # python -m examples.shop.db
         monkeypatch.setenv("MERSAL_TRANSPORT", own_vhost)
@@ -241,6 +245,8 @@ async def test_an_order_not_paid_in_time_is_cancelled_and_a_late_payment_refunde
         async def refunded() -> bool:
             return await payments(environment) == {"o-1": "refunded"}
 
-        async with create_app():  # billing is back: it charges the cancelled order, and the
-            await eventually(refunded, "o-1 refunded", timeout=30)  # saga has it refunded
+        # billing is back: it charges the cancelled order, and the saga has it
+        # refunded
+        async with create_app():
+            await eventually(refunded, "o-1 refunded", timeout=30)
         assert await status_over_http(client, "o-1") == "cancelled"
