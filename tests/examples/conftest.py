@@ -33,7 +33,9 @@ async def served(api: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
     """A client for `api`, its lifespan run around it (as a server would)."""
     async with api.router.lifespan_context(api):
         transport = httpx.ASGITransport(app=api)
-        async with httpx.AsyncClient(transport=transport, base_url="http://shop") as client:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://shop"
+        ) as client:
             yield client
             # --8<-- [end:served]
 

@@ -58,19 +58,31 @@ async def table_counts(database: str) -> dict[str, int]:
                 ("inbox", tables.inbox),
             ):
                 query = select(func.count()).select_from(table)
-                counts[name] = int((await connection.execute(query)).scalar_one())
+                counts[name] = int(
+                    (await connection.execute(query)).scalar_one()
+                )
             return counts
     finally:
         await engine.dispose()
 
 
-async def place_orders_and_see_them_billed(client: httpx.AsyncClient, database: str) -> None:
+async def place_orders_and_see_them_billed(
+    client: httpx.AsyncClient, database: str
+) -> None:
     """POST an order (and a duplicate), then wait for the worker's invoice; check the tables."""
-    placed = await client.post("/orders", json={"order_id": "o-1", "amount": 9.5})
+    placed = await client.post(
+        "/orders", json={"order_id": "o-1", "amount": 9.5}
+    )
     assert placed.status_code == 202, placed.text
-    assert placed.json() == {"order_id": "o-1", "amount": 9.5, "status": "placed"}
+    assert placed.json() == {
+        "order_id": "o-1",
+        "amount": 9.5,
+        "status": "placed",
+    }
 
-    again = await client.post("/orders", json={"order_id": "o-1", "amount": 1.0})
+    again = await client.post(
+        "/orders", json={"order_id": "o-1", "amount": 1.0}
+    )
     assert again.status_code == 409, again.text
     assert again.json() == {"detail": "order 'o-1' exists already"}
 
@@ -79,13 +91,19 @@ async def place_orders_and_see_them_billed(client: httpx.AsyncClient, database: 
 
     await eventually(billed, "the worker billed o-1", timeout=20)
     counts = await eventually(
-        lambda: _settled(database), "the outbox row deleted after its confirm", timeout=10
+        lambda: _settled(database),
+        "the outbox row deleted after its confirm",
+        timeout=10,
     )
     assert counts == {"orders": 1, "invoices": 1, "outbox": 0, "inbox": 1}
     engine = make_engine(database)
     try:
         async with engine.connect() as connection:
-            invoices = (await connection.execute(select(Invoice.order_id, Invoice.amount))).all()
+            invoices = (
+                await connection.execute(
+                    select(Invoice.order_id, Invoice.amount)
+                )
+            ).all()
     finally:
         await engine.dispose()
     assert [tuple(row) for row in invoices] == [("o-1", 9.5)]
@@ -108,12 +126,20 @@ async def test_the_example_on_memory_and_sqlite(tmp_path: Path) -> None:
 
 
 @contextlib.asynccontextmanager
-async def notifications(database: str, channel: str) -> AsyncIterator[list[str]]:
+async def notifications(
+    database: str, channel: str
+) -> AsyncIterator[list[str]]:
     """The payloads of the NOTIFYs on `channel` while the block runs."""
-    url = make_url(database).set(drivername="postgresql").render_as_string(hide_password=False)
+    url = (
+        make_url(database)
+        .set(drivername="postgresql")
+        .render_as_string(hide_password=False)
+    )
     connection = await asyncpg.connect(url)
     payloads: list[str] = []
-    await connection.add_listener(channel, lambda *args: payloads.append(args[3]))
+    await connection.add_listener(
+        channel, lambda *args: payloads.append(args[3])
+    )
     try:
         yield payloads
     finally:
@@ -129,20 +155,28 @@ async def delete_queues(url: str, *names: str) -> None:
 
 
 @pytest.mark.integration
-async def test_the_example_end_to_end_on_rabbitmq_and_postgresql(vhost: str) -> None:
+async def test_the_example_end_to_end_on_rabbitmq_and_postgresql(
+    vhost: str,
+) -> None:
     url = f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}"
     port = free_port()
     async with postgres_database(migrate=True) as database:
         await create_tables(database)
         env = {"MERSAL_TRANSPORT": url, "MERSAL_DATABASE": database}
         try:
-            async with mersal_run("examples.fastapi_orders.worker:create_app", env, port) as worker:
+            async with mersal_run(
+                "examples.fastapi_orders.worker:create_app", env, port
+            ) as worker:
                 await eventually(
-                    lambda: ready(f"http://127.0.0.1:{port}/readyz"), "worker ready", timeout=30
+                    lambda: ready(f"http://127.0.0.1:{port}/readyz"),
+                    "worker ready",
+                    timeout=30,
                 )
                 api = create_api(transport=url, database=database)
                 async with (
-                    notifications(database, make_tables().outbox.name) as notified,
+                    notifications(
+                        database, make_tables().outbox.name
+                    ) as notified,
                     served(api) as client,
                 ):
                     await place_orders_and_see_them_billed(client, database)
@@ -152,4 +186,6 @@ async def test_the_example_end_to_end_on_rabbitmq_and_postgresql(vhost: str) -> 
                 async with asyncio.timeout(30):
                     assert await worker.wait() == 0
         finally:
-            await delete_queues(url, settings.ORDERS_QUEUE, settings.ORDERS_ERRORS)
+            await delete_queues(
+                url, settings.ORDERS_QUEUE, settings.ORDERS_ERRORS
+            )

@@ -74,7 +74,9 @@ async def payments(database: str) -> dict[str, str]:
     engine = make_engine(database)
     try:
         async with engine.connect() as connection:
-            rows = await connection.execute(select(Payment.order_id, Payment.status))
+            rows = await connection.execute(
+                select(Payment.order_id, Payment.status)
+            )
             return {order_id: status for order_id, status in rows}
     finally:
         await engine.dispose()
@@ -88,21 +90,35 @@ async def place(shop: Shop, order_id: str, amount: float) -> None:
 
 
 # --8<-- [start:endpoint-test]
-async def test_an_order_taken_over_http_is_charged_and_paid(shop: Shop, billing: App) -> None:
+async def test_an_order_taken_over_http_is_charged_and_paid(
+    shop: Shop, billing: App
+) -> None:
     api = create_api(shop)
     async with Harness(shop.bus, billing) as bus, served(api) as client:
-        placed = await client.post("/orders", json={"order_id": "o-1", "amount": 9.5})
+        placed = await client.post(
+            "/orders", json={"order_id": "o-1", "amount": 9.5}
+        )
         assert placed.status_code == 202, placed.text
-        assert placed.json() == {"order_id": "o-1", "amount": 9.5, "status": "placed"}
+        assert placed.json() == {
+            "order_id": "o-1",
+            "amount": 9.5,
+            "status": "placed",
+        }
 
-        again = await client.post("/orders", json={"order_id": "o-1", "amount": 1.0})
+        again = await client.post(
+            "/orders", json={"order_id": "o-1", "amount": 1.0}
+        )
         assert again.status_code == 409
         assert again.json() == {"detail": "order 'o-1' exists already"}
 
         # the payment window waits in the broker
         await bus.idle(include_delayed=False)
         paid = await client.get("/orders/o-1")
-        assert paid.json() == {"order_id": "o-1", "amount": 9.5, "status": "paid"}
+        assert paid.json() == {
+            "order_id": "o-1",
+            "amount": 9.5,
+            "status": "paid",
+        }
         assert (await client.get("/orders/o-2")).status_code == 404
 
     assert bus.published_of(OrderPlaced) == [OrderPlaced("o-1", 9.5)]
@@ -112,7 +128,9 @@ async def test_an_order_taken_over_http_is_charged_and_paid(shop: Shop, billing:
 
 
 # --8<-- [start:saga-tests]
-async def test_a_paid_order_ignores_the_end_of_its_payment_window(shop: Shop, billing: App) -> None:
+async def test_a_paid_order_ignores_the_end_of_its_payment_window(
+    shop: Shop, billing: App
+) -> None:
     async with Harness(shop.bus, billing) as bus:
         await place(shop, "o-1", 9.5)
         await bus.idle(include_delayed=False)
@@ -138,7 +156,9 @@ async def test_an_order_not_paid_in_its_window_is_cancelled(shop: Shop) -> None:
         await bus.idle(include_delayed=False)
         assert await status_of(shop, "o-1") == "cancelled"
         assert await bus.saga_data(OrderPayment, "o-1") is None
-    assert bus.published_of(OrderCancelled) == [OrderCancelled("o-1", "not paid in time")]
+    assert bus.published_of(OrderCancelled) == [
+        OrderCancelled("o-1", "not paid in time")
+    ]
 
 
 async def test_a_payment_after_the_cancel_is_refunded(shop: Shop) -> None:
@@ -158,11 +178,15 @@ async def test_a_payment_after_the_cancel_is_refunded(shop: Shop) -> None:
 
 
 # --8<-- [start:billing-test]
-async def test_billing_charges_an_order_then_refunds_it(settings: Settings, billing: App) -> None:
+async def test_billing_charges_an_order_then_refunds_it(
+    settings: Settings, billing: App
+) -> None:
     async with Harness(billing) as bus:
         await billing.send(ChargeOrder("o-1", 9.5))
         await bus.idle()
-        assert bus.published_of(PaymentReceived) == [PaymentReceived("o-1", 9.5)]
+        assert bus.published_of(PaymentReceived) == [
+            PaymentReceived("o-1", 9.5)
+        ]
         assert await payments(settings.database) == {"o-1": "charged"}
 
         await billing.send(RefundPayment("o-1", 9.5))
@@ -178,13 +202,18 @@ def test_the_settings_come_from_the_environment() -> None:
         "SHOP_PAYMENT_WINDOW": "1.5",
     }
     assert Settings.from_environment(environment) == Settings(
-        "amqp://shop:pw@rabbit/shop", "postgresql+asyncpg://shop@db/shop", 1.5, 30.0
+        "amqp://shop:pw@rabbit/shop",
+        "postgresql+asyncpg://shop@db/shop",
+        1.5,
+        30.0,
     )
     assert Settings.from_environment({}) == Settings()
 
 
 @pytest.fixture
-async def environment(own_vhost: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+async def environment(
+    own_vhost: str, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[str]:
     """MERSAL_TRANSPORT and MERSAL_DATABASE: own vhost, new database."""
     async with postgres_database(migrate=True) as database:  # mersal db upgrade
         await create_tables(database)  # python -m examples.shop.db
@@ -207,10 +236,18 @@ async def test_an_order_is_paid_on_rabbitmq_and_postgresql(
 ) -> None:
     port = free_port()
     env = {"MERSAL_TRANSPORT": own_vhost, "MERSAL_DATABASE": environment}
-    async with mersal_run("examples.shop.billing:create_app", env, port) as worker:
-        await eventually(lambda: ready(f"http://127.0.0.1:{port}/readyz"), "billing", timeout=30)
+    async with mersal_run(
+        "examples.shop.billing:create_app", env, port
+    ) as worker:
+        await eventually(
+            lambda: ready(f"http://127.0.0.1:{port}/readyz"),
+            "billing",
+            timeout=30,
+        )
         async with served(create_api()) as client:
-            placed = await client.post("/orders", json={"order_id": "o-1", "amount": 9.5})
+            placed = await client.post(
+                "/orders", json={"order_id": "o-1", "amount": 9.5}
+            )
             assert placed.status_code == 202, placed.text
 
             async def paid() -> bool:
@@ -232,14 +269,18 @@ async def test_an_order_not_paid_in_time_is_cancelled_and_a_late_payment_refunde
         pass  # billing's queue exists; then billing is down
     async with served(create_api()) as client:
         started = time.monotonic()
-        placed = await client.post("/orders", json={"order_id": "o-1", "amount": 9.5})
+        placed = await client.post(
+            "/orders", json={"order_id": "o-1", "amount": 9.5}
+        )
         assert placed.status_code == 202, placed.text
 
         async def cancelled() -> bool:
             return await status_over_http(client, "o-1") == "cancelled"
 
         await eventually(cancelled, "o-1 cancelled", timeout=30)
-        assert time.monotonic() - started >= 1.0, "cancelled at the end of the window"
+        assert time.monotonic() - started >= 1.0, (
+            "cancelled at the end of the window"
+        )
         assert await payments(environment) == {}
 
         async def refunded() -> bool:
