@@ -126,7 +126,7 @@ async def test_an_app_on_a_database_without_the_tables_names_the_command(
         pytest.param(
             "UPDATE mersal_outbox_alembic_version SET version_num = 'mersal_0099'",
             r"at migration mersal_0099 .* does not know .*: install the release of "
-            r"mersal\[sqlalchemy\] that migrated them, or a newer one$",
+            r"mersal-bus\[sqlalchemy\] that migrated them, or a newer one$",
             id="a revision of a newer release",
         ),
         pytest.param(
