@@ -23,6 +23,8 @@ MESSAGE, CONTEXT = 0, 1
 
 _CONTEXT = ("mersal.pipeline", "MessageContext")
 """MessageContext, by module and name: the pipeline imports the handlers, not the reverse."""
+_TRUSTED_CONTEXT = object()
+"""An annotation naming MessageContext that does not resolve at run time."""
 _EMPTY = inspect.Parameter.empty
 _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
@@ -309,6 +311,8 @@ def name_of(thing: Any) -> str:
 
 
 def _is_context(hint: Any) -> bool:
+    if hint is _TRUSTED_CONTEXT:
+        return True
     if is_union(hint):
         return any(_is_context(member) for member in typing.get_args(hint))
     return (getattr(hint, "__module__", None), getattr(hint, "__qualname__", None)) == _CONTEXT
@@ -319,16 +323,34 @@ def _is_wildcard(hint: Any) -> bool:
 
 
 def _hints(where: str, function: Any, parameters: list[inspect.Parameter]) -> dict[str, Any]:
-    """The parameters' annotations, evaluated (the return annotation is not read)."""
-    annotated = {p.name: p.annotation for p in parameters if p.annotation is not _EMPTY}
-    if not annotated:
-        return {}
+    """The parameters' annotations, evaluated (the return annotation is not read).
+
+    A name that does not resolve (imported under `if TYPE_CHECKING:`) is taken on trust: as the
+    context when it names MessageContext, else as an unchecked message annotation.
+    """
     namespace = getattr(inspect.unwrap(function), "__globals__", {})
-    holder = types.SimpleNamespace(__annotations__=annotated)
+    hints: dict[str, Any] = {}
+    for parameter in parameters:
+        if parameter.annotation is not _EMPTY:
+            hints[parameter.name] = _evaluated(where, parameter.annotation, namespace)
+    return hints
+
+
+def _evaluated(where: str, annotation: Any, namespace: dict[str, Any]) -> Any:
+    holder = types.SimpleNamespace(__annotations__={"hint": annotation})
     try:
-        return typing.get_type_hints(holder, globalns=namespace)
+        return typing.get_type_hints(holder, globalns=namespace)["hint"]
+    except NameError as error:
+        if not isinstance(annotation, str):
+            raise _unreadable(where, error) from None
+        written = annotation.strip().strip("'\"")
+        return _TRUSTED_CONTEXT if written.rpartition(".")[2] == _CONTEXT[1] else Any
     except Exception as error:
-        raise ConfigurationError(
-            f"cannot read the type hints of {where} ({error}): import the annotated types at "
-            "module level"
-        ) from None
+        raise _unreadable(where, error) from None
+
+
+def _unreadable(where: str, error: Exception) -> ConfigurationError:
+    return ConfigurationError(
+        f"cannot read the type hints of {where} ({error}): import the annotated types at "
+        "module level"
+    )

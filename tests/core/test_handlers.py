@@ -468,6 +468,13 @@ async def string_annotations(message: "PlaceOrder", context: "MessageContext") -
     seen_by_form.append((message, context))
 
 
+async def names_imported_for_type_checking_only(
+    context: "mersal.MessageContext",  # noqa: F821
+    message: "OnlyForTypeCheckers",  # noqa: F821
+) -> None:
+    seen_by_form.append((message, context))
+
+
 class ContextFirstObject:
     async def __call__(self, context: MessageContext, message: PlaceOrder) -> None:
         seen_by_form.append((message, context))
@@ -494,6 +501,7 @@ async def with_prefix(prefix: str, message: PlaceOrder, context: MessageContext)
         unannotated_context,
         unannotated_context_first,
         string_annotations,
+        names_imported_for_type_checking_only,
         ContextFirstObject(),
         Orders().place,
         functools.partial(with_prefix, "bound"),
@@ -701,15 +709,15 @@ def test_a_positional_only_context_after_a_skipped_parameter_is_refused() -> Non
     )
 
 
-async def unresolvable(message: "Nowhere") -> None:  # noqa: F821
+async def unreadable(message: "list[") -> None:  # noqa: F722
     pass
 
 
-def test_an_annotation_that_cannot_be_resolved_is_refused() -> None:
-    assert refusal(Ping, unresolvable) == (
-        "cannot read the type hints of unresolvable (name 'Nowhere' is not defined): import "
-        "the annotated types at module level"
+def test_an_annotation_that_cannot_be_read_is_refused() -> None:
+    assert refusal(Ping, unreadable).startswith(
+        "cannot read the type hints of unreadable (",
     )
+    assert refusal(Ping, unreadable).endswith("): import the annotated types at module level")
 
 
 class PongHandler:
