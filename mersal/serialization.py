@@ -54,10 +54,16 @@ class JsonCodec:
     def __init__(self) -> None:
         self._encoder = msgspec.json.Encoder(enc_hook=_to_builtins)
         self._decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+        self._accepted: set[type] = set()
 
     def accepts(self, cls: type) -> bool:
         """Whether messages of class `cls` encode and decode."""
-        return is_message_class(cls)
+        if cls in self._accepted:  # asked at every send
+            return True
+        if is_message_class(cls):
+            self._accepted.add(cls)
+            return True
+        return False
 
     def encode(self, message: object) -> bytes:
         """The message as compact UTF-8 JSON, or an `EncodeError` naming what cannot be."""
