@@ -52,6 +52,7 @@ class _Signature:
     parameters: list[inspect.Parameter]
     hints: dict[str, Any]
     message_type: type
+    decorated: bool = False  # a decorator's wrapper: it may fill parameters itself
 
     def label(self, parameter: inspect.Parameter) -> str:
         hint = self.hints.get(parameter.name, _EMPTY)
@@ -71,28 +72,38 @@ class _Signature:
 def function_binding(function: Any, message_type: type) -> Binding:
     """Bind an async function's (or async callable object's) parameters, or refuse it."""
     target: Any
-    if inspect.isfunction(function) or inspect.ismethod(function):
+    is_object = False
+    if type(function) in (types.FunctionType, types.MethodType):  # not a mock posing as one
         where, target = name_of(function), function
         self = "self, " if inspect.ismethod(function) else ""
         form = f"async def {function.__name__}({self}{{}})"
     elif isinstance(function, functools.partial):
         where, form, target = name_of(function.func), "async def handle({})", function.func
     else:
-        where = f"{type(function).__qualname__}.__call__"
+        where, is_object = f"{type(function).__qualname__}.__call__", True
         form, target = "async def __call__(self, {})", type(function).__call__
     try:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):  # a compiled callable without a signature: as before
         return Binding((MESSAGE,))
+    if is_object and _opaque(parameters):
+        return Binding((MESSAGE,))  # an object taking anything (a mock): the message alone
     hints = _hints(where, target, parameters)
-    signature = _Signature(name_of(function), where, form, parameters, hints, message_type)
+    decorated = inspect.unwrap(target) is not target
+    signature = _Signature(
+        name_of(function), where, form, parameters, hints, message_type, decorated
+    )
     return _bind(signature, takes_context=True)
 
 
 def class_binding(cls: type, message_type: type) -> Binding:
     """Bind a handler class's `__call__` parameters (the message only), or refuse it."""
     call = cls.__call__
-    parameters = list(inspect.signature(call).parameters.values())[1:]  # after self
+    parameters = list(inspect.signature(call).parameters.values())
+    if parameters and parameters[0].kind not in _VARIADIC:
+        parameters = parameters[1:]  # after self
+    if _opaque(parameters):  # a decorator without functools.wraps: called as it always was
+        return Binding((MESSAGE,))
     where = f"{cls.__qualname__}.__call__"
     hints = _hints(where, call, parameters)
     form = "async def __call__(self, {})"
@@ -161,7 +172,7 @@ def _bind(signature: _Signature, *, takes_context: bool) -> Binding:
         if context is not None:
             roles[context.name] = CONTEXT
     for parameter in named:
-        if parameter.name not in roles and parameter.default is _EMPTY:
+        if parameter.name not in roles and parameter.default is _EMPTY and not signature.decorated:
             _refuse_extra(signature, parameter, message, takes_context=takes_context)
     return _call_shape(signature, roles)
 
@@ -172,17 +183,14 @@ def _message_parameter(
     """The parameter annotated for the registered type, else the first one (unannotated)."""
     hints, message_type = signature.hints, signature.message_type
     if not candidates:
-        variadic = any(p.kind in _VARIADIC for p in signature.parameters)
-        raise ConfigurationError(
-            f"{signature.where} takes no message"
-            + (", only *args/**kwargs" if variadic else "")
-            + f": write {signature.written(f'message: {message_type.__qualname__}')}"
-            + (
-                " (a decorator keeps the handler's signature with functools.wraps)"
-                if variadic
-                else ""
+        written = signature.written(f"message: {message_type.__qualname__}")
+        if any(p.kind in _VARIADIC for p in signature.parameters):
+            raise ConfigurationError(
+                f"{signature.where} takes no message, only *args/**kwargs: write {written}, "
+                "or, if it is a decorator's wrapper, decorate it with "
+                "`@functools.wraps(handler)` so that the handler's own signature shows"
             )
-        )
+        raise ConfigurationError(f"{signature.where} takes no message: write {written}")
     for parameter in candidates:
         hint = hints.get(parameter.name, _EMPTY)
         if not _is_wildcard(hint) and accepts(hint, message_type):
@@ -204,9 +212,9 @@ def _message_parameter(
 def _unannotated_context(
     signature: _Signature, candidates: list[inspect.Parameter]
 ) -> inspect.Parameter | None:
-    """The `(message, context)` form: the next required unannotated parameter."""
+    """The `(message, context)` form: the next unannotated parameter, required or `= None`."""
     for parameter in candidates:
-        if parameter.default is _EMPTY and _is_wildcard(
+        if parameter.default in (_EMPTY, None) and _is_wildcard(
             signature.hints.get(parameter.name, _EMPTY)
         ):
             return parameter
@@ -269,6 +277,8 @@ def accepts(hint: Any, message_type: type) -> bool:
         return not hint.__constraints__ or any(
             accepts(c, message_type) for c in hint.__constraints__
         )
+    if type(hint).__name__ == "TypeAliasType":  # `type Events = Ping | Pong` (3.12)
+        return accepts(hint.__value__, message_type)
     if is_union(hint):
         return any(accepts(member, message_type) for member in typing.get_args(hint))
     origin = typing.get_origin(hint)
@@ -316,6 +326,13 @@ def _is_context(hint: Any) -> bool:
     if is_union(hint):
         return any(_is_context(member) for member in typing.get_args(hint))
     return (getattr(hint, "__module__", None), getattr(hint, "__qualname__", None)) == _CONTEXT
+
+
+def _opaque(parameters: list[inspect.Parameter]) -> bool:
+    """Whether the parameters are `*args` (and `**kwargs`) alone: they say nothing."""
+    return any(p.kind is p.VAR_POSITIONAL for p in parameters) and all(
+        p.kind in _VARIADIC for p in parameters
+    )
 
 
 def _is_wildcard(hint: Any) -> bool:

@@ -3,9 +3,11 @@
 import functools
 from dataclasses import dataclass
 from typing import Any
+from unittest.mock import AsyncMock
 
 import pytest
 from lagom import Container, Singleton
+from typing_extensions import TypeAliasType
 
 from mersal import App, ConfigurationError, MessageContext, RetryPolicy
 from mersal.testing import Harness
@@ -56,6 +58,10 @@ class Counter:
 
     def __init__(self) -> None:
         self.value = 0
+
+
+async def for_place_order(message: PlaceOrder) -> None:
+    pass
 
 
 def orders_app(**kwargs: Any) -> App:
@@ -464,6 +470,10 @@ async def unannotated_context_first(context, message: PlaceOrder) -> None:
     seen_by_form.append((message, context))
 
 
+async def unannotated_context_defaulting_to_none(message, context=None):
+    seen_by_form.append((message, context))
+
+
 async def string_annotations(message: "PlaceOrder", context: "MessageContext") -> None:
     seen_by_form.append((message, context))
 
@@ -500,6 +510,7 @@ async def with_prefix(prefix: str, message: PlaceOrder, context: MessageContext)
         unannotated,
         unannotated_context,
         unannotated_context_first,
+        unannotated_context_defaulting_to_none,
         string_annotations,
         names_imported_for_type_checking_only,
         ContextFirstObject(),
@@ -541,6 +552,66 @@ async def test_a_handler_class_call_with_a_defaulted_parameter_keeps_its_default
     assert notes == ["o-1 kept"]
 
 
+def without_wraps(function: Any) -> Any:
+    """A decorator that hides the signature of what it decorates."""
+
+    async def wrapper(*args: Any, **kwargs: Any) -> object:
+        return await function(*args, **kwargs)
+
+    return wrapper
+
+
+async def test_a_handler_class_call_decorated_without_wraps_gets_the_message() -> None:
+    got: list[PlaceOrder] = []
+
+    class Handler:
+        @without_wraps
+        async def __call__(self, message: PlaceOrder) -> None:
+            got.append(message)
+
+    app = orders_app()
+    app.register(PlaceOrder, Handler)
+    async with Harness(app) as bus:
+        await app.send(PlaceOrder("o-1", 1.0))
+        await bus.idle()
+
+    assert got == [PlaceOrder("o-1", 1.0)]
+
+
+@pytest.mark.parametrize(
+    "mock", [AsyncMock(), AsyncMock(spec=for_place_order)], ids=["plain", "with-spec"]
+)
+async def test_an_async_mock_is_called_with_the_message_alone(mock: AsyncMock) -> None:
+    app = orders_app()
+    app.register(PlaceOrder, mock)
+    async with Harness(app) as bus:
+        await app.send(PlaceOrder("o-1", 1.0))
+        await bus.idle()
+
+    mock.assert_awaited_once_with(PlaceOrder("o-1", 1.0))
+
+
+class Repository:
+    """A dependency a decorator passes to the function it decorates."""
+
+
+async def test_a_decorated_function_may_leave_parameters_for_its_decorator_to_fill() -> None:
+    got: list[tuple[PlaceOrder, object]] = []
+
+    async def place(message: PlaceOrder, repository: Repository) -> None:
+        got.append((message, repository))
+
+    container = Container()
+    container[Repository] = Repository()
+    app = orders_app()
+    app.register(PlaceOrder, container.magic_partial(place))
+    async with Harness(app) as bus:
+        await app.send(PlaceOrder("o-1", 1.0))
+        await bus.idle()
+
+    assert got == [(PlaceOrder("o-1", 1.0), container[Repository])]
+
+
 async def for_animals(message: Animal) -> None:
     pass
 
@@ -561,6 +632,13 @@ async def for_objects(message: object) -> None:
     pass
 
 
+AnimalOrNote = TypeAliasType("AnimalOrNote", Animal | Notify)
+
+
+async def for_an_alias_of_animals_or_notes(message: AnimalOrNote) -> None:
+    pass
+
+
 async def for_anything_unannotated(message):
     pass
 
@@ -573,6 +651,7 @@ async def for_anything_unannotated(message):
         for_animals_or_notes,
         for_anything,
         for_objects,
+        for_an_alias_of_animals_or_notes,
         for_anything_unannotated,
     ],
     ids=lambda handler: handler.__name__,
@@ -610,8 +689,8 @@ async def takes_anything(*args: Any, **kwargs: Any) -> None:
 def test_a_function_taking_only_args_and_kwargs_is_refused() -> None:
     assert refusal(Ping, takes_anything) == (
         "takes_anything takes no message, only *args/**kwargs: write `async def "
-        "takes_anything(message: Ping)` (a decorator keeps the handler's signature with "
-        "functools.wraps)"
+        "takes_anything(message: Ping)`, or, if it is a decorator's wrapper, decorate it with "
+        "`@functools.wraps(handler)` so that the handler's own signature shows"
     )
 
 
