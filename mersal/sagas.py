@@ -457,7 +457,8 @@ def _uncorrelated_subscription(spec: SagaSpec, message_type: type, method: str) 
         f"{saga} takes {name} (method {method}) but has no correlation for it, and the app "
         f"subscribes to {name}: a published {name} would never find its saga. Add "
         f"`{name}: {attribute!r}` to {saga}.correlation (or, if {name} is only this saga's "
-        "timeout, do not subscribe to it)"
+        "timeout, do not subscribe to it; if the app subscribes to it for another handler, "
+        "give the timeout a type of its own)"
     )
 
 
@@ -593,10 +594,13 @@ def _check_attribute(where: str, message_type: type, attribute: str) -> None:
 def _knows_attributes(cls: type) -> bool:
     """Whether every attribute of `cls`'s messages is known from the class (fields and all).
 
-    Not so for a plain class, or one whose `__getattr__` may answer any name (pydantic's own
-    serves only private attributes and, with `extra="allow"`, unknown fields).
+    Not so for a plain class, one whose `__getattr__` may answer any name (pydantic's own
+    serves only private attributes and, with `extra="allow"`, unknown fields), or one whose
+    post-init hook may set attributes of its own.
     """
     if not _is_data_class(cls) or _keeps_extras(cls):
+        return False
+    if hasattr(cls, "__post_init__") or hasattr(cls, "__attrs_post_init__"):
         return False
     return not any(
         "__getattr__" in klass.__dict__ and not klass.__module__.startswith("pydantic")
@@ -613,7 +617,7 @@ def _check_new_data(cls: type, data_type: type, started_by: tuple[type, ...]) ->
     """Refuse a saga whose first start message would fail to make its data."""
     name = cls.__qualname__
     made = inspect.getattr_static(cls, "new_data")
-    if inspect.iscoroutinefunction(made):
+    if inspect.iscoroutinefunction(getattr(cls, "new_data")):  # a staticmethod's too
         raise ConfigurationError(
             f"{name}.new_data is `async def`, but it is called without await: make it a plain "
             f"`def new_data(self, message)` that returns the {data_type.__qualname__}"
