@@ -617,7 +617,8 @@ def _check_new_data(cls: type, data_type: type, started_by: tuple[type, ...]) ->
     """Refuse a saga whose first start message would fail to make its data."""
     name = cls.__qualname__
     made = inspect.getattr_static(cls, "new_data")
-    if inspect.iscoroutinefunction(getattr(cls, "new_data")):  # a staticmethod's too
+    function = made.__func__ if isinstance(made, staticmethod | classmethod) else made
+    if inspect.iscoroutinefunction(function):
         raise ConfigurationError(
             f"{name}.new_data is `async def`, but it is called without await: make it a plain "
             f"`def new_data(self, message)` that returns the {data_type.__qualname__}"
