@@ -88,12 +88,30 @@ def function_binding(function: Any, message_type: type) -> Binding:
         return Binding((MESSAGE,))
     if is_object and _opaque(parameters):
         return Binding((MESSAGE,))  # an object taking anything (a mock): the message alone
+    if target is function:
+        _refuse_unbound(function, parameters, message_type)
     hints = _hints(where, target, parameters)
     decorated = inspect.unwrap(target) is not target
     signature = _Signature(
         name_of(function), where, form, parameters, hints, message_type, decorated
     )
     return _bind(signature, takes_context=True)
+
+
+def _refuse_unbound(function: Any, parameters: list[inspect.Parameter], message_type: type) -> None:
+    """Refuse a method taken from its class, `Orders.place`: `self` would get the message."""
+    owner = function.__qualname__.rpartition(".")[0]
+    if inspect.ismethod(function) or not owner or owner.endswith("<locals>"):
+        return
+    if not parameters or parameters[0].name != "self":
+        return
+    cls = owner.rpartition(".")[2]
+    raise ConfigurationError(
+        f"{name_of(function)} is a method taken from its class, so its `self` would receive "
+        f"the message or its context: register an instance's method, "
+        f"`{cls}(...).{function.__name__}`, or register {cls} as a handler class with "
+        f"`async def __call__(self, message: {message_type.__qualname__})`"
+    )
 
 
 def class_binding(cls: type, message_type: type) -> Binding:
@@ -197,7 +215,7 @@ def _message_parameter(
             return parameter
     first = candidates[0]
     hint = hints.get(first.name, _EMPTY)
-    if not _is_wildcard(hint):
+    if not _is_wildcard(hint) and not _maybe_local(signature, first):
         registered = message_type.__qualname__
         plain = isinstance(hint, type) and not typing.get_args(hint)
         instead = f"register it for {hint_name(hint)}, or " if plain else ""
@@ -209,12 +227,18 @@ def _message_parameter(
     return first
 
 
+def _maybe_local(signature: _Signature, parameter: inspect.Parameter) -> bool:
+    """Whether a string annotation may name a class local to the function defining the handler,
+    which its module (where the string was evaluated) does not see: it is taken on trust."""
+    return isinstance(parameter.annotation, str) and "<locals>" in signature.where
+
+
 def _unannotated_context(
     signature: _Signature, candidates: list[inspect.Parameter]
 ) -> inspect.Parameter | None:
     """The `(message, context)` form: the next unannotated parameter, required or `= None`."""
     for parameter in candidates:
-        if parameter.default in (_EMPTY, None) and _is_wildcard(
+        if (parameter.default is _EMPTY or parameter.default is None) and _is_wildcard(
             signature.hints.get(parameter.name, _EMPTY)
         ):
             return parameter
@@ -303,6 +327,8 @@ def hint_name(hint: Any) -> str:
     """An annotation as written: `Ping`, `Ping | None`, `list[int]`."""
     if hint is type(None):
         return "None"
+    if isinstance(hint, typing.NewType):
+        return hint.__name__
     if is_union(hint):
         return " | ".join(hint_name(member) for member in typing.get_args(hint))
     if isinstance(hint, type) and not typing.get_args(hint):

@@ -2,7 +2,7 @@
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NewType
 from unittest.mock import AsyncMock
 
 import pytest
@@ -797,6 +797,56 @@ def test_an_annotation_that_cannot_be_read_is_refused() -> None:
         "cannot read the type hints of unreadable (",
     )
     assert refusal(Ping, unreadable).endswith("): import the annotated types at module level")
+
+
+PingAlias = NewType("PingAlias", Ping)
+
+
+async def newtype_of_ping(message: PingAlias) -> None:
+    pass
+
+
+def test_a_newtype_annotation_is_named_as_written() -> None:
+    assert refusal(Ping, newtype_of_ping) == (
+        "newtype_of_ping is registered for Ping but its message parameter `message` is "
+        "annotated PingAlias: annotate `message: Ping`"
+    )
+
+
+class Placing:
+    async def place(self, message: PlaceOrder) -> None:
+        pass
+
+
+def test_a_method_taken_from_its_class_is_refused() -> None:
+    assert refusal(PlaceOrder, Placing.place) == (
+        "Placing.place is a method taken from its class, so its `self` would receive the "
+        "message or its context: register an instance's method, `Placing(...).place`, or "
+        "register Placing as a handler class with `async def __call__(self, message: "
+        "PlaceOrder)`"
+    )
+
+
+async def test_a_string_annotation_of_a_local_handler_may_name_a_local_class() -> None:
+    """The string is evaluated in the module, where PlaceOrder is another class."""
+
+    @dataclass
+    class PlaceOrder:
+        order_id: str
+
+    got: list[PlaceOrder] = []
+
+    async def place(message: "PlaceOrder") -> None:
+        got.append(message)
+
+    app = App("orders")
+    app.route(PlaceOrder, "orders")
+    app.register(PlaceOrder, place)
+    async with Harness(app) as bus:
+        await app.send(PlaceOrder("o-1"))
+        await bus.idle()
+
+    assert got == [PlaceOrder("o-1")]
 
 
 class PongHandler:
