@@ -263,7 +263,9 @@ def _refuse_extra(
     raise ConfigurationError(
         f"{head}: a handler function takes the message and, if it wants, the context, e.g. "
         f"{signature.written(label, 'context: MessageContext')}; take other dependencies in "
-        f"a handler class's __init__, or give `{parameter.name}` a default"
+        f"a handler class's __init__, bind it before registering "
+        f"(`functools.partial(handler, {parameter.name}=...)`), or give `{parameter.name}` a "
+        "default"
     )
 
 
@@ -393,7 +395,8 @@ def _evaluated(where: str, annotation: Any, namespace: dict[str, Any]) -> Any:
 
 
 def _unreadable(where: str, error: Exception) -> ConfigurationError:
-    return ConfigurationError(
-        f"cannot read the type hints of {where} ({error}): import the annotated types at "
-        "module level"
-    )
+    if isinstance(error, SyntaxError):
+        advice = "write each annotation as a Python expression"
+    else:
+        advice = "import the annotated types at module level"
+    return ConfigurationError(f"cannot read the type hints of {where} ({error}): {advice}")

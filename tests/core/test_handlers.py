@@ -747,8 +747,9 @@ def test_a_function_with_a_parameter_nothing_fills_is_refused() -> None:
     assert refusal(Ping, with_other) == (
         "with_other's parameter `other: int` would receive nothing: a handler function takes "
         "the message and, if it wants, the context, e.g. `async def with_other(msg: Ping, "
-        "context: MessageContext)`; take other dependencies in a handler class's __init__, or "
-        "give `other` a default"
+        "context: MessageContext)`; take other dependencies in a handler class's __init__, bind "
+        "it before registering (`functools.partial(handler, other=...)`), or give `other` a "
+        "default"
     )
 
 
@@ -761,7 +762,8 @@ def test_a_third_unannotated_parameter_is_refused() -> None:
         "three_unannotated's parameter `extra` would receive nothing: a handler function takes "
         "the message and, if it wants, the context, e.g. `async def three_unannotated(message: "
         "Ping, context: MessageContext)`; take other dependencies in a handler class's "
-        "__init__, or give `extra` a default"
+        "__init__, bind it before registering (`functools.partial(handler, extra=...)`), or "
+        "give `extra` a default"
     )
 
 
@@ -796,7 +798,18 @@ def test_an_annotation_that_cannot_be_read_is_refused() -> None:
     assert refusal(Ping, unreadable).startswith(
         "cannot read the type hints of unreadable (",
     )
-    assert refusal(Ping, unreadable).endswith("): import the annotated types at module level")
+    assert refusal(Ping, unreadable).endswith("): write each annotation as a Python expression")
+
+
+async def unimported(message: "dataclass.Missing") -> None:
+    pass
+
+
+def test_an_annotation_naming_what_its_module_lacks_says_to_import_it() -> None:
+    assert refusal(Ping, unimported) == (
+        "cannot read the type hints of unimported ('function' object has no attribute "
+        "'Missing'): import the annotated types at module level"
+    )
 
 
 PingAlias = NewType("PingAlias", Ping)
