@@ -565,7 +565,14 @@ def _check_correlation(cls: type, message_type: type, correlate: Callable[[Any],
 
 
 def _check_attribute(where: str, message_type: type, attribute: str) -> None:
-    """Refuse an attribute that neither the message class nor a subclass of it has."""
+    """Refuse an attribute that neither the message class nor a subclass of it has, or a method."""
+    if isinstance(inspect.getattr_static(message_type, attribute, None), types.FunctionType):
+        raise ConfigurationError(
+            f"{where} is {attribute!r}, a method of {message_type.__qualname__}: the correlation "
+            "would be the method itself, not what it returns, and would find no saga. Make it a "
+            f"@property, or give a function of the message, `lambda message: "
+            f"message.{attribute}()`"
+        )
     if not _knows_attributes(message_type) or any(
         _has_attribute(t, attribute) for t in (message_type, *subclasses(message_type))
     ):

@@ -839,6 +839,28 @@ def test_correlation_attributes_that_messages_have_without_a_field_are_accepted(
     assert app.sagas == [Accepting]
 
 
+def test_a_correlation_naming_a_method_of_the_message_is_refused() -> None:
+    @dataclass
+    class Keyed:
+        region: str
+
+        def key(self) -> str:
+            return self.region
+
+    class ByMethod(Saga[Fulfilment]):
+        started_by = (Keyed,)
+        correlation = {Keyed: "key"}
+
+        async def keyed(self, event: Keyed) -> None:
+            pass
+
+    assert plain(refusal(ByMethod)) == (
+        "ByMethod.correlation[Keyed] is 'key', a method of Keyed: the correlation would be the "
+        "method itself, not what it returns, and would find no saga. Make it a @property, or "
+        "give a function of the message, `lambda message: message.key()`"
+    )
+
+
 def test_a_correlation_function_that_cannot_take_the_message_alone_is_refused() -> None:
     def both(message: OrderPlaced, other: str) -> str:
         return message.order_id + other
