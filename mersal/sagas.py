@@ -676,13 +676,11 @@ def _required_fields(data_type: type) -> list[str]:
             for name, info in model_fields.items()
             if info.is_required()
         ]
-    if dataclasses.is_dataclass(data_type):
+    if dataclasses.is_dataclass(data_type):  # its __init__: InitVars too, or one of its own
         return [
-            f.name
-            for f in dataclasses.fields(data_type)
-            if f.init
-            and f.default is dataclasses.MISSING
-            and f.default_factory is dataclasses.MISSING
+            p.name
+            for p in inspect.signature(data_type).parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
         ]
     attributes = getattr(data_type, "__attrs_attrs__", ())
     nothing = getattr(sys.modules.get("attr"), "NOTHING", None)

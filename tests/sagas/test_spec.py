@@ -5,7 +5,7 @@ Every ConfigurationError must say what to change, so each test checks the fix is
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Union
 
 import attrs
@@ -944,6 +944,46 @@ def test_required_fields_are_found_in_every_kind_of_data_class(data: type) -> No
         f"`def new_data(self, message: OrderPlaced | OrderCancelled) -> {data.__qualname__}: "
         f"return {data.__qualname__}(order_id=message.order_id)`"
     )
+
+
+@dataclass
+class Seeded:
+    seed: InitVar[int]
+    n: int = 0
+
+
+@dataclass(init=False)
+class SelfMade:
+    n: int
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+def test_required_dataclass_arguments_are_read_from_its_init() -> None:
+    class NeedsSeed(Saga[Seeded]):
+        started_by = (OrderPlaced,)
+        correlation = {OrderPlaced: "order_id"}
+
+        async def placed(self, event: OrderPlaced) -> None:
+            pass
+
+    class MakesItself(Saga[SelfMade]):
+        started_by = (OrderPlaced,)
+        correlation = {OrderPlaced: "order_id"}
+
+        async def placed(self, event: OrderPlaced) -> None:
+            pass
+
+    assert plain(refusal(NeedsSeed)) == (
+        "NeedsSeed does not override new_data, and its data Seeded cannot be made without "
+        "arguments: seed has no default, so every start message would be dead-lettered. Give "
+        "it a default, or make the data from the start message: `def new_data(self, message: "
+        "OrderPlaced) -> Seeded: return Seeded(seed=...)`"
+    )
+    app = App("orders")
+    app.register_saga(MakesItself)
+    assert app.sagas == [MakesItself]
 
 
 def test_a_required_field_the_start_message_lacks_is_left_to_fill_in() -> None:
