@@ -52,6 +52,7 @@ class _Signature:
     parameters: list[inspect.Parameter]
     hints: dict[str, Any]
     message_type: type
+    decorated: bool = False  # a decorator's wrapper: it may fill parameters itself
 
     def label(self, parameter: inspect.Parameter) -> str:
         hint = self.hints.get(parameter.name, _EMPTY)
@@ -71,28 +72,56 @@ class _Signature:
 def function_binding(function: Any, message_type: type) -> Binding:
     """Bind an async function's (or async callable object's) parameters, or refuse it."""
     target: Any
-    if inspect.isfunction(function) or inspect.ismethod(function):
+    is_object = False
+    if type(function) in (types.FunctionType, types.MethodType):  # not a mock posing as one
         where, target = name_of(function), function
         self = "self, " if inspect.ismethod(function) else ""
         form = f"async def {function.__name__}({self}{{}})"
     elif isinstance(function, functools.partial):
         where, form, target = name_of(function.func), "async def handle({})", function.func
     else:
-        where = f"{type(function).__qualname__}.__call__"
+        where, is_object = f"{type(function).__qualname__}.__call__", True
         form, target = "async def __call__(self, {})", type(function).__call__
     try:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):  # a compiled callable without a signature: as before
         return Binding((MESSAGE,))
+    if is_object and _opaque(parameters):
+        return Binding((MESSAGE,))  # an object taking anything (a mock): the message alone
+    if target is function:
+        _refuse_unbound(function, parameters, message_type)
     hints = _hints(where, target, parameters)
-    signature = _Signature(name_of(function), where, form, parameters, hints, message_type)
+    decorated = inspect.unwrap(target) is not target
+    signature = _Signature(
+        name_of(function), where, form, parameters, hints, message_type, decorated
+    )
     return _bind(signature, takes_context=True)
+
+
+def _refuse_unbound(function: Any, parameters: list[inspect.Parameter], message_type: type) -> None:
+    """Refuse a method taken from its class, `Orders.place`: `self` would get the message."""
+    owner = function.__qualname__.rpartition(".")[0]
+    if inspect.ismethod(function) or not owner or owner.endswith("<locals>"):
+        return
+    if not parameters or parameters[0].name != "self":
+        return
+    cls = owner.rpartition(".")[2]
+    raise ConfigurationError(
+        f"{name_of(function)} is a method taken from its class, so its `self` would receive "
+        f"the message or its context: register an instance's method, "
+        f"`{cls}(...).{function.__name__}`, or register {cls} as a handler class with "
+        f"`async def __call__(self, message: {message_type.__qualname__})`"
+    )
 
 
 def class_binding(cls: type, message_type: type) -> Binding:
     """Bind a handler class's `__call__` parameters (the message only), or refuse it."""
     call = cls.__call__
-    parameters = list(inspect.signature(call).parameters.values())[1:]  # after self
+    parameters = list(inspect.signature(call).parameters.values())
+    if parameters and parameters[0].kind not in _VARIADIC:
+        parameters = parameters[1:]  # after self
+    if _opaque(parameters):  # a decorator without functools.wraps: called as it always was
+        return Binding((MESSAGE,))
     where = f"{cls.__qualname__}.__call__"
     hints = _hints(where, call, parameters)
     form = "async def __call__(self, {})"
@@ -161,7 +190,7 @@ def _bind(signature: _Signature, *, takes_context: bool) -> Binding:
         if context is not None:
             roles[context.name] = CONTEXT
     for parameter in named:
-        if parameter.name not in roles and parameter.default is _EMPTY:
+        if parameter.name not in roles and parameter.default is _EMPTY and not signature.decorated:
             _refuse_extra(signature, parameter, message, takes_context=takes_context)
     return _call_shape(signature, roles)
 
@@ -172,24 +201,21 @@ def _message_parameter(
     """The parameter annotated for the registered type, else the first one (unannotated)."""
     hints, message_type = signature.hints, signature.message_type
     if not candidates:
-        variadic = any(p.kind in _VARIADIC for p in signature.parameters)
-        raise ConfigurationError(
-            f"{signature.where} takes no message"
-            + (", only *args/**kwargs" if variadic else "")
-            + f": write {signature.written(f'message: {message_type.__qualname__}')}"
-            + (
-                " (a decorator keeps the handler's signature with functools.wraps)"
-                if variadic
-                else ""
+        written = signature.written(f"message: {message_type.__qualname__}")
+        if any(p.kind in _VARIADIC for p in signature.parameters):
+            raise ConfigurationError(
+                f"{signature.where} takes no message, only *args/**kwargs: write {written}, "
+                "or, if it is a decorator's wrapper, decorate it with "
+                "`@functools.wraps(handler)` so that the handler's own signature shows"
             )
-        )
+        raise ConfigurationError(f"{signature.where} takes no message: write {written}")
     for parameter in candidates:
         hint = hints.get(parameter.name, _EMPTY)
         if not _is_wildcard(hint) and accepts(hint, message_type):
             return parameter
     first = candidates[0]
     hint = hints.get(first.name, _EMPTY)
-    if not _is_wildcard(hint):
+    if not _is_wildcard(hint) and not _maybe_local(signature, first):
         registered = message_type.__qualname__
         plain = isinstance(hint, type) and not typing.get_args(hint)
         instead = f"register it for {hint_name(hint)}, or " if plain else ""
@@ -201,12 +227,18 @@ def _message_parameter(
     return first
 
 
+def _maybe_local(signature: _Signature, parameter: inspect.Parameter) -> bool:
+    """Whether a string annotation may name a class local to the function defining the handler,
+    which its module (where the string was evaluated) does not see: it is taken on trust."""
+    return isinstance(parameter.annotation, str) and "<locals>" in signature.where
+
+
 def _unannotated_context(
     signature: _Signature, candidates: list[inspect.Parameter]
 ) -> inspect.Parameter | None:
-    """The `(message, context)` form: the next required unannotated parameter."""
+    """The `(message, context)` form: the next unannotated parameter, required or `= None`."""
     for parameter in candidates:
-        if parameter.default is _EMPTY and _is_wildcard(
+        if (parameter.default is _EMPTY or parameter.default is None) and _is_wildcard(
             signature.hints.get(parameter.name, _EMPTY)
         ):
             return parameter
@@ -231,7 +263,9 @@ def _refuse_extra(
     raise ConfigurationError(
         f"{head}: a handler function takes the message and, if it wants, the context, e.g. "
         f"{signature.written(label, 'context: MessageContext')}; take other dependencies in "
-        f"a handler class's __init__, or give `{parameter.name}` a default"
+        f"a handler class's __init__, bind it before registering "
+        f"(`functools.partial(handler, {parameter.name}=...)`), or give `{parameter.name}` a "
+        "default"
     )
 
 
@@ -269,6 +303,8 @@ def accepts(hint: Any, message_type: type) -> bool:
         return not hint.__constraints__ or any(
             accepts(c, message_type) for c in hint.__constraints__
         )
+    if type(hint).__name__ == "TypeAliasType":  # `type Events = Ping | Pong` (3.12)
+        return accepts(hint.__value__, message_type)
     if is_union(hint):
         return any(accepts(member, message_type) for member in typing.get_args(hint))
     origin = typing.get_origin(hint)
@@ -293,6 +329,8 @@ def hint_name(hint: Any) -> str:
     """An annotation as written: `Ping`, `Ping | None`, `list[int]`."""
     if hint is type(None):
         return "None"
+    if isinstance(hint, typing.NewType):
+        return hint.__name__
     if is_union(hint):
         return " | ".join(hint_name(member) for member in typing.get_args(hint))
     if isinstance(hint, type) and not typing.get_args(hint):
@@ -316,6 +354,13 @@ def _is_context(hint: Any) -> bool:
     if is_union(hint):
         return any(_is_context(member) for member in typing.get_args(hint))
     return (getattr(hint, "__module__", None), getattr(hint, "__qualname__", None)) == _CONTEXT
+
+
+def _opaque(parameters: list[inspect.Parameter]) -> bool:
+    """Whether the parameters are `*args` (and `**kwargs`) alone: they say nothing."""
+    return any(p.kind is p.VAR_POSITIONAL for p in parameters) and all(
+        p.kind in _VARIADIC for p in parameters
+    )
 
 
 def _is_wildcard(hint: Any) -> bool:
@@ -350,7 +395,8 @@ def _evaluated(where: str, annotation: Any, namespace: dict[str, Any]) -> Any:
 
 
 def _unreadable(where: str, error: Exception) -> ConfigurationError:
-    return ConfigurationError(
-        f"cannot read the type hints of {where} ({error}): import the annotated types at "
-        "module level"
-    )
+    if isinstance(error, SyntaxError):
+        advice = "write each annotation as a Python expression"
+    else:
+        advice = "import the annotated types at module level"
+    return ConfigurationError(f"cannot read the type hints of {where} ({error}): {advice}")

@@ -457,7 +457,8 @@ def _uncorrelated_subscription(spec: SagaSpec, message_type: type, method: str) 
         f"{saga} takes {name} (method {method}) but has no correlation for it, and the app "
         f"subscribes to {name}: a published {name} would never find its saga. Add "
         f"`{name}: {attribute!r}` to {saga}.correlation (or, if {name} is only this saga's "
-        "timeout, do not subscribe to it)"
+        "timeout, do not subscribe to it; if the app subscribes to it for another handler, "
+        "give the timeout a type of its own)"
     )
 
 
@@ -564,7 +565,14 @@ def _check_correlation(cls: type, message_type: type, correlate: Callable[[Any],
 
 
 def _check_attribute(where: str, message_type: type, attribute: str) -> None:
-    """Refuse an attribute that neither the message class nor a subclass of it has."""
+    """Refuse an attribute that neither the message class nor a subclass of it has, or a method."""
+    if isinstance(inspect.getattr_static(message_type, attribute, None), types.FunctionType):
+        raise ConfigurationError(
+            f"{where} is {attribute!r}, a method of {message_type.__qualname__}: the correlation "
+            "would be the method itself, not what it returns, and would find no saga. Make it a "
+            f"@property, or give a function of the message, `lambda message: "
+            f"message.{attribute}()`"
+        )
     if not _knows_attributes(message_type) or any(
         _has_attribute(t, attribute) for t in (message_type, *subclasses(message_type))
     ):
@@ -593,10 +601,13 @@ def _check_attribute(where: str, message_type: type, attribute: str) -> None:
 def _knows_attributes(cls: type) -> bool:
     """Whether every attribute of `cls`'s messages is known from the class (fields and all).
 
-    Not so for a plain class, or one whose `__getattr__` may answer any name (pydantic's own
-    serves only private attributes and, with `extra="allow"`, unknown fields).
+    Not so for a plain class, one whose `__getattr__` may answer any name (pydantic's own
+    serves only private attributes and, with `extra="allow"`, unknown fields), or one whose
+    post-init hook may set attributes of its own.
     """
     if not _is_data_class(cls) or _keeps_extras(cls):
+        return False
+    if hasattr(cls, "__post_init__") or hasattr(cls, "__attrs_post_init__"):
         return False
     return not any(
         "__getattr__" in klass.__dict__ and not klass.__module__.startswith("pydantic")
@@ -613,7 +624,8 @@ def _check_new_data(cls: type, data_type: type, started_by: tuple[type, ...]) ->
     """Refuse a saga whose first start message would fail to make its data."""
     name = cls.__qualname__
     made = inspect.getattr_static(cls, "new_data")
-    if inspect.iscoroutinefunction(made):
+    function = made.__func__ if isinstance(made, staticmethod | classmethod) else made
+    if inspect.iscoroutinefunction(function):
         raise ConfigurationError(
             f"{name}.new_data is `async def`, but it is called without await: make it a plain "
             f"`def new_data(self, message)` that returns the {data_type.__qualname__}"
@@ -664,13 +676,11 @@ def _required_fields(data_type: type) -> list[str]:
             for name, info in model_fields.items()
             if info.is_required()
         ]
-    if dataclasses.is_dataclass(data_type):
+    if dataclasses.is_dataclass(data_type):  # its __init__: InitVars too, or one of its own
         return [
-            f.name
-            for f in dataclasses.fields(data_type)
-            if f.init
-            and f.default is dataclasses.MISSING
-            and f.default_factory is dataclasses.MISSING
+            p.name
+            for p in inspect.signature(data_type).parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
         ]
     attributes = getattr(data_type, "__attrs_attrs__", ())
     nothing = getattr(sys.modules.get("attr"), "NOTHING", None)

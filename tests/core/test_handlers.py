@@ -2,10 +2,12 @@
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NewType
+from unittest.mock import AsyncMock
 
 import pytest
 from lagom import Container, Singleton
+from typing_extensions import TypeAliasType
 
 from mersal import App, ConfigurationError, MessageContext, RetryPolicy
 from mersal.testing import Harness
@@ -56,6 +58,10 @@ class Counter:
 
     def __init__(self) -> None:
         self.value = 0
+
+
+async def for_place_order(message: PlaceOrder) -> None:
+    pass
 
 
 def orders_app(**kwargs: Any) -> App:
@@ -464,6 +470,10 @@ async def unannotated_context_first(context, message: PlaceOrder) -> None:
     seen_by_form.append((message, context))
 
 
+async def unannotated_context_defaulting_to_none(message, context=None):
+    seen_by_form.append((message, context))
+
+
 async def string_annotations(message: "PlaceOrder", context: "MessageContext") -> None:
     seen_by_form.append((message, context))
 
@@ -500,6 +510,7 @@ async def with_prefix(prefix: str, message: PlaceOrder, context: MessageContext)
         unannotated,
         unannotated_context,
         unannotated_context_first,
+        unannotated_context_defaulting_to_none,
         string_annotations,
         names_imported_for_type_checking_only,
         ContextFirstObject(),
@@ -541,6 +552,66 @@ async def test_a_handler_class_call_with_a_defaulted_parameter_keeps_its_default
     assert notes == ["o-1 kept"]
 
 
+def without_wraps(function: Any) -> Any:
+    """A decorator that hides the signature of what it decorates."""
+
+    async def wrapper(*args: Any, **kwargs: Any) -> object:
+        return await function(*args, **kwargs)
+
+    return wrapper
+
+
+async def test_a_handler_class_call_decorated_without_wraps_gets_the_message() -> None:
+    got: list[PlaceOrder] = []
+
+    class Handler:
+        @without_wraps
+        async def __call__(self, message: PlaceOrder) -> None:
+            got.append(message)
+
+    app = orders_app()
+    app.register(PlaceOrder, Handler)
+    async with Harness(app) as bus:
+        await app.send(PlaceOrder("o-1", 1.0))
+        await bus.idle()
+
+    assert got == [PlaceOrder("o-1", 1.0)]
+
+
+@pytest.mark.parametrize(
+    "mock", [AsyncMock(), AsyncMock(spec=for_place_order)], ids=["plain", "with-spec"]
+)
+async def test_an_async_mock_is_called_with_the_message_alone(mock: AsyncMock) -> None:
+    app = orders_app()
+    app.register(PlaceOrder, mock)
+    async with Harness(app) as bus:
+        await app.send(PlaceOrder("o-1", 1.0))
+        await bus.idle()
+
+    mock.assert_awaited_once_with(PlaceOrder("o-1", 1.0))
+
+
+class Repository:
+    """A dependency a decorator passes to the function it decorates."""
+
+
+async def test_a_decorated_function_may_leave_parameters_for_its_decorator_to_fill() -> None:
+    got: list[tuple[PlaceOrder, object]] = []
+
+    async def place(message: PlaceOrder, repository: Repository) -> None:
+        got.append((message, repository))
+
+    container = Container()
+    container[Repository] = Repository()
+    app = orders_app()
+    app.register(PlaceOrder, container.magic_partial(place))
+    async with Harness(app) as bus:
+        await app.send(PlaceOrder("o-1", 1.0))
+        await bus.idle()
+
+    assert got == [(PlaceOrder("o-1", 1.0), container[Repository])]
+
+
 async def for_animals(message: Animal) -> None:
     pass
 
@@ -561,6 +632,13 @@ async def for_objects(message: object) -> None:
     pass
 
 
+AnimalOrNote = TypeAliasType("AnimalOrNote", Animal | Notify)
+
+
+async def for_an_alias_of_animals_or_notes(message: AnimalOrNote) -> None:
+    pass
+
+
 async def for_anything_unannotated(message):
     pass
 
@@ -573,6 +651,7 @@ async def for_anything_unannotated(message):
         for_animals_or_notes,
         for_anything,
         for_objects,
+        for_an_alias_of_animals_or_notes,
         for_anything_unannotated,
     ],
     ids=lambda handler: handler.__name__,
@@ -610,8 +689,8 @@ async def takes_anything(*args: Any, **kwargs: Any) -> None:
 def test_a_function_taking_only_args_and_kwargs_is_refused() -> None:
     assert refusal(Ping, takes_anything) == (
         "takes_anything takes no message, only *args/**kwargs: write `async def "
-        "takes_anything(message: Ping)` (a decorator keeps the handler's signature with "
-        "functools.wraps)"
+        "takes_anything(message: Ping)`, or, if it is a decorator's wrapper, decorate it with "
+        "`@functools.wraps(handler)` so that the handler's own signature shows"
     )
 
 
@@ -668,8 +747,9 @@ def test_a_function_with_a_parameter_nothing_fills_is_refused() -> None:
     assert refusal(Ping, with_other) == (
         "with_other's parameter `other: int` would receive nothing: a handler function takes "
         "the message and, if it wants, the context, e.g. `async def with_other(msg: Ping, "
-        "context: MessageContext)`; take other dependencies in a handler class's __init__, or "
-        "give `other` a default"
+        "context: MessageContext)`; take other dependencies in a handler class's __init__, bind "
+        "it before registering (`functools.partial(handler, other=...)`), or give `other` a "
+        "default"
     )
 
 
@@ -682,7 +762,8 @@ def test_a_third_unannotated_parameter_is_refused() -> None:
         "three_unannotated's parameter `extra` would receive nothing: a handler function takes "
         "the message and, if it wants, the context, e.g. `async def three_unannotated(message: "
         "Ping, context: MessageContext)`; take other dependencies in a handler class's "
-        "__init__, or give `extra` a default"
+        "__init__, bind it before registering (`functools.partial(handler, extra=...)`), or "
+        "give `extra` a default"
     )
 
 
@@ -717,7 +798,68 @@ def test_an_annotation_that_cannot_be_read_is_refused() -> None:
     assert refusal(Ping, unreadable).startswith(
         "cannot read the type hints of unreadable (",
     )
-    assert refusal(Ping, unreadable).endswith("): import the annotated types at module level")
+    assert refusal(Ping, unreadable).endswith("): write each annotation as a Python expression")
+
+
+async def unimported(message: "dataclass.Missing") -> None:
+    pass
+
+
+def test_an_annotation_naming_what_its_module_lacks_says_to_import_it() -> None:
+    assert refusal(Ping, unimported) == (
+        "cannot read the type hints of unimported ('function' object has no attribute "
+        "'Missing'): import the annotated types at module level"
+    )
+
+
+PingAlias = NewType("PingAlias", Ping)
+
+
+async def newtype_of_ping(message: PingAlias) -> None:
+    pass
+
+
+def test_a_newtype_annotation_is_named_as_written() -> None:
+    assert refusal(Ping, newtype_of_ping) == (
+        "newtype_of_ping is registered for Ping but its message parameter `message` is "
+        "annotated PingAlias: annotate `message: Ping`"
+    )
+
+
+class Placing:
+    async def place(self, message: PlaceOrder) -> None:
+        pass
+
+
+def test_a_method_taken_from_its_class_is_refused() -> None:
+    assert refusal(PlaceOrder, Placing.place) == (
+        "Placing.place is a method taken from its class, so its `self` would receive the "
+        "message or its context: register an instance's method, `Placing(...).place`, or "
+        "register Placing as a handler class with `async def __call__(self, message: "
+        "PlaceOrder)`"
+    )
+
+
+async def test_a_string_annotation_of_a_local_handler_may_name_a_local_class() -> None:
+    """The string is evaluated in the module, where PlaceOrder is another class."""
+
+    @dataclass
+    class PlaceOrder:
+        order_id: str
+
+    got: list[PlaceOrder] = []
+
+    async def place(message: "PlaceOrder") -> None:
+        got.append(message)
+
+    app = App("orders")
+    app.route(PlaceOrder, "orders")
+    app.register(PlaceOrder, place)
+    async with Harness(app) as bus:
+        await app.send(PlaceOrder("o-1"))
+        await bus.idle()
+
+    assert got == [PlaceOrder("o-1")]
 
 
 class PongHandler:

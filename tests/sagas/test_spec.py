@@ -5,7 +5,7 @@ Every ConfigurationError must say what to change, so each test checks the fix is
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Union
 
 import attrs
@@ -564,7 +564,8 @@ SUBSCRIBED_TIMEOUT = (
     "Shipping takes OrderShipped (method shipped) but has no correlation for it, and the app "
     "subscribes to OrderShipped: a published OrderShipped would never find its saga. Add "
     "`OrderShipped: 'order_id'` to Shipping.correlation (or, if OrderShipped is only this "
-    "saga's timeout, do not subscribe to it)"
+    "saga's timeout, do not subscribe to it; if the app subscribes to it for another handler, "
+    "give the timeout a type of its own)"
 )
 
 
@@ -774,7 +775,7 @@ def test_a_correlation_attribute_of_a_class_without_fields_is_refused() -> None:
 
 def test_correlation_attributes_that_messages_have_without_a_field_are_accepted() -> None:
     """A property, a field of every subclass of a base type, an extra field that pydantic keeps,
-    and any attribute of a class whose fields are not known (here: a __getattr__)."""
+    and any attribute of a class whose fields are not known (a __getattr__, a __post_init__)."""
 
     @dataclass
     class Keyed:
@@ -801,9 +802,22 @@ def test_correlation_attributes_that_messages_have_without_a_field_are_accepted(
         def __getattr__(self, name: str) -> str:
             return name
 
+    @dataclass
+    class Derived:
+        region: str
+
+        def __post_init__(self) -> None:
+            self.key = f"{self.region}-1"
+
     class Accepting(Saga[Fulfilment]):
         started_by = (Keyed,)
-        correlation = {Keyed: "key", Event: "order_id", Loose: "order_id", Dynamic: "anything"}
+        correlation = {
+            Keyed: "key",
+            Event: "order_id",
+            Loose: "order_id",
+            Dynamic: "anything",
+            Derived: "key",
+        }
 
         async def keyed(self, event: Keyed) -> None:
             pass
@@ -817,9 +831,34 @@ def test_correlation_attributes_that_messages_have_without_a_field_are_accepted(
         async def dynamic(self, event: Dynamic) -> None:
             pass
 
+        async def derived(self, event: Derived) -> None:
+            pass
+
     app = App("orders")
     app.register_saga(Accepting)
     assert app.sagas == [Accepting]
+
+
+def test_a_correlation_naming_a_method_of_the_message_is_refused() -> None:
+    @dataclass
+    class Keyed:
+        region: str
+
+        def key(self) -> str:
+            return self.region
+
+    class ByMethod(Saga[Fulfilment]):
+        started_by = (Keyed,)
+        correlation = {Keyed: "key"}
+
+        async def keyed(self, event: Keyed) -> None:
+            pass
+
+    assert plain(refusal(ByMethod)) == (
+        "ByMethod.correlation[Keyed] is 'key', a method of Keyed: the correlation would be the "
+        "method itself, not what it returns, and would find no saga. Make it a @property, or "
+        "give a function of the message, `lambda message: message.key()`"
+    )
 
 
 def test_a_correlation_function_that_cannot_take_the_message_alone_is_refused() -> None:
@@ -907,6 +946,46 @@ def test_required_fields_are_found_in_every_kind_of_data_class(data: type) -> No
     )
 
 
+@dataclass
+class Seeded:
+    seed: InitVar[int]
+    n: int = 0
+
+
+@dataclass(init=False)
+class SelfMade:
+    n: int
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+def test_required_dataclass_arguments_are_read_from_its_init() -> None:
+    class NeedsSeed(Saga[Seeded]):
+        started_by = (OrderPlaced,)
+        correlation = {OrderPlaced: "order_id"}
+
+        async def placed(self, event: OrderPlaced) -> None:
+            pass
+
+    class MakesItself(Saga[SelfMade]):
+        started_by = (OrderPlaced,)
+        correlation = {OrderPlaced: "order_id"}
+
+        async def placed(self, event: OrderPlaced) -> None:
+            pass
+
+    assert plain(refusal(NeedsSeed)) == (
+        "NeedsSeed does not override new_data, and its data Seeded cannot be made without "
+        "arguments: seed has no default, so every start message would be dead-lettered. Give "
+        "it a default, or make the data from the start message: `def new_data(self, message: "
+        "OrderPlaced) -> Seeded: return Seeded(seed=...)`"
+    )
+    app = App("orders")
+    app.register_saga(MakesItself)
+    assert app.sagas == [MakesItself]
+
+
 def test_a_required_field_the_start_message_lacks_is_left_to_fill_in() -> None:
     @dataclass
     class Counted:
@@ -959,6 +1038,59 @@ def test_an_async_new_data_is_refused() -> None:
         "Awaited.new_data is `async def`, but it is called without await: make it a plain "
         "`def new_data(self, message)` that returns the OrderData"
     )
+
+
+def test_an_async_static_or_class_method_new_data_is_refused() -> None:
+    class Static(Saga[OrderData]):
+        started_by = (Placed,)
+        correlation = {Placed: "order_id"}
+
+        @staticmethod
+        async def new_data(message: Placed) -> OrderData:  # type: ignore[override]
+            return OrderData(message.order_id, message.total)
+
+        async def placed(self, event: Placed) -> None:
+            pass
+
+    class Class(Static):
+        @classmethod
+        async def new_data(cls, message: Placed) -> OrderData:  # type: ignore[override]
+            return OrderData(message.order_id, message.total)
+
+    for saga in (Static, Class):
+        assert plain(refusal(saga)) == (
+            f"{saga.__name__}.new_data is `async def`, but it is called without await: "
+            "make it a plain `def new_data(self, message)` that returns the OrderData"
+        )
+
+
+async def test_a_static_or_class_method_new_data_makes_the_data() -> None:
+    class Static(Saga[OrderData]):
+        started_by = (Placed,)
+        correlation = {Placed: "order_id"}
+
+        @staticmethod
+        def new_data(message: Placed) -> OrderData:  # type: ignore[override]
+            return OrderData(message.order_id, message.total)
+
+        async def placed(self, event: Placed) -> None:
+            pass
+
+    class Class(Static, name="class-made"):
+        @classmethod
+        def new_data(cls, message: Placed) -> OrderData:  # type: ignore[override]
+            return OrderData(message.order_id, message.total + 1)
+
+    app = App("orders")
+    app.route(Placed, "orders")
+    app.register_saga(Static)
+    app.register_saga(Class)
+    async with Harness(app) as bus:
+        await app.send(Placed("o-1", 5))
+        await bus.idle()
+
+        assert await bus.saga_data(Static, "o-1") == OrderData("o-1", 5)
+        assert await bus.saga_data(Class, "o-1") == OrderData("o-1", 6)
 
 
 def test_a_new_data_that_does_not_take_the_message_is_refused() -> None:
