@@ -45,9 +45,8 @@ async def main(url: str) -> list[int]:
 
     app.register(Ping, pong)
     app.route(Ping, app.name)
-    async with (
-        app
-    ):  # declares "docs.pings" (quorum) and "docs.pings.error" (durable)
+    # declares "docs.pings" (quorum) and "docs.pings.error" (durable)
+    async with app:
         for n in range(3):
             await app.send(Ping(n))  # returns once RabbitMQ confirmed it
         await asyncio.wait_for(done.wait(), timeout=10)

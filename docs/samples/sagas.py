@@ -118,9 +118,8 @@ class InvoiceCollection(Saga[Invoice], name="billing.InvoiceCollection"):
 
     # --8<-- [start:not_found]
     async def not_found(self, message: object) -> None:
-        if isinstance(
-            message, PaymentReceived
-        ):  # paid twice, paid after a cancel, a typo
+        # paid twice, paid after a cancel, a typo
+        if isinstance(message, PaymentReceived):
             raise UnmatchedPayment(
                 f"no open invoice for payment {message.reference!r}"
             )
@@ -197,9 +196,8 @@ async def main() -> tuple[Invoice | None, list[DeadLetter]]:
         await app.publish(PaymentReceived("INV-i-3", 50.0))
         await app.publish(InvoiceCancelled("i-3"))  # too late: ignored
         await bus.idle(include_delayed=False)
-        while bus.deliver_delayed(
-            within=1.0
-        ):  # the quick retries, not the timeouts
+        # the quick retries, not the timeouts
+        while bus.deliver_delayed(within=1.0):
             await bus.idle(include_delayed=False)
         left = await bus.saga_data(InvoiceCollection, "i-1")
         return left, bus.dead_lettered

@@ -42,9 +42,8 @@ def build_app() -> App:
 
 async def test_a_declined_order_is_dead_lettered_after_three_attempts() -> None:
     app = build_app()
-    async with Harness(
-        app
-    ) as bus:  # a private memory:// broker, whatever the app's transport
+    # a private memory:// broker, whatever the app's transport
+    async with Harness(app) as bus:
         await app.send(PlaceOrder("o-1", 9.5))
         await app.send(PlaceOrder("o-2", 0))
         # until nothing is queued, in flight, delayed or in an outbox

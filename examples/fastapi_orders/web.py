@@ -53,9 +53,8 @@ def create_api(
             bus, async_sessionmaker(engine, expire_on_commit=False)
         )
         try:
-            async with (
-                bus
-            ):  # starts the relay; leaving sends what waits, then stops
+            # starts the relay; leaving sends what waits, then stops
+            async with bus:
                 yield
         finally:
             # ours: attach(engine=...) leaves it to its owner
@@ -123,9 +122,8 @@ async def place_order(
 ) -> OrderView:
     """Take an order: its row and its PlaceOrder commit together, or neither."""
     try:
-        async with bus.transaction(
-            session
-        ):  # commits the session on a clean exit
+        # commits the session on a clean exit
+        async with bus.transaction(session):
             order = Orders(session).add(body.order_id, body.amount)
             # an outbox row
             await bus.send(PlaceOrder(body.order_id, body.amount))
