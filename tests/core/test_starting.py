@@ -79,6 +79,25 @@ async def test_cancelling_a_waiting_start_ends_it_with_the_app_not_running(
     assert not app.running
 
 
+async def test_stop_during_a_waiting_start_ends_it_with_the_app_not_running(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="mersal.app")
+    app = unreachable_app(free_port())
+    start = asyncio.create_task(app.start(wait=60))
+    await eventually(
+        lambda: any("trying again in" in r.getMessage() for r in caplog.records),
+        "a try that found no broker",
+        timeout=10,
+    )
+    async with asyncio.timeout(10):
+        await app.stop()
+    assert start.done()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    assert not app.running
+
+
 @pytest.mark.integration
 async def test_with_wait_a_broker_that_comes_up_meanwhile_is_used(
     caplog: pytest.LogCaptureFixture, vhost: str
