@@ -88,13 +88,25 @@ class JsonCodec:
             validate = getattr(cls, "model_validate_json", None)
             if validate is not None:
                 return _decode_pydantic(validate, body, cls)
-            decoder = self._decoders[cls] = msgspec.json.Decoder(cls)
+            decoder = self._decoders[cls] = _decoder(cls)
         try:
             return decoder.decode(body)
+        except RecursionError:  # msgspec's answer to JSON nested deeper than the stack
+            raise DecodeError(f"body nests too deeply to decode as {cls.__qualname__}") from None
         except msgspec.ValidationError as error:
             raise DecodeError(f"body does not match {cls.__qualname__}: {error}") from None
         except msgspec.DecodeError as error:
             raise DecodeError(f"body is not valid JSON for {cls.__qualname__}: {error}") from None
+
+
+def _decoder(cls: type) -> msgspec.json.Decoder[Any]:
+    """msgspec's decoder for `cls`, or a `DecodeError` when msgspec cannot decode that class."""
+    try:
+        return msgspec.json.Decoder(cls)
+    except (TypeError, NameError) as error:  # an InitVar, a name the annotations cannot reach
+        raise DecodeError(
+            f"{cls.__qualname__} cannot be decoded from JSON ({type(error).__name__}: {error})"
+        ) from None
 
 
 def is_message_class(cls: type) -> bool:
@@ -110,6 +122,8 @@ def is_message_class(cls: type) -> bool:
 def encode_error(message: object, error: Exception, encode: Callable[[Any], bytes]) -> EncodeError:
     """What could not be encoded in `message` (the field, when one is to blame), and the fix."""
     name = type(message).__qualname__
+    if isinstance(error, RecursionError):
+        return _too_deep(message)
     path, culprit = _unencodable(message, encode, MAX_DEPTH)
     reason = "" if isinstance(error, _Unsupported) else f" ({type(error).__name__}: {error})"
     if path:
@@ -124,6 +138,51 @@ def encode_error(message: object, error: Exception, encode: Callable[[Any], byte
             f"{name} one (e.g. decorate it with @dataclass)"
         )
     return EncodeError(f"cannot encode {name} as JSON{reason}")
+
+
+def _too_deep(message: object) -> EncodeError:
+    """Why `message` nests deeper than the encoder goes: a part that holds its own container."""
+    name = type(message).__qualname__
+    found = _cycle(message)
+    if found is None:
+        return EncodeError(
+            f"cannot encode {name} as JSON: it nests too deeply; send a flatter {name}"
+        )
+    path, container = found
+    held = f"field {container.lstrip('.')}" if container else "the message itself"
+    return EncodeError(
+        f"cannot encode {name} as JSON: field {path.lstrip('.')} holds {held} again (a cycle), "
+        "which JSON cannot carry; send a copy without the cycle (an id in place of the object)"
+    )
+
+
+_PLAIN = str | bytes | int | float | bool | None
+MAX_PARTS = 100_000
+"""How many parts of a message the search for a cycle visits at most."""
+
+
+def _cycle(message: object) -> tuple[str, str] | None:
+    """The path to a part of `message` that is one of its own containers, and that one's path."""
+    steps: list[str] = []  # the path to the part being looked at, one step a level
+    holding: dict[int, int] = {}  # the containers around that part: their depth, by id
+    todo: list[tuple[str, object, bool]] = [("", message, False)]
+    for _ in range(MAX_PARTS):
+        if not todo:
+            break
+        step, value, leaving = todo.pop()
+        if leaving:
+            del holding[id(value)]
+            steps.pop()
+            continue
+        if isinstance(value, _PLAIN):
+            continue
+        if id(value) in holding:
+            return "".join(steps) + step, "".join(steps[1 : holding[id(value)] + 1])
+        steps.append(step)
+        holding[id(value)] = len(steps) - 1
+        todo.append((step, value, True))
+        todo.extend((name, part, False) for name, part in reversed(list(_parts(value))))
+    return None
 
 
 def refusal(message: object, error: DecodeError) -> EncodeError:
@@ -148,7 +207,16 @@ def explain(value: object, error: DecodeError, fix: str = CONVERT) -> str:
         return _pydantic_problem(type(value), errors(), fix)
     if isinstance(cause, msgspec.ValidationError):
         return _msgspec_problem(value, str(cause), fix)
-    return f"it would not decode as {type(value).__qualname__} ({error}); {fix}"
+    name = type(value).__qualname__
+    if isinstance(cause, TypeError | NameError):
+        return (
+            f"no {name} can be decoded, whatever it holds ({type(cause).__name__}: {cause}); "
+            f"change the class: fields of types the JSON codec decodes ({FIELD_TYPES}), "
+            "each named where the class's module can find it"
+        )
+    if isinstance(cause, RecursionError):
+        return f"it nests too deeply for a receiver to decode; send a flatter {name}"
+    return f"it would not decode as {name} ({error}); {fix}"
 
 
 def _msgspec_problem(message: object, text: str, fix: str) -> str:
