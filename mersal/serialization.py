@@ -193,6 +193,7 @@ def refusal(message: object, error: DecodeError) -> EncodeError:
 CONVERT = "convert the value before sending"
 """What to do about a value that does not decode as its field's type, when sending."""
 _EXPECTED = re.compile(r"Expected `(.+)`, got `(.+)`")
+_MISSING = re.compile(r"Object missing required field `(.+)`")
 _STEP = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
 
 
@@ -223,6 +224,14 @@ def _msgspec_problem(message: object, text: str, fix: str) -> str:
     name = type(message).__qualname__
     reason, _, at = text.partition(" - at `$")
     path = at.rstrip("`")
+    missing = _MISSING.fullmatch(reason)
+    if missing is not None and missing[1].startswith("_"):
+        field = f"{path}.{missing[1]}".lstrip(".")
+        return (
+            f"field {field} is left out of the encoding (msgspec does not encode an attrs "
+            "class's fields whose names begin with an underscore), so it would not decode: "
+            "rename the field without the underscore"
+        )
     if not path:
         return f"it would not decode as {name} ({reason}); {fix}"
     field = path.lstrip(".")

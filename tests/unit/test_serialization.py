@@ -333,6 +333,11 @@ class StrictComputedModel(pydantic.BaseModel):
         return self.net * 1.2
 
 
+@attrs.define
+class AttrsPrivate:
+    _note: str
+
+
 @dataclass
 class Order:
     order_id: str
@@ -467,6 +472,12 @@ REFUSED = [
         "cannot send StrictComputedModel: field gross is a computed field, which "
         "StrictComputedModel refuses when it decodes its own encoding (extra='forbid'): let the "
         "model ignore extra fields, or drop the computed field",
+    ),
+    (
+        AttrsPrivate("fragile"),
+        "cannot send AttrsPrivate: field _note is left out of the encoding (msgspec does not "
+        "encode an attrs class's fields whose names begin with an underscore), so it would not "
+        "decode: rename the field without the underscore",
     ),
     (
         Holder(LineModel(sku="pen", quantity=1)),
