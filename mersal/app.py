@@ -604,6 +604,10 @@ class App:
         """
         if self._running:
             return
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not wait >= 0:
+            raise ConfigurationError(
+                f"start(wait={wait!r}) must be a number of seconds >= 0 (0: do not wait)"
+            )
         if wait > 0:
             await self._start_waiting(wait)
             return
