@@ -298,6 +298,12 @@ def _pydantic_problem(cls: type, errors: list[dict[str, Any]], fix: str) -> str:
             "encoding (extra='forbid'): let the model ignore extra fields, or drop the computed "
             "field"
         )
+    if first.get("type") == "missing":
+        return (
+            f"field {field} is not in {name}'s encoding (left out by Field(exclude=True), a "
+            "serialization alias, a serializer or model_construct), so it would not decode: "
+            f"have the encoding carry it, or give the field a default{more}"
+        )
     return (
         f"field {field} holds {_held(value)}, which {name} refuses: {first.get('msg')}{more}; {fix}"
     )

@@ -338,6 +338,11 @@ class AttrsPrivate:
     _note: str
 
 
+class ExcludedModel(pydantic.BaseModel):
+    sku: str
+    note: str = pydantic.Field(exclude=True)
+
+
 @dataclass
 class Order:
     order_id: str
@@ -472,6 +477,12 @@ REFUSED = [
         "cannot send StrictComputedModel: field gross is a computed field, which "
         "StrictComputedModel refuses when it decodes its own encoding (extra='forbid'): let the "
         "model ignore extra fields, or drop the computed field",
+    ),
+    (
+        ExcludedModel(sku="pen", note="fragile"),
+        "cannot send ExcludedModel: field note is not in ExcludedModel's encoding (left out by "
+        "Field(exclude=True), a serialization alias, a serializer or model_construct), so it "
+        "would not decode: have the encoding carry it, or give the field a default",
     ),
     (
         AttrsPrivate("fragile"),
