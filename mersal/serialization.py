@@ -122,14 +122,15 @@ def is_message_class(cls: type) -> bool:
 def encode_error(message: object, error: Exception, encode: Callable[[Any], bytes]) -> EncodeError:
     """What could not be encoded in `message` (the field, when one is to blame), and the fix."""
     name = type(message).__qualname__
-    if isinstance(error, RecursionError):
-        return _too_deep(message)
+    cycle = _cycle(message)  # msgspec says RecursionError, pydantic "Circular reference"
+    if cycle is not None or isinstance(error, RecursionError):
+        return _too_deep(name, cycle)
     path, culprit = _unencodable(message, encode, MAX_DEPTH)
     reason = "" if isinstance(error, _Unsupported) else f" ({type(error).__name__}: {error})"
     if path:
         return EncodeError(
-            f"cannot encode {name} as JSON: field {path.lstrip('.')} holds a "
-            f"{type(culprit).__qualname__}{reason}; give the field a type JSON can carry "
+            f"cannot encode {name} as JSON: field {path.lstrip('.')} holds "
+            f"{a_type(type(culprit))}{reason}; give the field a type JSON can carry "
             f"({FIELD_TYPES}) or convert the value before sending"
         )
     if not is_message_class(type(message)):
@@ -140,10 +141,9 @@ def encode_error(message: object, error: Exception, encode: Callable[[Any], byte
     return EncodeError(f"cannot encode {name} as JSON{reason}")
 
 
-def _too_deep(message: object) -> EncodeError:
-    """Why `message` nests deeper than the encoder goes: a part that holds its own container."""
-    name = type(message).__qualname__
-    found = _cycle(message)
+def _too_deep(name: str, found: tuple[str, str] | None) -> EncodeError:
+    """Why a message nests deeper than the encoder goes: a part that holds its own container
+    (`found`: its path and the container's), or depth alone."""
     if found is None:
         return EncodeError(
             f"cannot encode {name} as JSON: it nests too deeply; send a flatter {name}"

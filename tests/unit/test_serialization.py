@@ -650,3 +650,22 @@ def test_a_class_the_json_codec_cannot_decode_is_refused_at_the_send_saying_so(
     with pytest.raises(DecodeError) as decoding:
         codec.decode(b"{}", type(sent))
     assert str(decoding.value) == f"{name} cannot be decoded from JSON ({reason})"
+
+
+class NodeModel(pydantic.BaseModel):
+    child: "NodeModel | None" = None
+
+
+def test_a_pydantic_model_that_holds_itself_is_an_encode_error_naming_the_cycle(
+    codec: JsonCodec,
+) -> None:
+    node = NodeModel()
+    node.child = node
+
+    with pytest.raises(EncodeError) as raised:
+        codec.encode(node)
+
+    assert str(raised.value) == (
+        "cannot encode NodeModel as JSON: field child holds the message itself again (a cycle), "
+        "which JSON cannot carry; send a copy without the cycle (an id in place of the object)"
+    )
