@@ -234,6 +234,7 @@ def _msgspec_problem(message: object, text: str, fix: str) -> str:
         )
     if not path:
         return f"it would not decode as {name} ({reason}); {fix}"
+    path = _field_path(message, path)
     field = path.lstrip(".")
     found, value = _at(message, path)
     if not found:
@@ -249,6 +250,20 @@ def _msgspec_problem(message: object, text: str, fix: str) -> str:
     if expected is not None:
         return f"field {field} {held} where {name} declares {expected[1]}; {fix}"
     return f"field {field} {held}, which {name} refuses ({reason}); {fix}"
+
+
+def _field_path(message: object, path: str) -> str:
+    """`path` with the index into an array_like Struct (`[1]`) written as its field (`.qty`)."""
+    if not isinstance(message, msgspec.Struct) or not message.__struct_config__.array_like:
+        return path  # nested array_like Structs keep their indexes
+    first = _STEP.match(path)
+    if first is None or first[2] is None or not first[2].isdigit():
+        return path
+    fields = msgspec.structs.fields(type(message))
+    index = int(first[2]) - (message.__struct_config__.tag is not None)  # the tag comes first
+    if not 0 <= index < len(fields):
+        return path
+    return f".{fields[index].encode_name}{path[first.end() :]}"
 
 
 def _at(value: object, path: str) -> tuple[bool, object]:

@@ -338,6 +338,16 @@ class AttrsPrivate:
     _note: str
 
 
+class RowStruct(msgspec.Struct, array_like=True):
+    sku: str
+    quantity: int
+
+
+class TaggedRowStruct(msgspec.Struct, array_like=True, tag=True):
+    sku: str
+    quantity: int
+
+
 class ExcludedModel(pydantic.BaseModel):
     sku: str
     note: str = pydantic.Field(exclude=True)
@@ -477,6 +487,16 @@ REFUSED = [
         "cannot send StrictComputedModel: field gross is a computed field, which "
         "StrictComputedModel refuses when it decodes its own encoding (extra='forbid'): let the "
         "model ignore extra fields, or drop the computed field",
+    ),
+    (
+        RowStruct("pen", "2"),  # type: ignore[arg-type]
+        "cannot send RowStruct: field quantity holds a str ('2') where RowStruct declares int; "
+        "convert the value before sending",
+    ),
+    (
+        TaggedRowStruct(7, 2),  # type: ignore[arg-type]
+        "cannot send TaggedRowStruct: field sku holds an int (7) where TaggedRowStruct declares "
+        "str; convert the value before sending",
     ),
     (
         ExcludedModel(sku="pen", note="fragile"),
