@@ -174,6 +174,7 @@ class App:
         self._stopping: asyncio.Future[None] | None = None
         self._starting: asyncio.Task[Any] | None = None  # the task in start(), while it runs
         self._start_ended: asyncio.Event | None = None
+        self._waiting: tuple[asyncio.Task[Any], asyncio.Event] | None = None  # start(wait=...)
         self._replies: _Replies | None = None
         self.storage: Storage | None = None
         self.telemetry: Telemetry | None = None  # set by mersal.telemetry.instrument
@@ -598,12 +599,17 @@ class App:
 
         `wait`: seconds to keep trying while the broker or the database does not answer (as
         `mersal run --wait` does, each try logged), for an app started inside a web server's
-        lifespan; 0 fails at the first `Unreachable`. Cancel the awaiting task to stop waiting.
+        lifespan; 0 fails at the first `Unreachable`. Cancel the awaiting task, or call `stop()`,
+        to stop waiting.
         """
         if self._running:
             return
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not wait >= 0:
+            raise ConfigurationError(
+                f"start(wait={wait!r}) must be a number of seconds >= 0 (0: do not wait)"
+            )
         if wait > 0:
-            await start_when_reachable(self, wait, hint="start(wait=SECONDS)", log=log)
+            await self._start_waiting(wait)
             return
         if self.database is not None and self.storage is None:
             storage = attach_storage(self)  # before the check: it provides AsyncSession
@@ -630,6 +636,17 @@ class App:
             mask(transport.address),
             "" if self.consume else " (send-only)",
         )
+
+    async def _start_waiting(self, wait: float) -> None:
+        """Start within `wait` seconds of tries; a `stop()` meanwhile cancels this task."""
+        task = asyncio.current_task()
+        assert task is not None
+        waiting = self._waiting = (task, asyncio.Event())
+        try:
+            await start_when_reachable(self, wait, hint="start(wait=SECONDS)", log=log)
+        finally:
+            self._waiting = None
+            waiting[1].set()
 
     async def _connect(self, transport: Transport) -> None:
         """Start the transport, declare and bind, start the storage, open the consumer."""
@@ -664,7 +681,8 @@ class App:
     async def stop(self) -> None:
         """Stop fetching, finish in-flight messages (within the grace period), disconnect.
 
-        During a `start()` in another task, that start is cancelled and undoes what it did.
+        During a `start()` in another task (waiting between tries too), that start is cancelled
+        and undoes what it did.
         """
         if self._stopping is None:
             if not self._running:
@@ -679,7 +697,7 @@ class App:
 
     async def _abort_start(self) -> None:
         """Cancel a start() under way in another task, and wait until it has undone its work."""
-        starting, ended = self._starting, self._start_ended
+        starting, ended = self._waiting or (self._starting, self._start_ended)
         if starting is None or ended is None or starting is asyncio.current_task():
             return
         starting.cancel()

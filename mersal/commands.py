@@ -59,8 +59,13 @@ def _loop_running() -> bool:
     return True
 
 
+_MISSING = object()
+
+
 def find_app(target: str) -> tuple[object, bool]:
-    """What `module:attribute` names, called if it is a function; and whether it was called."""
+    """What `module:attribute` (or `module:holder.attribute`) names, called if it is a function;
+    and whether it was called.
+    """
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         raise ConfigurationError(f"{target!r} is not module:attribute, e.g. 'orders.service:app'")
@@ -74,9 +79,11 @@ def find_app(target: str) -> tuple[object, bool]:
         raise ConfigurationError(
             f"importing {module_name!r} raised {type(error).__name__}: {error}"
         ) from error
-    found = getattr(module, attribute, None)
-    if found is None:
-        raise ConfigurationError(f"module {module_name!r} has no attribute {attribute!r}")
+    found: object = module
+    for name in attribute.split("."):  # `module:holder.app` reaches into a class or an object
+        found = getattr(found, name, _MISSING)
+        if found is _MISSING:
+            raise ConfigurationError(f"module {module_name!r} has no attribute {attribute!r}")
     if isinstance(found, App) or not callable(found):
         return found, False
     try:
@@ -105,6 +112,8 @@ def checked_app(target: str, found: object, called: bool) -> App:
     """`found` if it is an App; else a ConfigurationError saying what `target` gave instead."""
     if isinstance(found, App):
         return found
+    if inspect.iscoroutine(found):  # an async function that returned another's coroutine
+        found.close()
     what = f"{target}() returned" if called else f"{target} is"
     raise ConfigurationError(
         f"{what} {type(found).__qualname__}, not a mersal App: name an App, or a "

@@ -94,13 +94,25 @@ class JsonCodec:
             validate = getattr(cls, "model_validate_json", None)
             if validate is not None:
                 return _decode_pydantic(validate, body, cls)
-            decoder = self._decoders[cls] = msgspec.json.Decoder(cls)
+            decoder = self._decoders[cls] = _decoder(cls)
         try:
             return decoder.decode(body)
+        except RecursionError:  # msgspec's answer to JSON nested deeper than the stack
+            raise DecodeError(f"body nests too deeply to decode as {cls.__qualname__}") from None
         except msgspec.ValidationError as error:
             raise DecodeError(f"body does not match {cls.__qualname__}: {error}") from None
         except msgspec.DecodeError as error:
             raise DecodeError(f"body is not valid JSON for {cls.__qualname__}: {error}") from None
+
+
+def _decoder(cls: type) -> msgspec.json.Decoder[Any]:
+    """msgspec's decoder for `cls`, or a `DecodeError` when msgspec cannot decode that class."""
+    try:
+        return msgspec.json.Decoder(cls)
+    except (TypeError, NameError) as error:  # an InitVar, a name the annotations cannot reach
+        raise DecodeError(
+            f"{cls.__qualname__} cannot be decoded from JSON ({type(error).__name__}: {error})"
+        ) from None
 
 
 def is_message_class(cls: type) -> bool:
@@ -116,12 +128,15 @@ def is_message_class(cls: type) -> bool:
 def encode_error(message: object, error: Exception, encode: Callable[[Any], bytes]) -> EncodeError:
     """What could not be encoded in `message` (the field, when one is to blame), and the fix."""
     name = type(message).__qualname__
+    cycle = _cycle(message)  # msgspec says RecursionError, pydantic "Circular reference"
+    if cycle is not None or isinstance(error, RecursionError):
+        return _too_deep(name, cycle)
     path, culprit = _unencodable(message, encode, MAX_DEPTH)
     reason = "" if isinstance(error, _Unsupported) else f" ({type(error).__name__}: {error})"
     if path:
         return EncodeError(
-            f"cannot encode {name} as JSON: field {path.lstrip('.')} holds a "
-            f"{type(culprit).__qualname__}{reason}; give the field a type JSON can carry "
+            f"cannot encode {name} as JSON: field {path.lstrip('.')} holds "
+            f"{a_type(type(culprit))}{reason}; give the field a type JSON can carry "
             f"({FIELD_TYPES}) or convert the value before sending"
         )
     if not is_message_class(type(message)):
@@ -132,6 +147,50 @@ def encode_error(message: object, error: Exception, encode: Callable[[Any], byte
     return EncodeError(f"cannot encode {name} as JSON{reason}")
 
 
+def _too_deep(name: str, found: tuple[str, str] | None) -> EncodeError:
+    """Why a message nests deeper than the encoder goes: a part that holds its own container
+    (`found`: its path and the container's), or depth alone."""
+    if found is None:
+        return EncodeError(
+            f"cannot encode {name} as JSON: it nests too deeply; send a flatter {name}"
+        )
+    path, container = found
+    held = f"field {container.lstrip('.')}" if container else "the message itself"
+    return EncodeError(
+        f"cannot encode {name} as JSON: field {path.lstrip('.')} holds {held} again (a cycle), "
+        "which JSON cannot carry; send a copy without the cycle (an id in place of the object)"
+    )
+
+
+_PLAIN = str | bytes | int | float | bool | None
+MAX_PARTS = 100_000
+"""How many parts of a message the search for a cycle visits at most."""
+
+
+def _cycle(message: object) -> tuple[str, str] | None:
+    """The path to a part of `message` that is one of its own containers, and that one's path."""
+    steps: list[str] = []  # the path to the part being looked at, one step a level
+    holding: dict[int, int] = {}  # the containers around that part: their depth, by id
+    todo: list[tuple[str, object, bool]] = [("", message, False)]
+    for _ in range(MAX_PARTS):
+        if not todo:
+            break
+        step, value, leaving = todo.pop()
+        if leaving:
+            del holding[id(value)]
+            steps.pop()
+            continue
+        if isinstance(value, _PLAIN):
+            continue
+        if id(value) in holding:
+            return "".join(steps) + step, "".join(steps[1 : holding[id(value)] + 1])
+        steps.append(step)
+        holding[id(value)] = len(steps) - 1
+        todo.append((step, value, True))
+        todo.extend((name, part, False) for name, part in reversed(list(_parts(value))))
+    return None
+
+
 def refusal(message: object, error: DecodeError) -> EncodeError:
     """Why a receiver would refuse the encoded `message` (`error`: its decode's), and the fix."""
     return EncodeError(f"cannot send {type(message).__qualname__}: {explain(message, error)}")
@@ -140,6 +199,7 @@ def refusal(message: object, error: DecodeError) -> EncodeError:
 CONVERT = "convert the value before sending"
 """What to do about a value that does not decode as its field's type, when sending."""
 _EXPECTED = re.compile(r"Expected `(.+)`, got `(.+)`")
+_MISSING = re.compile(r"Object missing required field `(.+)`")
 _STEP = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
 
 
@@ -154,15 +214,33 @@ def explain(value: object, error: DecodeError, fix: str = CONVERT) -> str:
         return _pydantic_problem(type(value), errors(), fix)
     if isinstance(cause, msgspec.ValidationError):
         return _msgspec_problem(value, str(cause), fix)
-    return f"it would not decode as {type(value).__qualname__} ({error}); {fix}"
+    name = type(value).__qualname__
+    if isinstance(cause, TypeError | NameError):
+        return (
+            f"no {name} can be decoded, whatever it holds ({type(cause).__name__}: {cause}); "
+            f"change the class: fields of types the JSON codec decodes ({FIELD_TYPES}), "
+            "each named where the class's module can find it"
+        )
+    if isinstance(cause, RecursionError):
+        return f"it nests too deeply for a receiver to decode; send a flatter {name}"
+    return f"it would not decode as {name} ({error}); {fix}"
 
 
 def _msgspec_problem(message: object, text: str, fix: str) -> str:
     name = type(message).__qualname__
     reason, _, at = text.partition(" - at `$")
     path = at.rstrip("`")
+    missing = _MISSING.fullmatch(reason)
+    if missing is not None and missing[1].startswith("_"):
+        field = f"{path}.{missing[1]}".lstrip(".")
+        return (
+            f"field {field} is left out of the encoding (msgspec does not encode an attrs "
+            "class's fields whose names begin with an underscore), so it would not decode: "
+            "rename the field without the underscore"
+        )
     if not path:
         return f"it would not decode as {name} ({reason}); {fix}"
+    path = _field_path(message, path)
     field = path.lstrip(".")
     found, value = _at(message, path)
     if not found:
@@ -178,6 +256,20 @@ def _msgspec_problem(message: object, text: str, fix: str) -> str:
     if expected is not None:
         return f"field {field} {held} where {name} declares {expected[1]}; {fix}"
     return f"field {field} {held}, which {name} refuses ({reason}); {fix}"
+
+
+def _field_path(message: object, path: str) -> str:
+    """`path` with the index into an array_like Struct (`[1]`) written as its field (`.qty`)."""
+    if not isinstance(message, msgspec.Struct) or not message.__struct_config__.array_like:
+        return path  # nested array_like Structs keep their indexes
+    first = _STEP.match(path)
+    if first is None or first[2] is None or not first[2].isdigit():
+        return path
+    fields = msgspec.structs.fields(type(message))
+    index = int(first[2]) - (message.__struct_config__.tag is not None)  # the tag comes first
+    if not 0 <= index < len(fields):
+        return path
+    return f".{fields[index].encode_name}{path[first.end() :]}"
 
 
 def _at(value: object, path: str) -> tuple[bool, object]:
@@ -226,6 +318,12 @@ def _pydantic_problem(cls: type, errors: list[dict[str, Any]], fix: str) -> str:
             f"field {field} is a computed field, which {name} refuses when it decodes its own "
             "encoding (extra='forbid'): let the model ignore extra fields, or drop the computed "
             "field"
+        )
+    if first.get("type") == "missing":
+        return (
+            f"field {field} is not in {name}'s encoding (left out by Field(exclude=True), a "
+            "serialization alias, a serializer or model_construct), so it would not decode: "
+            f"have the encoding carry it, or give the field a default{more}"
         )
     return (
         f"field {field} holds {_held(value)}, which {name} refuses: {first.get('msg')}{more}; {fix}"

@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 from mersal.app import App
 from mersal.commands import align, load_app, positive_seconds
 from mersal.errors import ConfigurationError, MersalError
+from mersal.messages import shown
 from mersal.outbox import Storage, attach_storage
 from mersal.plugins import transport_from
 from mersal.transport import Transport, mask, partition_queue, split_urls
@@ -312,11 +313,14 @@ def _count(value: int | None) -> str:
 
 
 def _by_app(storage: StorageStatus) -> list[str]:
-    """Every app's outbox rows, one line each, the counted app marked with `*`."""
+    """Every app's outbox rows, one line each, the counted app marked with `*`.
+
+    An app name is the table's to show as it is written: escaped, one word, cut if long.
+    """
     header = ("  APP", "PENDING", "PARKED", "OLDEST PENDING")
     rows = [
         (
-            f"{'*' if rows.app == storage.app else ' '} {rows.app}",
+            f"{'*' if rows.app == storage.app else ' '} {shown(rows.app)}",
             str(rows.pending),
             str(rows.parked),
             "-" if rows.oldest_pending_age is None else f"{rows.oldest_pending_age:.1f}s",

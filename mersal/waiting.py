@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from mersal.messages import Envelope, Header
+from mersal.messages import Envelope, Header, shown
 
 if TYPE_CHECKING:
     from mersal.app import App
@@ -20,7 +20,7 @@ def type_of(app: App, envelope: Envelope) -> str:
     """The message's class name if the app knows its type, else its wire type name."""
     name = envelope.headers.get(Header.TYPE, "")
     cls = app.types.known(name)
-    return cls.__qualname__ if cls is not None else name or "a message without a type"
+    return cls.__qualname__ if cls is not None else shown(name) or "a message without a type"
 
 
 def tally(names: Iterable[str]) -> str:
@@ -70,11 +70,16 @@ async def stopping(app: App) -> str:
             f"({which})"
         )
     rows = await pending_rows(app) if app.storage is not None and app.storage.relay else 0
-    if rows:
-        waits.append(f"for the outbox relay ({plural(rows, 'row')} pending)")
+    drain = getattr(app.storage, "drain_timeout", None)  # the SQL storage's; others: unbounded
+    left = ""
+    if rows and drain is not None and not drain > 0:
+        left = f"; {plural(rows, 'outbox row')} pending wait for the next start (drain_timeout=0)"
+    elif rows:
+        bound = "" if drain is None else f"up to {drain:g} s "
+        waits.append(f"{bound}for the outbox relay ({plural(rows, 'row')} pending)")
     if not waits:
-        return f"stopping app {app.name!r}: nothing in flight"
-    return f"stopping app {app.name!r}: waiting {' and then '.join(waits)}"
+        return f"stopping app {app.name!r}: nothing in flight{left}"
+    return f"stopping app {app.name!r}: waiting {' and then '.join(waits)}{left}"
 
 
 def stopped(app: App, took: float, unfinished: int) -> str:

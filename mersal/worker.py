@@ -60,8 +60,9 @@ class Worker:
         self._settling: set[asyncio.Task[Any] | None] = set()
         self._fetcher: asyncio.Task[None] | None = None
         self._stopping = False
-        self._started: dict[Delivery, float] = {}
-        """The deliveries being handled or settled, each with the loop time it began."""
+        self._started: dict[int, tuple[Delivery, float]] = {}
+        """The deliveries being handled or settled, each with the loop time it began, by id
+        (a transport's deliveries need not be hashable)."""
 
     @property
     def in_flight(self) -> int:
@@ -71,7 +72,7 @@ class Worker:
     def handling(self) -> list[tuple[Delivery, float]]:
         """The deliveries being handled (or settled) now, each with the seconds it has taken."""
         now = asyncio.get_running_loop().time()
-        return [(delivery, now - began) for delivery, began in self._started.items()]
+        return [(delivery, now - began) for delivery, began in self._started.values()]
 
     def start(self) -> None:
         """Begin pulling deliveries."""
@@ -172,7 +173,7 @@ class Worker:
 
         A stop cancels a task while it handles, never while it settles (see `stop`).
         """
-        self._started[delivery] = asyncio.get_running_loop().time()
+        self._started[id(delivery)] = (delivery, asyncio.get_running_loop().time())
         try:
             try:
                 outcome = await self._handle(delivery)
@@ -196,5 +197,5 @@ class Worker:
             finally:
                 self._settling.discard(task)
         finally:
-            self._started.pop(delivery, None)
+            self._started.pop(id(delivery), None)
             self._slots.release()

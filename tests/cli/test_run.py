@@ -487,6 +487,19 @@ def test_commands_that_read_an_app_await_an_async_factory_in_a_loop_of_their_own
     assert (app.name, app.running) == ("orders", False)
 
 
+def test_an_app_held_by_a_class_in_the_module_is_named_with_a_dot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = f"holder_{uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(
+        "from mersal import App\n\nclass Service:\n    app = App('orders')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+
+    assert load_app(f"{module}:Service.app").name == "orders"
+
+
 async def test_in_a_running_loop_an_async_factory_is_opened_not_loaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -533,6 +546,19 @@ async def test_in_a_running_loop_an_async_factory_is_opened_not_loaded(
             "boom:app is str, not a mersal App: name an App, or a function (async or not) that "
             "returns one",
         ),
+        (
+            "app = None\n",
+            "boom:app",
+            "boom:app is NoneType, not a mersal App: name an App, or a function (async or not) "
+            "that returns one",
+        ),
+        (
+            "async def inner():\n    return 1\nasync def make():\n    return inner()\n",
+            "boom:make",
+            "boom:make() returned coroutine, not a mersal App: name an App, or a function (async "
+            "or not) that returns one",
+        ),
+        ("class Holder:\n    app = None\n", "boom:Holder.nope", "module 'boom' has no attribute"),
     ],
 )
 def test_a_module_that_fails_to_load_is_one_line_and_exit_2(

@@ -27,7 +27,8 @@ from sqlalchemy import insert, inspect
 from mersal import App, RetryPolicy
 from mersal.commands import load_app
 from mersal.messages import Envelope
-from mersal.status import app_status
+from mersal.status import AppRows, StorageStatus, app_status
+from mersal.status import Status as Seen
 from mersal.transport import Outgoing
 from mersal_sqlalchemy.cli import upgrade
 from mersal_sqlalchemy.database import make_engine, sql_time
@@ -621,3 +622,23 @@ async def test_every_app_sharing_the_outbox_is_shown_with_the_one_asked_for_mark
         "  orders-web  2        1       N.Ns",
         "  (* is app 'orders': the outbox line above and the exit status count its rows only)",
     ]
+
+
+def test_an_app_name_in_the_outbox_is_shown_escaped_one_word_and_cut() -> None:
+    hostile = "evil\x1b[2J\nmersal 9 9"
+    apps = (
+        AppRows("orders", 1, 0, None),
+        AppRows(hostile, 0, 0, None),
+        AppRows("é" * 150, 0, 0, None),
+    )
+    seen = Seen(app="orders", database="db", storage=StorageStatus(1, 0, None, 0, "orders", apps))
+
+    lines = seen.lines()
+
+    start = lines.index(f"{'  APP':<102}  PENDING  PARKED  OLDEST PENDING")
+    assert lines[start + 1 : start + 4] == [
+        f"{'* orders':<102}  1        0       -",
+        r"  evil\x1b[2J\nmersal\x209\x209".ljust(102) + "  0        0       -",
+        f"  {'é' * 97}...  0        0       -",
+    ]
+    assert seen.as_json()["outbox"]["apps"][1]["app"] == hostile

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from uuid import uuid4
@@ -16,7 +17,7 @@ import aio_pika
 import pytest
 
 from mersal import App, message
-from mersal.errors import Unreachable
+from mersal.errors import ConfigurationError, Unreachable
 from tests.conftest import RABBITMQ_HOST
 from tests.support import eventually, forwarding, free_port
 
@@ -76,6 +77,38 @@ async def test_cancelling_a_waiting_start_ends_it_with_the_app_not_running(
     async with asyncio.timeout(10):
         with pytest.raises(asyncio.CancelledError):
             await start
+    assert not app.running
+
+
+async def test_stop_during_a_waiting_start_ends_it_with_the_app_not_running(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="mersal.app")
+    app = unreachable_app(free_port())
+    start = asyncio.create_task(app.start(wait=60))
+    await eventually(
+        lambda: any("trying again in" in r.getMessage() for r in caplog.records),
+        "a try that found no broker",
+        timeout=10,
+    )
+    async with asyncio.timeout(10):
+        await app.stop()
+    assert start.done()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    assert not app.running
+
+
+@pytest.mark.parametrize("wait", [-1, math.nan, True, "30"])
+async def test_a_wait_that_is_no_number_of_seconds_is_refused(wait: object) -> None:
+    app = unreachable_app(free_port())
+
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start(wait=wait)  # type: ignore[arg-type]
+
+    assert str(raised.value) == (
+        f"start(wait={wait!r}) must be a number of seconds >= 0 (0: do not wait)"
+    )
     assert not app.running
 
 

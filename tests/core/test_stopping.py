@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import pytest
 
 from mersal import App
+from mersal.messages import Envelope, Header
+from mersal.waiting import type_of
 from tests.support import eventually
 
 
@@ -95,3 +97,13 @@ async def test_a_stop_with_nothing_in_flight_says_so_in_one_short_line(
         ("INFO", "stopping app 'orders': nothing in flight"),
         ("INFO", "app 'orders' stopped in 0.0 s"),
     ]
+
+
+def test_a_type_name_the_app_does_not_know_is_shown_escaped() -> None:
+    app = App("orders")
+    app.register(Ping, slow)
+
+    known = type_of(app, Envelope({Header.TYPE: app.types.name_of(Ping)}, b"{}"))
+    unknown = type_of(app, Envelope({Header.TYPE: "Evil\nINFO app 'x' stopped"}, b"{}"))
+
+    assert (known, unknown) == ("Ping", r"Evil\nINFO\x20app\x20'x'\x20stopped")

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import pytest
 
 from mersal import App, MessageContext, RetryPolicy
+from mersal.messages import Envelope
 from mersal.testing import Harness
+from mersal.transport import Consumer, Delivery
 from mersal.transport.memory import MemoryTransport
 from tests.support import DelegatingTransport, eventually
 
@@ -404,3 +406,60 @@ async def test_a_stop_during_start_ends_the_start_and_leaves_the_app_stopped() -
         await starting
     assert not app.running
     assert transport.stopped
+
+
+@dataclass
+class PlainDelivery:
+    """A transport's delivery written as a plain dataclass: equal by value, not hashable."""
+
+    inner: Delivery
+    envelope: Envelope
+    queue: str
+    redelivered: bool
+
+    async def ack(self) -> None:
+        """Ack the delivery underneath."""
+        await self.inner.ack()
+
+    async def nack(self, requeue: bool = True) -> None:
+        """Nack the delivery underneath."""
+        await self.inner.nack(requeue)
+
+
+class PlainConsumer:
+    """A consumer handing out `PlainDelivery`s."""
+
+    def __init__(self, inner: Consumer) -> None:
+        self.inner = inner
+
+    async def get(self) -> Delivery:
+        """The next delivery, as a dataclass."""
+        got = await self.inner.get()
+        return PlainDelivery(got, got.envelope, got.queue, got.redelivered)
+
+    async def close(self) -> None:
+        """Stop receiving."""
+        await self.inner.close()
+
+
+class PlainTransport(DelegatingTransport):
+    """A memory transport whose deliveries are plain dataclasses."""
+
+    async def consume(self, queue: str, *, prefetch: int) -> Consumer:
+        """Consume through `PlainConsumer`."""
+        return PlainConsumer(await self.inner.consume(queue, prefetch=prefetch))
+
+
+async def test_deliveries_that_are_not_hashable_are_handled() -> None:
+    handled: list[int] = []
+
+    async def handle(message: Job) -> None:
+        handled.append(message.n)
+
+    app = App("jobs", transport=PlainTransport(MemoryTransport(f"memory://{uuid.uuid4().hex}")))
+    app.register(Job, handle)
+    async with app:
+        await app.send_local(Job(1))
+        await app.send_local(Job(2))
+        await eventually(lambda: sorted(handled) == [1, 2], "both jobs handled")
+        await eventually(lambda: app.in_flight == 0, "nothing in flight")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import pytest
@@ -59,6 +60,31 @@ async def test_rows_of_a_relay_killed_before_publishing_leave_after_a_restart(
         await eventually(lambda: len(sink.ids()) == 3, "the restarted relay sends the rows")
         await eventually(lambda: outbox_empty(storage_of(second)), "the outbox empty")
     assert sink.ids() == ids
+
+
+@pytest.mark.parametrize(
+    ("drain", "said"),
+    [
+        (0, "nothing in flight; 3 outbox rows pending wait for the next start (drain_timeout=0)"),
+        (0.2, "waiting up to 0.2 s for the outbox relay (3 rows pending)"),
+    ],
+)
+async def test_a_stop_says_whether_it_waits_for_the_relay_and_how_long(
+    database: str, memory_url: str, drain: float, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = orders_app(database, memory_url, Probe(), drain_timeout=drain)
+    await app.start()
+    try:
+        storage = storage_of(app)
+        assert storage.relay is not None
+        await storage.relay.stop()  # rows committed from now on stay pending
+        await send_ships(app, range(3))
+    finally:
+        with caplog.at_level(logging.INFO, logger="mersal.app"):
+            await app.stop()
+
+    lines = [r.getMessage() for r in caplog.records if r.name == "mersal.app"]
+    assert f"stopping app 'orders': {said}" in lines, lines
 
 
 async def test_messages_of_one_transaction_leave_in_the_order_they_were_sent(

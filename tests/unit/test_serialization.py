@@ -2,8 +2,9 @@
 
 import enum
 import json
+import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Annotated
@@ -332,6 +333,26 @@ class StrictComputedModel(pydantic.BaseModel):
         return self.net * 1.2
 
 
+@attrs.define
+class AttrsPrivate:
+    _note: str
+
+
+class RowStruct(msgspec.Struct, array_like=True):
+    sku: str
+    quantity: int
+
+
+class TaggedRowStruct(msgspec.Struct, array_like=True, tag=True):
+    sku: str
+    quantity: int
+
+
+class ExcludedModel(pydantic.BaseModel):
+    sku: str
+    note: str = pydantic.Field(exclude=True)
+
+
 @dataclass
 class Order:
     order_id: str
@@ -468,6 +489,28 @@ REFUSED = [
         "model ignore extra fields, or drop the computed field",
     ),
     (
+        RowStruct("pen", "2"),  # type: ignore[arg-type]
+        "cannot send RowStruct: field quantity holds a str ('2') where RowStruct declares int; "
+        "convert the value before sending",
+    ),
+    (
+        TaggedRowStruct(7, 2),  # type: ignore[arg-type]
+        "cannot send TaggedRowStruct: field sku holds an int (7) where TaggedRowStruct declares "
+        "str; convert the value before sending",
+    ),
+    (
+        ExcludedModel(sku="pen", note="fragile"),
+        "cannot send ExcludedModel: field note is not in ExcludedModel's encoding (left out by "
+        "Field(exclude=True), a serialization alias, a serializer or model_construct), so it "
+        "would not decode: have the encoding carry it, or give the field a default",
+    ),
+    (
+        AttrsPrivate("fragile"),
+        "cannot send AttrsPrivate: field _note is left out of the encoding (msgspec does not "
+        "encode an attrs class's fields whose names begin with an underscore), so it would not "
+        "decode: rename the field without the underscore",
+    ),
+    (
         Holder(LineModel(sku="pen", quantity=1)),
         "cannot send Holder: field line holds a pydantic model (LineModel), which only a "
         "pydantic model can hold: make Holder a pydantic model too, or LineModel a dataclass",
@@ -510,4 +553,139 @@ def test_a_codec_built_on_the_json_codec_checks_through_its_own_decode() -> None
     assert str(raised.value) == (
         "cannot send Counted: field count holds a str ('3') where Counted declares int; "
         "convert the value before sending"
+    )
+
+
+@dataclass
+class Node:
+    child: "Node | None" = None
+
+
+@dataclass
+class Nested:
+    items: list[object]
+
+
+def test_a_message_that_holds_itself_is_an_encode_error_naming_the_cycle(
+    codec: JsonCodec,
+) -> None:
+    node = Node()
+    node.child = node
+
+    with pytest.raises(EncodeError) as raised:
+        codec.encode(node)
+
+    assert str(raised.value) == (
+        "cannot encode Node as JSON: field child holds the message itself again (a cycle), "
+        "which JSON cannot carry; send a copy without the cycle (an id in place of the object)"
+    )
+
+
+def test_a_list_that_holds_itself_is_an_encode_error_naming_both_fields(
+    codec: JsonCodec,
+) -> None:
+    items: list[object] = []
+    items.append({"again": items})
+
+    with pytest.raises(EncodeError) as raised:
+        codec.encode(Nested(items))
+
+    assert str(raised.value) == (
+        "cannot encode Nested as JSON: field items[0]['again'] holds field items again (a "
+        "cycle), which JSON cannot carry; send a copy without the cycle (an id in place of the "
+        "object)"
+    )
+
+
+def test_a_message_nested_deeper_than_the_encoder_goes_is_an_encode_error(
+    codec: JsonCodec,
+) -> None:
+    items: list[object] = []
+    for _ in range(sys.getrecursionlimit() * 2):
+        items = [items]
+
+    with pytest.raises(EncodeError) as raised:
+        codec.encode(Nested(items))
+
+    assert str(raised.value) == (
+        "cannot encode Nested as JSON: it nests too deeply; send a flatter Nested"
+    )
+
+
+def test_a_body_too_deep_for_a_receiver_to_decode_is_refused_at_the_send(
+    codec: JsonCodec,
+) -> None:
+    depth = sys.getrecursionlimit() * 2
+    body = b'{"items":' + b"[" * depth + b"]" * depth + b"}"
+
+    with pytest.raises(EncodeError) as raised:
+        codec.validate(Nested([]), body)
+
+    assert str(raised.value) == (
+        "cannot send Nested: it nests too deeply for a receiver to decode; send a flatter Nested"
+    )
+    with pytest.raises(DecodeError) as decoding:
+        codec.decode(body, Nested)
+    assert str(decoding.value) == "body nests too deeply to decode as Nested"
+
+
+@dataclass
+class Scaled:
+    amount: int
+    factor: InitVar[int] = 1
+
+
+@dataclass
+class EitherLine:
+    line: Line | Counted
+
+
+@pytest.mark.parametrize(
+    ("sent", "reason"),
+    [
+        (Scaled(1), "TypeError: dataclasses with `InitVar` fields are not supported"),
+        (
+            EitherLine(Line("pen", 1)),
+            "TypeError: Type unions may not contain more than one dataclass or attrs type - "
+            "type `tests.unit.test_serialization.Line | tests.unit.test_serialization.Counted` "
+            "is not supported",
+        ),
+    ],
+    ids=lambda x: type(x).__name__,
+)
+def test_a_class_the_json_codec_cannot_decode_is_refused_at_the_send_saying_so(
+    codec: JsonCodec, sent: object, reason: str
+) -> None:
+    name = type(sent).__qualname__
+
+    with pytest.raises(EncodeError) as raised:
+        codec.validate(sent, codec.encode(sent))
+
+    assert str(raised.value) == (
+        f"cannot send {name}: no {name} can be decoded, whatever it holds ({reason}); change "
+        "the class: fields of types the JSON codec decodes (str, int, float, bool, None, list, "
+        "dict with str keys, datetime, UUID, Decimal, enum, or a dataclass, pydantic model, "
+        "msgspec Struct or attrs class), each named where the class's module can find it"
+    )
+    with pytest.raises(DecodeError) as decoding:
+        codec.decode(b"{}", type(sent))
+    assert str(decoding.value) == f"{name} cannot be decoded from JSON ({reason})"
+
+
+class NodeModel(pydantic.BaseModel):
+    child: "NodeModel | None" = None
+
+
+def test_a_pydantic_model_that_holds_itself_is_an_encode_error_naming_the_cycle(
+    codec: JsonCodec,
+) -> None:
+    node = NodeModel()
+    node.child = node
+
+    with pytest.raises(EncodeError) as raised:
+        codec.encode(node)
+
+    assert str(raised.value) == (
+        "cannot encode NodeModel as JSON: field child holds the message itself again (a cycle), "
+        "which JSON cannot carry; send a copy without the cycle (an id in place of the object)"
     )
