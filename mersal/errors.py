@@ -19,6 +19,10 @@ class DecodeError(MersalError):
     """A delivery cannot become a message: bad body, unknown or missing type, too large."""
 
 
+class NoHandler(DecodeError):
+    """A message of a type this app decodes but has no handler for: dead-lettered, not dropped."""
+
+
 class EncodeError(MersalError):
     """A message cannot be encoded (a field of a type the codec cannot carry): nothing was sent."""
 

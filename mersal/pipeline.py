@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from uuid import UUID
 
-from mersal.errors import ConfigurationError, DecodeError, Unsendable
+from mersal.errors import ConfigurationError, DecodeError, NoHandler, Unsendable
 from mersal.handlers import Handlers
 from mersal.messages import Envelope, Header, TypeRegistry, new_id
 from mersal.serialization import Codec
@@ -326,6 +326,12 @@ def activate_step(handlers: Handlers) -> Step[MessageContext]:
     async def activate(context: MessageContext, next: Next[MessageContext]) -> None:
         assert context.message_type is not None
         context.handlers = handlers.activate(context.message_type, context)
+        if not context.handlers:
+            name = context.message_type.__qualname__
+            raise NoHandler(
+                f"no handler for {name} in this app: app.register({name}, handler), or route "
+                f"{name} to the app that handles it"
+            )
         await next(context)
 
     return activate
