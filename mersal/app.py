@@ -630,6 +630,7 @@ class App:
         if self._worker is not None:
             self._worker.start()
             self._warn_undelivered()
+            self._warn_unhandled()
         log.info(
             "app %r started on %s%s",
             self.name,
@@ -803,7 +804,6 @@ class App:
                     f"app {self.name!r} subscribes to {message_type.__qualname__} but has no "
                     f"handler for it: app.register({message_type.__qualname__}, handler)"
                 )
-        self._check_routed_home()
         if "commit" not in self.incoming.names:
             raise ConfigurationError(
                 "app.incoming has no 'commit' step, so what handlers send (and, with a database, "
@@ -815,8 +815,8 @@ class App:
             self.saga_store()
             check_subscriptions(self._sagas, self._subscriptions)
 
-    def _check_routed_home(self) -> None:
-        """Refuse a type routed to this app's own queue that no handler here takes."""
+    def _warn_unhandled(self) -> None:
+        """Warn of types routed to this app's own queue that no handler here takes."""
         handled = self.handlers.message_types
         for message_type, queue in self._routes.items():
             if queue != self.name or self.handlers.has_handler(message_type):
@@ -824,10 +824,15 @@ class App:
             if any(issubclass(h, message_type) for h in handled):
                 continue  # its subclasses are handled: the route is theirs
             name = message_type.__qualname__
-            raise ConfigurationError(
-                f"app {self.name!r} routes {name} to its own queue but has no handler for it, "
-                f"so every {name} it received would be dead-lettered: app.register({name}, "
-                f"handler), or route {name} to the app that handles it"
+            log.warning(
+                "app %r routes %s to its own queue but has no handler for it: every %s it "
+                "receives is dead-lettered (NoHandler); app.register(%s, handler), or route %s "
+                "to the app that handles it",
+                self.name,
+                name,
+                name,
+                name,
+                name,
             )
 
     def _check_own_queue(self, what: str) -> None:

@@ -1,6 +1,7 @@
 """Handlers: class handlers with injected dependencies, function handlers, order, failures."""
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, NewType
 from unittest.mock import AsyncMock
@@ -943,3 +944,54 @@ def test_what_is_not_an_async_handler_is_refused_with_the_form_to_write() -> Non
         "'handle' is not a handler: register a class with `async def __call__(self, message: "
         "Ping)` or an `async def` function taking the message"
     )
+
+
+async def test_a_message_no_handler_takes_is_dead_lettered_at_once_not_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = orders_app()  # routes PlaceOrder to its own queue, registers nothing for it
+    with caplog.at_level(logging.WARNING, logger="mersal.app"):
+        async with Harness(app) as bus:
+            await app.send(PlaceOrder("o-1", 1.0))
+            await bus.idle()
+
+    assert (
+        "app 'orders' routes PlaceOrder to its own queue but has no handler for it: every "
+        "PlaceOrder it receives is dead-lettered (NoHandler); app.register(PlaceOrder, handler), "
+        "or route PlaceOrder to the app that handles it"
+    ) in caplog.messages
+    [dead] = bus.dead_lettered
+    assert dead.message == PlaceOrder("o-1", 1.0)
+    assert dead.headers["error-type"] == "mersal.errors.NoHandler"
+    assert dead.headers["error-message"] == (
+        "no handler for PlaceOrder in this app: app.register(PlaceOrder, handler), or route "
+        "PlaceOrder to the app that handles it"
+    )
+    assert dead.headers["error-attempts"] == "1"
+
+
+async def test_a_route_home_whose_subclasses_are_handled_is_not_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = orders_app()
+    app.register(RushOrder, handle_rush)
+    with caplog.at_level(logging.WARNING, logger="mersal.app"):
+        async with Harness(app) as bus:
+            await app.send(RushOrder("o-1", 1.0))
+            await bus.idle()
+
+    assert not [m for m in caplog.messages if "has no handler" in m]
+    assert rushed == [RushOrder("o-1", 1.0)]
+    assert bus.dead_lettered == []
+
+
+@dataclass
+class RushOrder(PlaceOrder):
+    pass
+
+
+rushed: list[PlaceOrder] = []
+
+
+async def handle_rush(message: RushOrder) -> None:
+    rushed.append(message)
