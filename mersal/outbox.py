@@ -126,6 +126,7 @@ class Relay:
         retry_delay: float = 1.0,
         telemetry: Telemetry | None = None,
         measure_backlog: Callable[[], Awaitable[tuple[int, float]]] | None = None,
+        retry_command: Callable[[int], str] | None = None,
     ) -> None:
         self.store = store
         self.transport = transport
@@ -133,6 +134,8 @@ class Relay:
         """Told of each publish, and of the backlog when `measure_backlog` is given."""
         self.measure_backlog = measure_backlog
         """The pending rows and the oldest one's age in seconds, for `telemetry`."""
+        self.retry_command = retry_command or default_retry_command
+        """The command that un-parks a row, named in the log line that parks it."""
         self.batch = batch
         self.poll_interval = poll_interval
         self.max_backoff = max_backoff
@@ -330,11 +333,13 @@ class Relay:
             await self.store.delete(done)
         for row, reason in plan.park:
             log.error(
-                "parking outbox row %d (%s to %r): %s",
+                "parking outbox row %d (%s to %r): %s; after fixing the cause, send it again "
+                "with %s",
                 row.id,
                 describe(row.outgoing.envelope.headers),
                 row.outgoing.address,
                 reason,
+                self.retry_command(row.id),
             )
             await self.store.park(row.id, reason)
         if plan.retry:  # later (unless stopping), so that the rows behind them go meanwhile
@@ -355,6 +360,11 @@ class _Plan:
     park: list[tuple[OutboxRow, str]] = field(default_factory=list)
     retry: list[int] = field(default_factory=list)
     retry_error: Exception | None = None
+
+
+def default_retry_command(row_id: int) -> str:
+    """`mersal outbox retry ID`, for a relay that was not told its database's options."""
+    return f"`mersal outbox retry {row_id}`"
 
 
 def unreachable_reply(outgoing: Outgoing, error: Exception) -> bool:

@@ -123,6 +123,12 @@ class Naming:
         option, note = _url_option("--database", self.database, "MERSAL_DATABASE")
         return f"`mersal outbox list --parked{app}{option}`{note}"
 
+    def outbox_retry(self, row_id: int, table: str | None = None) -> str:
+        """The `mersal outbox retry` command that un-parks a row, and what to add to it."""
+        option, note = _url_option("--database", self.database, "MERSAL_DATABASE")
+        in_table = f" --outbox-table {table}" if table else ""
+        return f"`mersal outbox retry {row_id}{option}{in_table}`{note}"
+
 
 def _url_option(option: str, url: str | None, variable: str | None) -> tuple[str, str]:
     """` --option 'URL'` for a suggested command (no password shown), and what to add to it."""
@@ -141,7 +147,7 @@ def without_password(url: str) -> str:
     if len(urls) > 1:
         return ";".join(without_password(part) for part in urls)
     masked = mask(url)
-    if masked == url:
+    if masked == url and "***" not in url:  # a URL masked already still loses its "***"
         return url
     scheme, separator, rest = masked.partition("://")
     user_info, at, host = rest.rpartition("@")

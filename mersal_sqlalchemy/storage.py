@@ -20,7 +20,7 @@ from mersal.messages import describe
 from mersal.outbox import Relay
 from mersal.pipeline import MessageContext, Next
 from mersal.settle import ACK, run_to_end
-from mersal.status import StorageStatus
+from mersal.status import Naming, StorageStatus
 from mersal.transaction import Commit, Hook, Transaction
 from mersal.transport import Outgoing
 from mersal_sqlalchemy.database import (
@@ -274,6 +274,13 @@ class SqlStorage:
         self._channel = tables.channel if is_postgresql(engine) else None
         self._cleaner: asyncio.Task[None] | None = None
 
+    def retry_command(self, row_id: int) -> str:
+        """The `mersal outbox retry` command that un-parks one of this outbox's rows."""
+        table = self.tables.outbox.name
+        return Naming(database=self.database).outbox_retry(
+            row_id, None if table == DEFAULT_OUTBOX else table
+        )
+
     # Lifecycle.
 
     async def start(self) -> None:
@@ -286,6 +293,7 @@ class SqlStorage:
             poll_interval=self.poll_interval,
             telemetry=self.app.telemetry,
             measure_backlog=self.backlog,
+            retry_command=self.retry_command,
         )
         self.relay.start()
         if self.listen and self._channel is not None:

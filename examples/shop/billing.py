@@ -1,5 +1,6 @@
 """The billing worker: `mersal run examples.shop.billing:create_app`."""
 
+# --8<-- [start:imports]
 from __future__ import annotations
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -8,6 +9,8 @@ from examples.shop.db import Payment
 from examples.shop.messages import ChargeOrder, PaymentReceived, RefundPayment
 from examples.shop.settings import BILLING, Settings
 from mersal import App
+
+# --8<-- [end:imports]
 
 
 # --8<-- [start:handlers]

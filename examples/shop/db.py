@@ -5,6 +5,7 @@ of its own (and Mersal keeps each app's outbox rows, inbox rows and sagas apart
 by the app's name).
 """
 
+# --8<-- [start:imports]
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +16,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from examples.shop.settings import Settings
 from mersal_sqlalchemy import make_engine
+
+# --8<-- [end:imports]
 
 
 # --8<-- [start:tables]
@@ -43,11 +46,11 @@ class Payment(Base):
     # --8<-- [end:tables]
 
 
+# --8<-- [start:orders]
 class UnknownOrder(Exception):
     """No order has the id a message names."""
 
 
-# --8<-- [start:orders]
 class Orders:
     """The orders repository, on the session it was built with."""
 

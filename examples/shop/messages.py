@@ -1,10 +1,13 @@
 """The messages between the orders service and the billing worker."""
 
+# --8<-- [start:imports]
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from mersal import message
+
+# --8<-- [end:imports]
 
 
 # --8<-- [start:messages]

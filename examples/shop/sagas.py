@@ -1,5 +1,6 @@
 """The payment saga: charge an order, mark it paid, or cancel it when late."""
 
+# --8<-- [start:imports]
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from examples.shop.messages import (
 from examples.shop.settings import Settings
 from mersal import App, message
 from mersal.sagas import Saga
+
+# --8<-- [end:imports]
 
 
 # --8<-- [start:saga]

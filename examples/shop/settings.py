@@ -1,11 +1,15 @@
 """The shop's settings: the environment's, else a local broker and database."""
 
+# --8<-- [start:imports]
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+# --8<-- [end:imports]
+
+# --8<-- [start:settings]
 ORDERS = "shop.orders"
 """The orders service's app: its name is its input queue."""
 
@@ -13,7 +17,6 @@ BILLING = "shop.billing"
 """The billing worker's app, whose queue takes ChargeOrder and RefundPayment."""
 
 
-# --8<-- [start:settings]
 @dataclass(frozen=True)
 class Settings:
     """Where the broker and the database are, and how long things may take."""

@@ -5,8 +5,10 @@ lifespan, waiting for the broker and the database as `mersal run --wait` does,
 and runs the payment saga while the server takes requests.
 """
 
+# --8<-- [start:imports]
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -29,6 +31,8 @@ from examples.shop.sagas import OrderPayment
 from examples.shop.settings import BILLING, ORDERS, Settings
 from mersal import App
 from mersal_sqlalchemy import attach, make_engine
+
+# --8<-- [end:imports]
 
 
 # --8<-- [start:shop]
@@ -68,6 +72,12 @@ def create_shop(settings: Settings) -> Shop:
 # --8<-- [start:lifespan]
 def create_api(shop: Shop | None = None) -> FastAPI:
     """The web app (a shop on the environment's settings unless given one)."""
+    # uvicorn sets up only its own loggers: show the Mersal app's (mersal.*)
+    # too, as `mersal run` does (a no-op where logging is set up already)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     shop = shop or create_shop(Settings.from_environment())
 
     @asynccontextmanager
@@ -89,6 +99,7 @@ def create_api(shop: Shop | None = None) -> FastAPI:
     # --8<-- [end:lifespan]
 
 
+# --8<-- [start:requests]
 def get_shop(request: Request) -> Shop:
     """The shop the app was made with."""
     return cast(Shop, request.app.state.shop)
@@ -129,6 +140,7 @@ class OrderView(BaseModel):
 
 
 router = APIRouter()
+# --8<-- [end:requests]
 
 
 # --8<-- [start:endpoints]

@@ -27,7 +27,7 @@ from sqlalchemy import insert, inspect
 from mersal import App, RetryPolicy
 from mersal.commands import load_app
 from mersal.messages import Envelope
-from mersal.status import AppRows, StorageStatus, app_status
+from mersal.status import AppRows, Naming, StorageStatus, app_status
 from mersal.status import Status as Seen
 from mersal.transport import Outgoing
 from mersal_sqlalchemy.cli import upgrade
@@ -642,3 +642,50 @@ def test_an_app_name_in_the_outbox_is_shown_escaped_one_word_and_cut() -> None:
         f"  {'é' * 97}...  0        0       -",
     ]
     assert seen.as_json()["outbox"]["apps"][1]["app"] == hostile
+
+
+@pytest.mark.parametrize(
+    ("database", "environment", "table", "command"),
+    [
+        (
+            "postgresql+asyncpg://app:secret@db/shop",
+            None,
+            None,
+            "`mersal outbox retry 7 --database 'postgresql+asyncpg://app@db/shop'` (its URL "
+            "without the password: add the password, or set MERSAL_DATABASE to the URL and "
+            "leave --database out)",
+        ),
+        (
+            "postgresql+asyncpg://app:secret@db/shop",
+            "postgresql+asyncpg://app:secret@db/shop",
+            "shop_outbox",
+            "`mersal outbox retry 7 --outbox-table shop_outbox`",
+        ),
+        (
+            "postgresql+asyncpg://app:***@db/shop",
+            "postgresql+asyncpg://app:secret@db/shop",
+            None,
+            "`mersal outbox retry 7 --database 'postgresql+asyncpg://app@db/shop'` (its URL "
+            "without the password: add the password, or set MERSAL_DATABASE to the URL and "
+            "leave --database out)",
+        ),
+        (
+            "sqlite+aiosqlite:///shop.db",
+            None,
+            None,
+            "`mersal outbox retry 7 --database 'sqlite+aiosqlite:///shop.db'`",
+        ),
+    ],
+)
+def test_the_retry_command_for_a_parked_row_never_shows_a_password(
+    database: str,
+    environment: str | None,
+    table: str | None,
+    command: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if environment is None:
+        monkeypatch.delenv("MERSAL_DATABASE", raising=False)
+    else:
+        monkeypatch.setenv("MERSAL_DATABASE", environment)
+    assert Naming(database=database).outbox_retry(7, table) == command

@@ -7,6 +7,7 @@ service starts in its lifespan as uvicorn would start it, billing runs as
 (SHOP_PAYMENT_WINDOW).
 """
 
+# --8<-- [start:imports]
 from __future__ import annotations
 
 import asyncio
@@ -37,6 +38,8 @@ from mersal_sqlalchemy import make_engine
 from tests.examples.conftest import mersal_run, ready, served
 from tests.sql.conftest import postgres_database
 from tests.support import eventually, free_port
+
+# --8<-- [end:imports]
 
 
 # --8<-- [start:fixtures]

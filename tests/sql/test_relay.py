@@ -99,11 +99,16 @@ async def test_messages_of_one_transaction_leave_in_the_order_they_were_sent(
 
 
 async def test_a_row_that_cannot_be_routed_is_parked_and_later_rows_still_leave(
-    database: str, memory_url: str
+    database: str,
+    memory_url: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.delenv("MERSAL_DATABASE", raising=False)
     sink = await Sink(memory_url).start()
     app = orders_app(database, memory_url, Probe())
     app.route(Stray, "nowhere")
+    caplog.set_level(logging.ERROR, logger="mersal.outbox")
     async with app:
         storage = storage_of(app)
         async with app.transaction():
@@ -125,6 +130,12 @@ async def test_a_row_that_cannot_be_routed_is_parked_and_later_rows_still_leave(
     assert parked.parked_at is not None
     assert parked.attempts == 1
     assert parked.lease_until is None
+    [said] = [r.getMessage() for r in caplog.records if r.name == "mersal.outbox"]
+    assert said.startswith(f"parking outbox row {parked.id} (id=")
+    assert said.endswith(
+        f" to 'nowhere'): {parked.parked_reason}; after fixing the cause, send it again with "
+        f"`mersal outbox retry {parked.id} --database '{database}'`"
+    )
 
 
 async def test_a_broker_outage_while_relaying_loses_nothing(database: str, memory_url: str) -> None:
