@@ -141,6 +141,11 @@ def _password(database: str | URL | None) -> str | None:
     return str(database.password) if database is not None and database.password else None
 
 
+# SQLAlchemy names a pool's logger after its class, so ours would log its INFO lines ("Pool
+# disposed. Pool size: 35 ...") wherever `mersal*` is at INFO: keep them at SQLAlchemy's level.
+logging.getLogger(f"{__name__}.HandlerPool").setLevel(logging.WARNING)
+
+
 class HandlerPool(AsyncAdaptedQueuePool):
     """SQLAlchemy's asyncio queue pool; a handler's wait for a connection is not counted
     against its `handler_timeout` (on SQLite every message waits for the one connection)."""
