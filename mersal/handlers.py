@@ -45,6 +45,7 @@ The type spells the positional forms; `mersal.binding` checks every signature at
 _UNBUILDABLE = (str, int, float, bool, bytes, complex, list, dict, set, tuple, type(None))
 _SESSION = ("sqlalchemy.ext.asyncio.session", "AsyncSession")
 """SQLAlchemy's AsyncSession, by module and name: the core does not import SQLAlchemy."""
+_SYNC_SESSION = ("sqlalchemy.orm.session", "Session")
 
 
 @dataclass(slots=True)
@@ -168,7 +169,12 @@ class Handlers:
         return instance
 
     def _check_resolvable(
-        self, handler: type, name: str, dependency: Any, path: tuple[str, ...]
+        self,
+        handler: type,
+        name: str,
+        dependency: Any,
+        path: tuple[str, ...],
+        owner: Any = None,
     ) -> None:
         if dependency in self.scoped or self.container.get_definition(dependency) is not None:
             return
@@ -179,22 +185,47 @@ class Handlers:
                 "the app has no database: pass App(database='postgresql+asyncpg://...') (or "
                 "set MERSAL_DATABASE), or drop the session from the handler"
             )
+        if _is_sync_session(dependency):
+            raise ConfigurationError(
+                f"handler {_name(handler)} needs {trail}, SQLAlchemy's synchronous session, "
+                "which Mersal does not provide: ask for the message's "
+                "sqlalchemy.ext.asyncio.AsyncSession instead"
+            )
+        if dependency in _UNBUILDABLE:
+            where = _name(owner if owner is not None else handler)
+            raise ConfigurationError(
+                f"handler {_name(handler)} needs {trail}, and a {_name(dependency)} cannot be "
+                f"injected by its type: give `{name}` a default, or bind {where} in the lagom "
+                f"Container passed as App(container=...), e.g. container[{where}] = {where}(...)"
+            )
         if (
             not inspect.isclass(dependency)
-            or dependency in _UNBUILDABLE
             or inspect.isabstract(dependency)
             or getattr(dependency, "_is_protocol", False)
             or len(path) > 20
         ):
-            raise ConfigurationError(
-                f"handler {_name(handler)} needs {trail}, which nobody provides: bind it in the "
-                f"lagom Container passed as App(container=...), "
-                f"e.g. container[{_name(dependency)}] = ..."
+            raise self._unprovided(handler, trail, dependency)
+        try:
+            parameters = _parameters(dependency)
+        except ConfigurationError:  # a library's class whose hints do not resolve here
+            why = (
+                f" (nor can it be built: {_name(dependency)}.__init__'s type hints do not resolve)"
             )
-        for inner_name, inner in _parameters(dependency):
+            raise self._unprovided(handler, trail, dependency, why) from None
+        for inner_name, inner in parameters:
             self._check_resolvable(
-                handler, inner_name, inner, (*path, f"{name}: {_name(dependency)}")
+                handler, inner_name, inner, (*path, f"{name}: {_name(dependency)}"), dependency
             )
+
+    @staticmethod
+    def _unprovided(
+        handler: type, trail: str, dependency: Any, why: str = ""
+    ) -> ConfigurationError:
+        return ConfigurationError(
+            f"handler {_name(handler)} needs {trail}, which nobody provides{why}: bind it in the "
+            f"lagom Container passed as App(container=...), "
+            f"e.g. container[{_name(dependency)}] = ..."
+        )
 
 
 def _function_builder(function: Any, binding: Binding) -> Callable[[MessageContext], Handle]:
@@ -243,6 +274,11 @@ def _parameters(cls: type) -> list[tuple[str, Any]]:
             )
         found.append((name, hints[name]))
     return found
+
+
+def _is_sync_session(dependency: Any) -> bool:
+    module = getattr(dependency, "__module__", None)
+    return (module, getattr(dependency, "__qualname__", None)) == _SYNC_SESSION
 
 
 def _is_session(dependency: Any) -> bool:
