@@ -227,6 +227,11 @@ class App:
         nothing fills, and a sync function.
         """
         self._check_not_running("register handlers")
+        if not isinstance(message_type, type) and isinstance(handler, type):
+            raise ConfigurationError(
+                f"app.register() takes the message class first, then the handler: "
+                f"app.register({handler.__qualname__}, {getattr(message_type, '__name__', '...')})"
+            )
         check_message_class(message_type, self.codec, "register")
         self.types.add(message_type)
         self.handlers.add(message_type, handler)

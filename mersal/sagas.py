@@ -395,6 +395,7 @@ def saga_spec(cls: object, codec: Codec, *, pessimistic: bool = False) -> SagaSp
             f"{name}'s data {data_type.__qualname__} cannot be stored: make it a dataclass, a "
             "pydantic model or a msgspec Struct"
         )
+    _refuse_sync_methods(cls, {*_mapping(cls), *_started_by(cls)})
     methods = dict(_methods(cls))
     if not methods:
         raise ConfigurationError(
@@ -479,6 +480,29 @@ def _methods(cls: type) -> Iterator[tuple[type, str]]:
                 )
             seen[message_type] = attribute
             yield message_type, attribute
+
+
+def _refuse_sync_methods(cls: type, known: set[type]) -> None:
+    """Refuse a plain `def` method taking just a message the saga correlates or starts by."""
+    for attribute in dir(cls):
+        if attribute.startswith("_") or hasattr(Saga, attribute):
+            continue
+        method = getattr(cls, attribute)
+        if not inspect.isfunction(method) or inspect.iscoroutinefunction(method):
+            continue
+        if len(inspect.signature(method).parameters) != 2:  # self and a message
+            continue
+        try:
+            hints = typing.get_type_hints(method)
+        except Exception:
+            continue  # a helper whose hints do not resolve: not a message method
+        taken = [hint for name, hint in hints.items() if name != "return" and hint in known]
+        if taken:
+            raise ConfigurationError(
+                f"{cls.__qualname__}.{attribute} takes {taken[0].__qualname__} but is not async, "
+                f"so it would never run: write `async def {attribute}(self, message: "
+                f"{taken[0].__qualname__})`"
+            )
 
 
 def _taken_types(cls: type, attribute: str, method: Any) -> list[type]:

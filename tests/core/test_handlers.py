@@ -995,3 +995,12 @@ rushed: list[PlaceOrder] = []
 
 async def handle_rush(message: RushOrder) -> None:
     rushed.append(message)
+
+
+def test_register_with_its_arguments_swapped_says_so() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        App("orders").register(handle_rush, RushOrder)  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        "app.register() takes the message class first, then the handler: "
+        "app.register(RushOrder, handle_rush)"
+    )

@@ -274,6 +274,23 @@ def test_a_saga_with_no_handling_method_is_refused() -> None:
     assert "async def placed(self, event: OrderPlaced)" in message
 
 
+def test_a_plain_def_method_taking_a_correlated_message_is_refused() -> None:
+    class Sync(Saga[Fulfilment]):
+        started_by = (OrderPlaced,)
+        correlation = {OrderPlaced: "order_id"}
+
+        def placed(self, event: OrderPlaced) -> None:
+            pass
+
+        def total(self, amount: int) -> int:  # a helper: no message of the saga's
+            return amount
+
+    assert plain(refusal(Sync)) == (
+        "Sync.placed takes OrderPlaced but is not async, so it would never run: write "
+        "`async def placed(self, message: OrderPlaced)`"
+    )
+
+
 def test_two_methods_for_one_type_are_refused() -> None:
     class Twice(Saga[Fulfilment]):
         started_by = (OrderPlaced,)
