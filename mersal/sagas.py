@@ -395,8 +395,8 @@ def saga_spec(cls: object, codec: Codec, *, pessimistic: bool = False) -> SagaSp
             f"{name}'s data {data_type.__qualname__} cannot be stored: make it a dataclass, a "
             "pydantic model or a msgspec Struct"
         )
-    _refuse_sync_methods(cls, {*_mapping(cls), *_started_by(cls)})
     methods = dict(_methods(cls))
+    _refuse_sync_methods(cls, {*_mapping(cls), *_started_by(cls)} - methods.keys())
     if not methods:
         raise ConfigurationError(
             f"{name} handles nothing: add `async def placed(self, event: OrderPlaced)`-style "
@@ -483,7 +483,8 @@ def _methods(cls: type) -> Iterator[tuple[type, str]]:
 
 
 def _refuse_sync_methods(cls: type, known: set[type]) -> None:
-    """Refuse a plain `def` method taking just a message the saga correlates or starts by."""
+    """Refuse a plain `def` method taking just a message the saga correlates or starts by, when
+    no `async def` method takes it (a plain helper beside that method is left alone)."""
     for attribute in dir(cls):
         if attribute.startswith("_") or hasattr(Saga, attribute):
             continue

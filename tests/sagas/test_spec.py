@@ -291,6 +291,20 @@ def test_a_plain_def_method_taking_a_correlated_message_is_refused() -> None:
     )
 
 
+def test_a_plain_def_helper_beside_the_async_method_of_its_message_is_accepted() -> None:
+    class Helped(Saga[Fulfilment]):
+        started_by = (OrderPlaced,)
+        correlation = {OrderPlaced: "order_id"}
+
+        async def placed(self, event: OrderPlaced) -> None:
+            self.data.order_id = self.key(event)
+
+        def key(self, event: OrderPlaced) -> str:
+            return event.order_id.upper()
+
+    assert saga_spec(Helped, JsonCodec()).methods == {OrderPlaced: "placed"}
+
+
 def test_two_methods_for_one_type_are_refused() -> None:
     class Twice(Saga[Fulfilment]):
         started_by = (OrderPlaced,)
