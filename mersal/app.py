@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import os
@@ -227,10 +228,10 @@ class App:
         nothing fills, and a sync function.
         """
         self._check_not_running("register handlers")
-        if not isinstance(message_type, type) and isinstance(handler, type):
+        if isinstance(handler, type) and _is_handler(message_type) and not _is_handler(handler):
             raise ConfigurationError(
-                f"app.register() takes the message class first, then the handler: "
-                f"app.register({handler.__qualname__}, {getattr(message_type, '__name__', '...')})"
+                "app.register() takes the message class first, then the handler: "
+                f"app.register({handler.__qualname__}, {_handler_name(message_type)})"
             )
         check_message_class(message_type, self.codec, "register")
         self.types.add(message_type)
@@ -960,6 +961,19 @@ class _Replies:
         waiter.set_exception(DecodeError(f"the reply could not be decoded: {failure}"))
         log.error("a reply could not be decoded (%s): %s", failure, describe(envelope.headers))
         return Outcome.dead_letter(failure, 1)
+
+
+def _is_handler(thing: object) -> bool:
+    """Whether `thing` looks like a handler: a function, or a class or object with an async
+    `__call__` (a message class has neither)."""
+    call = getattr(thing, "__call__", None)  # noqa: B004
+    return inspect.isfunction(thing) or inspect.iscoroutinefunction(call)
+
+
+def _handler_name(handler: object) -> str:
+    """How a handler is written in a call: its name, or its class's for an object."""
+    name = getattr(handler, "__qualname__", None)
+    return name if isinstance(name, str) else f"{type(handler).__qualname__}(...)"
 
 
 async def _settled(outcome: Outcome) -> Outcome:

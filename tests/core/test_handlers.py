@@ -1004,3 +1004,26 @@ def test_register_with_its_arguments_swapped_says_so() -> None:
         "app.register() takes the message class first, then the handler: "
         "app.register(RushOrder, handle_rush)"
     )
+
+
+class RushHandler:
+    async def __call__(self, message: RushOrder) -> None:
+        rushed.append(message)
+
+
+def test_register_with_a_handler_class_first_says_the_arguments_are_swapped() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        App("orders").register(RushHandler, RushOrder)  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        "app.register() takes the message class first, then the handler: "
+        "app.register(RushOrder, RushHandler)"
+    )
+
+
+def test_register_with_a_message_instance_says_to_pass_the_class() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        App("orders").register(RushOrder("o-1", 2), RushHandler)  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        "app.register() takes a message class, not RushOrder(order_id='o-1', amount=2): "
+        "pass the class itself"
+    )
