@@ -207,10 +207,8 @@ class Handlers:
             raise self._unprovided(handler, trail, dependency)
         try:
             parameters = _parameters(dependency)
-        except ConfigurationError:  # a library's class whose hints do not resolve here
-            why = (
-                f" (nor can it be built: {_name(dependency)}.__init__'s type hints do not resolve)"
-            )
+        except ConfigurationError:  # a library's class: hints that do not resolve, or none
+            why = f" (nor can it be built: {_unreadable(dependency)})"
             raise self._unprovided(handler, trail, dependency, why) from None
         for inner_name, inner in parameters:
             self._check_resolvable(
@@ -274,6 +272,21 @@ def _parameters(cls: type) -> list[tuple[str, Any]]:
             )
         found.append((name, hints[name]))
     return found
+
+
+def _unreadable(cls: type) -> str:
+    """Why `_parameters` cannot read what `cls.__init__` needs: its hints, unresolved or missing."""
+    init = cls.__init__  # type: ignore[misc]
+    try:
+        hints = typing.get_type_hints(init)
+    except Exception:
+        return f"{_name(cls)}.__init__'s type hints do not resolve"
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    for name, parameter in inspect.signature(init).parameters.items():
+        required = parameter.default is parameter.empty and parameter.kind not in variadic
+        if required and name != "self" and name not in hints:
+            return f"{_name(cls)}.__init__'s parameter {name!r} has no type hint"
+    return f"{_name(cls)}.__init__'s type hints cannot be read"
 
 
 def _is_sync_session(dependency: Any) -> bool:

@@ -143,6 +143,33 @@ async def test_a_dependency_whose_hints_do_not_resolve_is_to_be_bound() -> None:
     )
 
 
+class Unhinted:
+    """A library's class whose constructor's parameters carry no type hints."""
+
+    def __init__(self, url, timeout=5.0) -> None:  # type: ignore[no-untyped-def]
+        self.url = url
+
+
+class UnhintedHandler:
+    def __init__(self, client: Unhinted) -> None:
+        self.client = client
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        pass
+
+
+async def test_a_dependency_without_type_hints_is_to_be_bound() -> None:
+    app = App("a")
+    app.register(PlaceOrder, UnhintedHandler)
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    assert str(raised.value) == (
+        "handler UnhintedHandler needs client: Unhinted, which nobody provides (nor can it be "
+        "built: Unhinted.__init__'s parameter 'url' has no type hint): bind it in the lagom "
+        "Container passed as App(container=...), e.g. container[Unhinted] = ..."
+    )
+
+
 def test_one_message_name_on_two_classes_is_refused() -> None:
     app = App("a")
     app.register(First, noop)
