@@ -192,11 +192,10 @@ class Handlers:
                 "sqlalchemy.ext.asyncio.AsyncSession instead"
             )
         if dependency in _UNBUILDABLE:
-            where = _name(owner if owner is not None else handler)
             raise ConfigurationError(
                 f"handler {_name(handler)} needs {trail}, and a {_name(dependency)} cannot be "
-                f"injected by its type: give `{name}` a default, or bind {where} in the lagom "
-                f"Container passed as App(container=...), e.g. container[{where}] = {where}(...)"
+                f"injected by its type: give `{name}` a default, or "
+                f"{self._instead(handler, owner)}"
             )
         if (
             not inspect.isclass(dependency)
@@ -214,6 +213,18 @@ class Handlers:
             self._check_resolvable(
                 handler, inner_name, inner, (*path, f"{name}: {_name(dependency)}"), dependency
             )
+
+    def _instead(self, handler: type, owner: Any) -> str:
+        """What else gives a value the container cannot: the instance built by the caller."""
+        if owner is not None:  # a dependency's own parameter: the container takes the instance
+            where = _name(owner)
+            return (
+                f"bind {where} in the lagom Container passed as App(container=...), e.g. "
+                f"container[{where}] = {where}(...)"
+            )
+        if handler in self._built:  # a saga, built by the app for every message
+            return "ask for a class of yours that holds it, which the container builds or is given"
+        return f"register an instance, {_name(handler)}(...), in place of the class"
 
     @staticmethod
     def _unprovided(

@@ -116,6 +116,45 @@ async def test_a_handler_asking_for_the_sync_session_is_told_to_ask_for_async_se
     )
 
 
+class LabelledHandler:
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        pass
+
+
+async def test_a_handler_needing_a_str_itself_is_to_take_a_default_or_be_an_instance() -> None:
+    app = App("billing")
+    app.register(PlaceOrder, LabelledHandler)
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    assert str(raised.value) == (
+        "handler LabelledHandler needs label: str, and a str cannot be injected by its type: "
+        "give `label` a default, or register an instance, LabelledHandler(...), in place of "
+        "the class"
+    )
+
+
+async def test_a_handler_instance_holding_its_str_runs() -> None:
+    got: list[str] = []
+
+    class Labelled:
+        def __init__(self, label: str) -> None:
+            self.label = label
+
+        async def __call__(self, message: PlaceOrder) -> None:
+            got.append(self.label)
+
+    app = App("billing")
+    app.register(PlaceOrder, Labelled("eu"))
+    app.route(PlaceOrder, "billing")
+    async with Harness(app) as bus:
+        await app.send(PlaceOrder("o-1"))
+        await bus.idle()
+    assert got == ["eu"]
+
+
 class Unresolvable:
     """A library's class whose constructor's hints name what its module does not import."""
 

@@ -305,6 +305,29 @@ def test_a_plain_def_helper_beside_the_async_method_of_its_message_is_accepted()
     assert saga_spec(Helped, JsonCodec()).methods == {OrderPlaced: "placed"}
 
 
+class Regional(Saga[Fulfilment]):
+    started_by = (OrderPlaced,)
+    correlation = {OrderPlaced: "order_id"}
+
+    def __init__(self, region: str) -> None:
+        self.region = region
+
+    async def placed(self, event: OrderPlaced) -> None:
+        pass
+
+
+async def test_a_saga_needing_a_str_is_to_take_a_default_or_a_class_holding_it() -> None:
+    app = App("orders")
+    app.register_saga(Regional)
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    assert str(raised.value) == (
+        "handler Regional needs region: str, and a str cannot be injected by its type: give "
+        "`region` a default, or ask for a class of yours that holds it, which the container "
+        "builds or is given"
+    )
+
+
 def test_two_methods_for_one_type_are_refused() -> None:
     class Twice(Saga[Fulfilment]):
         started_by = (OrderPlaced,)
