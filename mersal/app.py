@@ -964,10 +964,10 @@ class _Replies:
 
 
 def _is_handler(thing: object) -> bool:
-    """Whether `thing` looks like a handler: a function, or a class or object with an async
-    `__call__` (a message class has neither)."""
+    """Whether `thing` looks like a handler: a function, or a class or object with a
+    `__call__` of its own (a message class has neither)."""
     call = getattr(thing, "__call__", None)  # noqa: B004
-    return inspect.isfunction(thing) or inspect.iscoroutinefunction(call)
+    return inspect.isfunction(thing) or inspect.isfunction(call) or inspect.ismethod(call)
 
 
 def _handler_name(handler: object) -> str:
