@@ -1011,12 +1011,20 @@ class RushHandler:
         rushed.append(message)
 
 
-def test_register_with_a_handler_class_first_says_the_arguments_are_swapped() -> None:
+class SyncRushHandler:
+    def __call__(self, message: RushOrder) -> None:
+        rushed.append(message)
+
+
+@pytest.mark.parametrize("handler", [RushHandler, SyncRushHandler])
+def test_register_with_a_handler_class_first_says_the_arguments_are_swapped(
+    handler: type,
+) -> None:
     with pytest.raises(ConfigurationError) as raised:
-        App("orders").register(RushHandler, RushOrder)  # type: ignore[arg-type]
+        App("orders").register(handler, RushOrder)
     assert str(raised.value) == (
         "app.register() takes the message class first, then the handler: "
-        "app.register(RushOrder, RushHandler)"
+        f"app.register(RushOrder, {handler.__qualname__})"
     )
 
 
