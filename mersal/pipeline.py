@@ -327,14 +327,25 @@ def activate_step(handlers: Handlers) -> Step[MessageContext]:
         assert context.message_type is not None
         context.handlers = handlers.activate(context.message_type, context)
         if not context.handlers:
-            name = context.message_type.__qualname__
-            raise NoHandler(
-                f"no handler for {name} in this app: app.register({name}, handler), or route "
-                f"{name} to the app that handles it"
-            )
+            raise NoHandler(_no_handler(context.message_type, context.headers))
         await next(context)
 
     return activate
+
+
+def _no_handler(message_type: type, headers: Mapping[str, str]) -> str:
+    """Why no handler takes the message, and what to change: a reply's is not a route."""
+    name = message_type.__qualname__
+    if headers.get(Header.REPLY) == "true":
+        return (
+            f"no handler for {name}, a reply, in this app: a reply to a message sent with send "
+            f"comes to the sender's own queue; app.register({name}, handler), or send with "
+            "app.request(...) to await the reply"
+        )
+    return (
+        f"no handler for {name} in this app: app.register({name}, handler), or route {name} to "
+        "the app that handles it"
+    )
 
 
 def dispatch_step(clock: HandlerClock) -> Step[MessageContext]:

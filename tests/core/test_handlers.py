@@ -970,6 +970,27 @@ async def test_a_message_no_handler_takes_is_dead_lettered_at_once_not_dropped(
     assert dead.headers["error-attempts"] == "1"
 
 
+async def test_a_reply_to_its_own_send_that_no_handler_takes_names_request() -> None:
+    app = orders_app()
+
+    async def accept(message: PlaceOrder) -> None:
+        await app.reply(OrderAccepted(message.order_id))
+
+    app.register(PlaceOrder, accept)
+    async with Harness(app) as bus:
+        await app.send(PlaceOrder("o-1", 1.0))  # reply-to: the app's own queue
+        await bus.idle()
+
+    [dead] = bus.dead_lettered
+    assert dead.message == OrderAccepted("o-1")
+    assert dead.headers["error-type"] == "mersal.errors.NoHandler"
+    assert dead.headers["error-message"] == (
+        "no handler for OrderAccepted, a reply, in this app: a reply to a message sent with send "
+        "comes to the sender's own queue; app.register(OrderAccepted, handler), or send with "
+        "app.request(...) to await the reply"
+    )
+
+
 async def test_a_route_home_whose_subclasses_are_handled_is_not_warned_of(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
