@@ -329,20 +329,23 @@ async def test_a_wait_queue_left_as_classic_is_used_as_it_is(
 ) -> None:
     queue = f"{prefix}.q"
     transport = await started(make_transport, queue)
-    waiting = wait_queue_name("", queue, wait_milliseconds(0.2))
-    await broker.declare(
-        waiting,
-        durable=True,
-        arguments={
-            "x-message-ttl": wait_milliseconds(0.2),
-            "x-dead-letter-exchange": "",
-            "x-dead-letter-routing-key": queue,
-        },
-    )
-    delayed = envelope("m-15", **{Header.DELIVER_AT: f"{time.time() + 0.2:.6f}"})
+    # the wait queue is chosen by the delay left at the send: a classic one for each it may be
+    waits = {wait_queue_name("", queue, ms): ms for ms in range(1000, 2100, 100)}
+    for waiting, milliseconds in waits.items():
+        await broker.declare(
+            waiting,
+            durable=True,
+            arguments={
+                "x-message-ttl": milliseconds,
+                "x-dead-letter-exchange": "",
+                "x-dead-letter-routing-key": queue,
+            },
+        )
+    delayed = envelope("m-15", **{Header.DELIVER_AT: f"{time.time() + 2.0:.6f}"})
     await transport.send([Outgoing(queue, delayed)])
     assert (await broker.get(queue, timeout=10)).message_id == "m-15"
-    assert f"wait queue {waiting!r} is a classic queue, not quorum" in caplog.text
+    used = [w for w in waits if f"wait queue {w!r} is a classic queue, not quorum" in caplog.text]
+    assert len(used) == 1, caplog.text
 
 
 async def test_deliveries_returned_by_a_closing_consumer_keep_their_place_in_the_queue(
