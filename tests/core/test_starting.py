@@ -10,6 +10,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from uuid import uuid4
 
@@ -62,7 +63,18 @@ async def test_with_wait_an_unreachable_broker_is_tried_again_then_fails_saying_
     assert not app.running
 
 
-async def test_cancelling_a_waiting_start_ends_it_with_the_app_not_running(
+async def cancel_the_task(app: App, start: asyncio.Task[None]) -> None:
+    start.cancel()
+
+
+async def stop_the_app(app: App, start: asyncio.Task[None]) -> None:
+    await app.stop()
+    assert start.done()
+
+
+@pytest.mark.parametrize("end", [cancel_the_task, stop_the_app])
+async def test_a_waiting_start_ended_by_cancel_or_stop_leaves_the_app_not_running(
+    end: Callable[[App, asyncio.Task[None]], Awaitable[None]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="mersal.app")
@@ -73,29 +85,10 @@ async def test_cancelling_a_waiting_start_ends_it_with_the_app_not_running(
         "a try that found no broker",
         timeout=10,
     )
-    start.cancel()
     async with asyncio.timeout(10):
+        await end(app, start)
         with pytest.raises(asyncio.CancelledError):
             await start
-    assert not app.running
-
-
-async def test_stop_during_a_waiting_start_ends_it_with_the_app_not_running(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    caplog.set_level(logging.WARNING, logger="mersal.app")
-    app = unreachable_app(free_port())
-    start = asyncio.create_task(app.start(wait=60))
-    await eventually(
-        lambda: any("trying again in" in r.getMessage() for r in caplog.records),
-        "a try that found no broker",
-        timeout=10,
-    )
-    async with asyncio.timeout(10):
-        await app.stop()
-    assert start.done()
-    with pytest.raises(asyncio.CancelledError):
-        await start
     assert not app.running
 
 
