@@ -74,10 +74,11 @@ async def test_a_lost_connection_is_logged_once_by_mersal_and_a_plain_one_as_aio
     plain = await aio_pika.connect(url)
     try:
         await asyncio.to_thread(rabbitmqctl, "close_all_connections", "-p", vhost, "test")
+        lost = "lost the connection to RabbitMQ"
+        await eventually(lambda: lost in caplog.text, "Mersal's line", timeout=10)
         await eventually(lambda: running.connected, "reconnected", timeout=10)
         await eventually(lambda: aiormqs("reader exited") > 0, "the plain one's lines")
     finally:
         await plain.close()
-    assert "lost the connection to RabbitMQ" in caplog.text
     assert aiormqs("Unexpected connection close") == 1  # the plain connection's, not Mersal's
     assert aiormqs("reader exited abnormally") == 1
