@@ -712,7 +712,8 @@ class App:
 
     async def _shut_down(self) -> None:
         began = time.monotonic()
-        log.info("%s", await waiting.stopping(self))
+        if log.isEnabledFor(logging.INFO):  # it may count the outbox's rows: only when shown
+            log.info("%s", await waiting.stopping(self))
         unfinished = 0
         if self._worker is not None:
             unfinished = await self._worker.stop(self.grace_period)

@@ -25,8 +25,11 @@ def type_of(app: App, envelope: Envelope) -> str:
 
 def tally(names: Iterable[str]) -> str:
     """`Ping x2, Pong`: each name once, with how often it came when more than once."""
-    counted = Counter(names)
-    return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in counted.items())
+    return ", ".join(_counted(name, n) for name, n in Counter(names).items())
+
+
+def _counted(name: str, n: int) -> str:
+    return name if n == 1 else f"{name} x{n}"
 
 
 def plural(count: int, noun: str) -> str:
@@ -54,8 +57,7 @@ def with_times(running: Sequence[tuple[str, float]]) -> str:
         longest[name] = max(taken, longest.get(name, 0.0))
     counted = Counter(name for name, _ in running)
     return ", ".join(
-        f"{name if n == 1 else f'{name} x{n}'} ({seconds(longest[name])})"
-        for name, n in counted.items()
+        f"{_counted(name, n)} ({seconds(longest[name])})" for name, n in counted.items()
     )
 
 
