@@ -61,27 +61,22 @@ def _age(seconds: Any) -> float | None:
 
 def outbox_counts(engine: AsyncEngine, table: Table, app: str | None) -> Any:
     """One row: `pending`, `parked` and `age` (seconds) of the oldest pending row, or NULL."""
-    waiting = table.c.parked_at.is_(None)
-    query = select(
-        func.count().filter(waiting).label("pending"),
-        func.count().filter(table.c.parked_at.is_not(None)).label("parked"),
-        seconds_since(engine, func.min(table.c.created_at).filter(waiting)).label("age"),
-    ).select_from(table)
+    query = select(*_counts(engine, table)).select_from(table)
     return query.where(table.c.app == app) if app is not None else query
 
 
 def counts_by_app(engine: AsyncEngine, table: Table) -> Any:
     """`outbox_counts` of each app with rows in the outbox (`app` column), by app name."""
+    return select(table.c.app, *_counts(engine, table)).group_by(table.c.app).order_by(table.c.app)
+
+
+def _counts(engine: AsyncEngine, table: Table) -> tuple[Any, ...]:
+    """The outbox's `pending` and `parked` row counts, and the `age` of its oldest pending row."""
     waiting = table.c.parked_at.is_(None)
     return (
-        select(
-            table.c.app,
-            func.count().filter(waiting).label("pending"),
-            func.count().filter(table.c.parked_at.is_not(None)).label("parked"),
-            seconds_since(engine, func.min(table.c.created_at).filter(waiting)).label("age"),
-        )
-        .group_by(table.c.app)
-        .order_by(table.c.app)
+        func.count().filter(waiting).label("pending"),
+        func.count().filter(table.c.parked_at.is_not(None)).label("parked"),
+        seconds_since(engine, func.min(table.c.created_at).filter(waiting)).label("age"),
     )
 
 
