@@ -20,7 +20,7 @@ import sys
 import urllib.error
 import urllib.request
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from uuid import uuid4
@@ -100,14 +100,24 @@ async def mersal_run(
 ) -> AsyncIterator[Run]:
     """Run `mersal run svc:app OPTIONS` on a service module named `name`; kill it if it lingers."""
     (tmp_path / "svc.py").write_text(SERVICE.format(name=name))
+    async with running("svc:app", tmp_path, env, *options) as run:
+        yield run
+
+
+@contextlib.asynccontextmanager
+async def running(
+    target: str, cwd: Path, env: dict[str, str], *options: str, python: Sequence[str] = ()
+) -> AsyncIterator[Run]:
+    """Run `mersal run TARGET OPTIONS` in `cwd` (`python`: the interpreter's own options)."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
+        *python,
         "-m",
         "mersal.cli",
         "run",
-        "svc:app",
+        target,
         *options,
-        cwd=tmp_path,
+        cwd=cwd,
         env={**os.environ, **env, "PYTHONPATH": os.getcwd()},
         stderr=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.DEVNULL,
@@ -434,40 +444,15 @@ async def test_an_async_factory_is_awaited_in_the_serving_loop_and_a_stop_says_h
 ) -> None:
     name = f"run-{uuid4().hex[:8]}"
     (tmp_path / "factory.py").write_text(ASYNC_SERVICE.format(name=name))
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-W",
-        "error::RuntimeWarning",
-        "-m",
-        "mersal.cli",
-        "run",
-        "factory:make_app",
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-        stderr=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.DEVNULL,
-    )
-    run = Run(process, [])
-
-    async def read() -> None:
-        assert process.stderr is not None
-        async for line in process.stderr:
-            run.lines.append(line.decode().rstrip("\n"))
-
-    reader = asyncio.create_task(read())
-    try:
+    options = ("-W", "error::RuntimeWarning")
+    async with running("factory:make_app", tmp_path, {}, python=options) as run:
         await eventually(
             lambda: any(f"app '{name}' started on memory://" in line for line in run.lines),
             "the app started",
             timeout=20,
         )
-        process.send_signal(signal.SIGTERM)
+        run.process.send_signal(signal.SIGTERM)
         assert await ended(run) == 0, run.lines
-    finally:
-        if process.returncode is None:
-            process.kill()
-        await process.wait()
-        await reader
     messages = [line.split(" ", 4)[-1] for line in run.lines]
     assert f"stopping app '{name}': nothing in flight" in messages, run.lines
     assert f"app '{name}' stopped in 0.0 s" in messages, run.lines
