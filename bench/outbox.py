@@ -90,8 +90,8 @@ from sqlalchemy.pool import NullPool
 
 from bench.support import PHASE_TIMEOUT, QUEUE_TYPE, Phase, Tally, percentile_ms, private_vhost
 from mersal import App, MessageContext, loop, message
-from mersal.app import check_prefetch
 from mersal.messages import Envelope, Header
+from mersal.settings import prefetch_of
 from mersal.transport import Outgoing
 from mersal_sqlalchemy import SqlStorage, attach, make_engine, make_tables
 from mersal_sqlalchemy.cli import upgrade
@@ -119,7 +119,7 @@ RELAY_BATCH: int = inspect.signature(attach).parameters["relay_batch"].default
 LEASE: float = inspect.signature(attach).parameters["lease"].default
 POLL_INTERVAL: float = inspect.signature(attach).parameters["poll_interval"].default
 CONCURRENCY: int = inspect.signature(App).parameters["concurrency"].default
-PREFETCH = check_prefetch(None, CONCURRENCY)
+PREFETCH = prefetch_of(None, CONCURRENCY)
 """The orders app's defaults, which the raw chain copies."""
 POSTGRES = os.environ.get("MERSAL_BENCH_POSTGRES", "postgresql+asyncpg://postgres@127.0.0.1:5432")
 ROOT = Path(__file__).resolve().parent.parent

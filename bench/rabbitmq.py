@@ -36,7 +36,7 @@ from aio_pika.abc import AbstractConnection, AbstractExchange, AbstractIncomingM
 
 from bench.support import QUEUE_TYPE, Phase, Tally, percentile_ms, private_vhost
 from mersal import App
-from mersal.app import check_prefetch
+from mersal.settings import prefetch_of
 
 MESSAGES = 10_000
 IN_FLIGHT = 128
@@ -46,7 +46,7 @@ HALF_LOAD_MESSAGES = 3_000
 NOTE = "a small note"
 
 CONCURRENCY: int = inspect.signature(App).parameters["concurrency"].default
-PREFETCH = check_prefetch(None, CONCURRENCY)  # what App.start asks its consumer for
+PREFETCH = prefetch_of(None, CONCURRENCY)  # what App.start asks its consumer for
 
 _runs = itertools.count()
 """Runs so far in this process: odd runs measure raw aio-pika first, so order biases neither."""

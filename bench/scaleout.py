@@ -57,7 +57,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from bench.outbox import ROOT, drained, private_database, twin_row
 from bench.support import PHASE_TIMEOUT, SBIN, private_vhost
 from mersal import App, loop, message
-from mersal.app import check_prefetch
+from mersal.settings import prefetch_of
 from mersal_sqlalchemy import make_engine, make_tables
 from mersal_sqlalchemy.outbox import write_outbox
 
@@ -78,7 +78,7 @@ BACKGROUND_SECONDS = 1.0
 NOTE = "a small note"
 
 CONCURRENCY: int = inspect.signature(App).parameters["concurrency"].default
-PREFETCH = check_prefetch(None, CONCURRENCY)
+PREFETCH = prefetch_of(None, CONCURRENCY)
 """The App's default prefetch, which the raw workers copy."""
 
 _runs = itertools.count()

@@ -7,6 +7,7 @@ from mersal.distribution import refuse_unrelated
 refuse_unrelated()
 
 from mersal.app import App
+from mersal.context import MessageContext, OutgoingContext
 from mersal.errors import (
     ConfigurationError,
     ConsumerClosed,
@@ -22,7 +23,7 @@ from mersal.errors import (
     Unsendable,
 )
 from mersal.messages import Envelope, Header, message
-from mersal.pipeline import MessageContext, OutgoingContext, Pipeline
+from mersal.pipeline import Pipeline
 from mersal.retry import RetryPolicy
 from mersal.timeouts import HandlerTimeout
 from mersal.transaction import TransactionClosed

@@ -1,90 +1,48 @@
-"""The App: handlers, routes and subscriptions; send, publish, defer, reply, request; lifecycle."""
+"""The App: the public face of a service on the bus, delegating to the parts it assembles.
+
+Registering fills the registries (`types`, `handlers`, routes, subscriptions, sagas); sending
+goes through `mersal.sending` and `mersal.requests`; each delivery becomes an outcome in
+`mersal.receiving` and is settled in `mersal.settle`; `start` connects the parts in order
+and `stop` drains and disconnects them.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import logging
-import math
-import os
-import re
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 from lagom import Container
 
-from mersal import waiting
-from mersal.errors import (
-    ConfigurationError,
-    DecodeError,
-    MersalError,
-    NotRunning,
-    RequestTimeout,
-    UnexpectedReply,
-    Unsendable,
-)
+from mersal import plugins, settings, waiting
+from mersal.context import MessageContext, OutgoingContext
+from mersal.errors import ConfigurationError
 from mersal.handlers import Handler, Handlers, M
-from mersal.health import MAX_RELAY_LAG, Health, check
-from mersal.logs import log_handled
-from mersal.messages import (
-    Header,
-    TypeRegistry,
-    check_message_class,
-    check_sendable,
-    describe,
-    new_id,
-)
-from mersal.outbox import Storage, attach_storage, unreachable_reply
-from mersal.pipeline import (
-    MessageContext,
-    OutgoingContext,
-    add_storage_steps,
-    check_headers,
-    current_message,
-    incoming_pipeline,
-    outgoing_pipeline,
-    partition_key_text,
-)
-from mersal.plugins import transport_from
-from mersal.retry import RetryPolicy, RetryStep, after_failure, attempts_made, log_failure
-from mersal.sagas import (
-    MemorySagaStore,
-    Saga,
-    SagaRunner,
-    SagaSpec,
-    SagaStore,
-    check_subscriptions,
-    saga_data,
-    saga_spec,
-)
+from mersal.health import MAX_RELAY_LAG, Health, Parts, health_of
+from mersal.messages import Envelope, TypeRegistry, check_message_class
+from mersal.observer import Observer
+from mersal.outbox import Storage
+from mersal.pipeline import Pipeline, add_storage_steps, incoming_pipeline, outgoing_pipeline
+from mersal.receiving import Receiver
+from mersal.requests import Requests
+from mersal.retry import RetryPolicy
+from mersal.sagas import Saga, Sagas, check_subscriptions
+from mersal.sending import Routes, Sender
 from mersal.serialization import Codec, JsonCodec
-from mersal.settle import (
-    ACK,
-    Failure,
-    Outcome,
-    Settler,
-    absorb_cancellation,
-    cancelled_by_owner,
-)
+from mersal.settings import Settings, Wiring
+from mersal.settle import Settler
 from mersal.starting import start_when_reachable
 from mersal.timeouts import HandlerClock
-from mersal.transaction import (
-    Transaction,
-    TransactionClosed,
-    current_transaction,
-    id_namespace,
-)
+from mersal.transaction import Commit, Transaction, id_namespace
 from mersal.transport import (
     BindingPruner,
-    Consumer,
-    Delivery,
     Limits,
-    Outgoing,
     Transport,
     declare_error_queue,
     limits_of,
@@ -92,23 +50,10 @@ from mersal.transport import (
 )
 from mersal.worker import Worker
 
-if TYPE_CHECKING:
-    from mersal.telemetry import Telemetry
-
 R = TypeVar("R")
 D = TypeVar("D")
 
 log = logging.getLogger("mersal.app")
-
-QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}")
-MAX_PREFETCH = 65_535  # an AMQP prefetch count is 16 bits
-MAX_PARTITIONS = 256
-WAITING_PER_SLOT = 8
-STOPPED_SHORT = Failure(
-    "mersal.errors.MersalError",
-    "the incoming pipeline ended early and no step decided what becomes of the message: a step "
-    "that does not call next must set context.outcome",
-)
 
 
 class App:
@@ -131,72 +76,103 @@ class App:
         consume: bool = True,
         partitions: int | None = None,
     ) -> None:
-        check_queue_name(name, "App(name)")
-        check_concurrency(concurrency)
-        self.prefetch = check_prefetch(prefetch, concurrency)
-        self.handler_timeout = check_timeout(handler_timeout)
-        self.clock = HandlerClock(self.handler_timeout)
-        self.name = name
-        self.message_ids = id_namespace(name)
-        self._transport = transport_from(transport)
-        self.database = database or os.environ.get("MERSAL_DATABASE") or None
-        self.retry = retry if retry is not None else RetryPolicy()
-        check_queue_name(self.retry.error_queue, "RetryPolicy(error_queue)")
-        if self.retry.error_queue == name:
-            raise ConfigurationError(
-                f"RetryPolicy(error_queue={name!r}) is the app's own queue: dead letters would "
-                "come back to be handled again; name another queue"
-            )
-        self.concurrency = concurrency
-        self.consume = consume
-        """False for a send-only app: no input or error queue, no worker; sends and relays."""
-        self.partitions = check_partitions(partitions, consume)
-        """How many ordered partitions the app's input is split into by partition key (0: none)."""
-        self.codec: Codec = codec if codec is not None else JsonCodec()
-        self.max_body_size = max_body_size
-        self.grace_period = grace_period
-        self.types = TypeRegistry()
-        self.handlers = Handlers(container)
-        self.handlers.provide(App, lambda context: context.app)
-        self.handlers.provide(MessageContext, lambda context: context)
-        self.incoming = incoming_pipeline(
-            RetryStep(self.retry), self.codec, self.types, self.handlers, self.clock, max_body_size
+        self._settings = Settings(
+            name,
+            database=database,
+            retry=retry if retry is not None else RetryPolicy(),
+            concurrency=concurrency,
+            codec=codec if codec is not None else JsonCodec(),
+            max_body_size=max_body_size,
+            grace_period=grace_period,
+            handler_timeout=handler_timeout,
+            prefetch=prefetch,
+            consume=consume,
+            partitions=partitions,
         )
-        self.outgoing = outgoing_pipeline(
-            self.types, name, self.codec, lambda: self._transport, replies=consume
-        )
-        self._routes: dict[type, str] = {}
+        self._transport = plugins.transport_from(transport)
+        self._clock = HandlerClock(self._settings.handler_timeout)
+        self._types = TypeRegistry()
+        self._handlers = Handlers(container)
+        self._handlers.provide(App, lambda context: context.app)
+        self._handlers.provide(MessageContext, lambda context: context)
+        self._routes = Routes()
         self._subscriptions: list[type] = []
-        self._sagas: list[SagaSpec] = []
-        self._saga_runners: dict[str, SagaRunner] = {}
-        self._memory_sagas = MemorySagaStore()
+        self._sagas = Sagas(self, name, self.codec, self._handlers)
+        self._incoming = incoming_pipeline(
+            self.codec, self._types, self._handlers, self._clock, max_body_size
+        )
+        self._outgoing = outgoing_pipeline(
+            self._types, name, self.codec, lambda: self._transport, replies=consume
+        )
+        self._sender = Sender(self, self._settings, self._types, self._routes, self._outgoing)
+        self._requests = Requests(self, self._settings, self._types, self._sender)
+        self._storage: Storage | None = None
+        self._observer: Observer | None = None
+        self._settler = Settler(self._transport, self.retry.error_queue)
         self._worker: Worker | None = None
         self._running = False
         self._stopping: asyncio.Future[None] | None = None
-        self._starting: asyncio.Task[Any] | None = None  # the task in start(), while it runs
-        self._start_ended: asyncio.Event | None = None
+        self._starting: tuple[asyncio.Task[Any], asyncio.Event] | None = None  # a start's task
         self._waiting: tuple[asyncio.Task[Any], asyncio.Event] | None = None  # start(wait=...)
-        self._replies: _Replies | None = None
-        self.storage: Storage | None = None
-        self.telemetry: Telemetry | None = None  # set by mersal.telemetry.instrument
-        self.settler = Settler(self.transport, self.retry.error_queue)
         self.log_messages = False
         """Log an INFO line per handled message (`mersal.handled`; `mersal run --log-messages`)."""
 
     def __repr__(self) -> str:
-        return f"<App {self.name!r} on {mask(self.transport.address)}>"
+        return f"<App {self.name!r} on {mask(self._transport.address)}>"
+
+    # What the app was given, and what it is made of.
+
+    @property
+    def settings(self) -> Settings:
+        """What the app was given, checked."""
+        return self._settings
+
+    @property
+    def name(self) -> str:
+        """The app's name: its input queue."""
+        return self._settings.name
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """How often a failing message is tried again, and where it goes then."""
+        return self._settings.retry
+
+    @property
+    def codec(self) -> Codec:
+        """How message bodies are encoded and decoded."""
+        return self._settings.codec
+
+    @property
+    def database(self) -> str | None:
+        """The outbox's database URL (None: no outbox)."""
+        return self._settings.database
+
+    @property
+    def concurrency(self) -> int:
+        """How many messages the app handles at once."""
+        return self._settings.concurrency
+
+    @property
+    def prefetch(self) -> int:
+        """How many deliveries the app takes at once (handled, or waiting behind their key)."""
+        assert self._settings.prefetch is not None
+        return self._settings.prefetch
+
+    @property
+    def consume(self) -> bool:
+        """False for a send-only app: no input or error queue, no worker; sends and relays."""
+        return self._settings.consume
+
+    @property
+    def partitions(self) -> int:
+        """How many ordered partitions the app's input is split into by partition key (0: none)."""
+        return self._settings.partitions or 0
 
     def set_concurrency(self, concurrency: int) -> None:
         """Handle up to `concurrency` messages at once (before start); the prefetch follows."""
         self._check_not_running("change the concurrency")
-        check_concurrency(concurrency)
-        self.concurrency = concurrency
-        self.prefetch = check_prefetch(None, concurrency)
-
-    @property
-    def subscriptions(self) -> list[type]:
-        """The event types the app subscribed to, in order."""
-        return list(self._subscriptions)
+        self._settings = self._settings.with_concurrency(concurrency)
+        self._sender.settings = self._requests.settings = self._settings
 
     @property
     def transport(self) -> Transport:
@@ -212,6 +188,51 @@ class App:
     def limits(self) -> Limits:
         """What the transport carries (a broker's are known once it is connected)."""
         return limits_of(self._transport)
+
+    @property
+    def types(self) -> TypeRegistry:
+        """The message types the app knows by wire name: only these decode."""
+        return self._types
+
+    @property
+    def handlers(self) -> Handlers:
+        """Which handlers run for which message type, and their dependencies."""
+        return self._handlers
+
+    @property
+    def incoming(self) -> Pipeline[MessageContext]:
+        """The steps each attempt at a delivery goes through (change them before start)."""
+        return self._incoming
+
+    @property
+    def outgoing(self) -> Pipeline[OutgoingContext]:
+        """The steps each message sent goes through (change them before start)."""
+        return self._outgoing
+
+    @property
+    def subscriptions(self) -> list[type]:
+        """The event types the app subscribed to, in order."""
+        return list(self._subscriptions)
+
+    @property
+    def sagas(self) -> Sagas:
+        """The app's sagas: their registrations, and where their data lives."""
+        return self._sagas
+
+    @property
+    def storage(self) -> Storage | None:
+        """The outbox and inbox, once attached (with `App(database=...)`, at start)."""
+        return self._storage
+
+    @property
+    def observer(self) -> Observer | None:
+        """What hears of deliveries and sends no step sees (`mersal.telemetry`), if any."""
+        return self._observer
+
+    @property
+    def settler(self) -> Settler:
+        """What carries out each delivery's outcome."""
+        return self._settler
 
     # Registration.
 
@@ -234,23 +255,22 @@ class App:
                 f"app.register({handler.__qualname__}, {_handler_name(message_type)})"
             )
         check_message_class(message_type, self.codec, "register")
-        self.types.add(message_type)
-        self.handlers.add(message_type, handler)
+        self._types.add(message_type)
+        self._handlers.add(message_type, handler)
 
     def route(self, message_type: type, queue: str) -> None:
         """Send messages of `message_type` (and its subclasses) to `queue`."""
         self._check_not_running("route message types")
         check_message_class(message_type, self.codec, "route")
-        check_queue_name(queue, f"route({message_type.__qualname__}, queue)")
-        self.types.add(message_type)
-        self._routes[message_type] = queue
+        self._routes.add(message_type, queue)
+        self._types.add(message_type)
 
     def subscribe(self, message_type: type) -> None:
         """Receive every published `message_type` in this app's queue."""
         self._check_not_running("subscribe")
         check_message_class(message_type, self.codec, "subscribe", bases=False)
-        check_subscriptions(self._sagas, [message_type])
-        self.types.add(message_type)
+        check_subscriptions(self._sagas.specs, [message_type])
+        self._types.add(message_type)
         if message_type not in self._subscriptions:
             self._subscriptions.append(message_type)
 
@@ -261,67 +281,28 @@ class App:
         once); `pessimistic` locks the saga's row while the message is handled (FOR UPDATE).
         """
         self._check_not_running("register sagas")
-        spec = saga_spec(saga, self.codec, pessimistic=pessimistic)
-        for other in self._sagas:
-            if other.name == spec.name:
-                raise ConfigurationError(
-                    f"{saga.__qualname__} and {other.cls.__qualname__} are both saga "
-                    f"{spec.name!r}: give one another name (`class ...(Saga[D], name='...')`)"
-                )
-        for message_type in spec.methods:
-            check_message_class(message_type, self.codec, "register_saga")
-        check_subscriptions([spec], self._subscriptions)
-        build = self.handlers.builder(saga)
-        runner = SagaRunner(spec, build, self.saga_store, self.codec, self._saga_runners)
-        self._saga_runners[spec.name] = runner
-
-        async def run(message: Any, context: MessageContext) -> None:
-            await runner(message, context)
-
-        run.__qualname__ = saga.__qualname__
-        for message_type in spec.methods:
-            self.types.add(message_type)
-            self.handlers.add(message_type, run)
-        self._sagas.append(spec)
-
-    @property
-    def sagas(self) -> list[type[Saga[Any]]]:
-        """The saga classes registered with `register_saga`."""
-        return [spec.cls for spec in self._sagas]
-
-    def saga_spec(self, saga: type[Saga[Any]]) -> SagaSpec:
-        """The registration of a saga class; a ConfigurationError if it is not registered."""
-        for spec in self._sagas:
-            if spec.cls is saga:
-                return spec
-        raise ConfigurationError(
-            f"{getattr(saga, '__qualname__', saga)} is not a saga of app {self.name!r}: "
-            "app.register_saga(...) it first"
-        )
-
-    def saga_store(self) -> SagaStore:
-        """Where this app's sagas live: its database's saga table, or this process's memory."""
-        if self.storage is None:
-            return self._memory_sagas
-        store: SagaStore | None = getattr(self.storage, "sagas", None)
-        if store is None:
-            raise ConfigurationError(
-                f"the storage of app {self.name!r} ({type(self.storage).__qualname__}) keeps no "
-                "sagas: use mersal_sqlalchemy's, or drop the register_saga calls"
-            )
-        return store
+        self._sagas.register(saga, pessimistic, self._subscriptions)
+        for message_type in self._sagas.spec(saga).methods:
+            self._types.add(message_type)
 
     async def saga_data(self, saga: type[Saga[D]], correlation: object) -> D | None:
         """The committed data of the saga with this correlation value, or None if none runs."""
-        return await saga_data(self, saga, correlation)
+        return await self._sagas.data(saga, correlation)
 
     def use_storage(self, storage: Storage) -> None:
         """Plug in an outbox and inbox (a storage adapter calls this): its steps join `incoming`."""
         self._check_not_running("attach a storage")
-        if self.storage is not None:
+        if self._storage is not None:
             raise ConfigurationError(f"app {self.name!r} already has a storage attached")
-        add_storage_steps(self.incoming, storage)
-        self.storage = storage
+        add_storage_steps(self._incoming, storage)
+        self._storage = self._sagas.storage = storage
+
+    def observe(self, observer: Observer) -> None:
+        """Report deliveries, outcomes and the sends no step sees to `observer` (before start)."""
+        self._check_not_running("observe the app")
+        if self._observer is not None:
+            raise ConfigurationError(f"app {self.name!r} has an observer already")
+        self._observer = observer
 
     # Sending.
 
@@ -333,10 +314,7 @@ class App:
         partition_key: str | None = None,
     ) -> str:
         """Send a command to the queue its type is routed to; returns the message id."""
-        check_sendable(message, self.codec)
-        return await self._emit(
-            message, self.queue_for(type(message)), False, headers, partition_key
-        )
+        return await self._sender.send(message, headers, partition_key)
 
     async def send_local(
         self,
@@ -346,9 +324,7 @@ class App:
         partition_key: str | None = None,
     ) -> str:
         """Send a message to this app's own queue; returns the message id."""
-        check_sendable(message, self.codec)
-        self._check_own_queue("send_local()")
-        return await self._emit(message, self.name, False, headers, partition_key)
+        return await self._sender.send_local(message, headers, partition_key)
 
     async def publish(
         self,
@@ -358,9 +334,7 @@ class App:
         partition_key: str | None = None,
     ) -> str:
         """Publish an event to every app subscribed to its type; returns the message id."""
-        check_sendable(message, self.codec)
-        topic = self.types.name_of(type(message))
-        return await self._emit(message, topic, True, headers, partition_key)
+        return await self._sender.publish(message, headers, partition_key)
 
     async def defer(
         self,
@@ -375,22 +349,7 @@ class App:
 
         `to_self`: to this app's own queue whatever the type's route (a saga's timeout).
         """
-        check_sendable(message, self.codec)
-        seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
-        limit = self.limits.max_delay
-        if not math.isfinite(seconds) or seconds > limit:
-            raise Unsendable(
-                f"defer({delay!r}, ...) needs a finite delay of at most {limit:.0f}s, the longest "
-                "the transport can hold a message"
-            )
-        merged = check_headers(headers)
-        merged[Header.DELIVER_AT] = f"{time.time() + max(0.0, seconds):.6f}"
-        queue = None if to_self else self._routes_get(type(message))
-        if queue is None:
-            what = "to itself" if to_self else "that has no route"
-            self._check_own_queue(f"defer() a {type(message).__qualname__} {what}")
-            queue = self.name
-        return await self._emit(message, queue, False, merged, partition_key)
+        return await self._sender.defer(delay, message, headers, partition_key, to_self)
 
     async def reply(
         self,
@@ -400,20 +359,7 @@ class App:
         partition_key: str | None = None,
     ) -> str:
         """Inside a handler: send `message` to the reply address of the message being handled."""
-        check_sendable(message, self.codec)
-        incoming = current_message.get()
-        if incoming is None or incoming.app is not self:
-            raise MersalError("reply() works only inside a handler of this app")
-        reply_to = incoming.reply_to
-        if not reply_to:
-            raise MersalError(
-                f"{describe(incoming.headers)} has no reply-to header, so there is nowhere to reply"
-            )
-        merged = check_headers(headers)
-        merged[Header.REPLY] = "true"
-        if incoming.headers.get(Header.TEMPORARY_REPLY_TO) == "true":
-            merged[Header.TEMPORARY_REPLY_TO] = "true"
-        return await self._emit(message, reply_to, False, merged, partition_key)
+        return await self._sender.reply(message, headers, partition_key)
 
     @overload
     async def request(
@@ -451,34 +397,7 @@ class App:
         With `reply_type`, the reply's type is registered (so that it decodes), and a reply of
         another type raises `UnexpectedReply`.
         """
-        check_sendable(message, self.codec)
-        if reply_type is not None:
-            self.types.add(reply_type)
-        replies = await self._reply_queue()
-        message_id = new_id()
-        merged = check_headers(headers)
-        merged[Header.MESSAGE_ID] = message_id
-        merged[Header.REPLY_TO] = replies.queue
-        merged[Header.TEMPORARY_REPLY_TO] = "true"
-        waiter = replies.expect(message_id)
-        try:
-            await self._emit(
-                message, self.queue_for(type(message)), False, merged, partition_key, direct=True
-            )
-            async with asyncio.timeout(timeout):
-                reply = await waiter
-        except TimeoutError:
-            raise RequestTimeout(
-                f"no reply to {type(message).__qualname__} {message_id} within {timeout:g}s"
-            ) from None
-        finally:
-            replies.forget(message_id)
-        if reply_type is not None and not isinstance(reply, reply_type):
-            raise UnexpectedReply(
-                f"the reply to {type(message).__qualname__} {message_id} is a "
-                f"{type(reply).__qualname__}, not the {reply_type.__qualname__} asked for"
-            )
-        return reply
+        return await self._requests.request(message, timeout, reply_type, headers, partition_key)
 
     @asynccontextmanager
     async def transaction(self, session: object = None) -> AsyncIterator[Transaction]:
@@ -489,86 +408,12 @@ class App:
         Inside a handler (or another block) it joins the transaction already there: the sends
         leave with the message's, and if the block raises, the whole attempt fails.
         """
-        self._check_running()
-        current = current_transaction.get()
-        if current is not None and current.owner is self:
-            if not current.open:  # a task left behind by an attempt or a block that has ended
-                raise TransactionClosed(
-                    "this code runs in a transaction that has ended (a task the handler or "
-                    "block left behind): send from inside the handler or block"
-                )
-            async with _joined(current, session) as joined:
-                yield joined
-            return
-        if self.storage is not None:
-            manager = self.storage.transaction(session)
-        elif session is not None:
-            raise ConfigurationError(
-                "app.transaction(session) writes to the outbox, which needs App(database=...)"
-            )
-        else:
-            manager = _buffered(self)
-        async with manager as transaction:
-            token = current_transaction.set(transaction)
-            try:
-                yield transaction
-            finally:
-                current_transaction.reset(token)
-
-    async def send_committed(self, outgoing: Sequence[Outgoing]) -> None:
-        """Hand a committed transaction's messages to the transport (without an outbox).
-
-        Every message is tried; the first failure is raised. A reply whose requester's temporary
-        queue is gone is dropped (logged): it has no one to reach.
-        """
-        if outgoing:
-            results = await self.transport.send_each(outgoing)
-            for sent, result in zip(outgoing, results, strict=True):
-                if result is not None and not unreachable_reply(sent, result):
-                    raise result
+        async with self._sender.transaction(session) as transaction:
+            yield transaction
 
     def queue_for(self, message_type: type) -> str:
         """The queue `send` uses for a message type; a `ConfigurationError` if it has none."""
-        queue = self._routes_get(message_type)
-        if queue is None:
-            raise ConfigurationError(
-                f"{message_type.__qualname__} has no route: call "
-                f"app.route({message_type.__qualname__}, 'queue-name') before sending it"
-            )
-        return queue
-
-    def _routes_get(self, message_type: type) -> str | None:
-        for cls in message_type.__mro__:
-            queue = self._routes.get(cls)
-            if queue is not None:
-                return queue
-        return None
-
-    async def _emit(
-        self,
-        message: object,
-        address: str,
-        publish: bool,
-        headers: Mapping[str, str] | None,
-        partition_key: str | None,
-        *,
-        direct: bool = False,
-    ) -> str:
-        self._check_running()
-        merged = check_headers(headers) if headers else {}
-        if partition_key is not None:
-            merged[Header.PARTITION_KEY] = partition_key_text(partition_key)
-        incoming = current_message.get()
-        if incoming is not None and incoming.app is not self:
-            incoming = None
-        transaction: Transaction | None = None
-        if not direct:
-            transaction = current_transaction.get()
-            if transaction is not None and transaction.owner is not self:
-                transaction = None
-        context = OutgoingContext(message, address, publish, merged, incoming, transaction)
-        await self.outgoing.run(context)
-        return context.headers[Header.MESSAGE_ID]
+        return self._routes.queue_for(message_type)
 
     # Lifecycle.
 
@@ -576,19 +421,6 @@ class App:
     def running(self) -> bool:
         """Whether the app has started and not yet stopped."""
         return self._running
-
-    @property
-    def healthy(self) -> bool:
-        """Running, still receiving, and no outbox row parked for an operator to deal with."""
-        return (
-            self._running
-            and (not self.consume or (self._worker is not None and self._worker.failed is None))
-            and (self.storage is None or not self.storage.parked)
-        )
-
-    def health(self, *, max_relay_lag: float = MAX_RELAY_LAG) -> Health:
-        """Whether the app is alive and ready, and why not (see `mersal.health`); no I/O."""
-        return check(self, max_relay_lag)
 
     @property
     def worker(self) -> Worker | None:
@@ -599,6 +431,28 @@ class App:
     def in_flight(self) -> int:
         """How many deliveries the worker is handling now."""
         return self._worker.in_flight if self._worker is not None else 0
+
+    @property
+    def healthy(self) -> bool:
+        """Running, still receiving, and no outbox row parked for an operator to deal with."""
+        return (
+            self._running
+            and (not self.consume or (self._worker is not None and self._worker.failed is None))
+            and (self._storage is None or not self._storage.parked)
+        )
+
+    def health(self, *, max_relay_lag: float = MAX_RELAY_LAG) -> Health:
+        """Whether the app is alive and ready, and why not (see `mersal.health`); no I/O."""
+        storage = self._storage
+        parts = Parts(
+            self.name,
+            self._running,
+            self._worker,
+            storage is not None,
+            storage.relay if storage is not None else None,
+            self._transport,
+        )
+        return health_of(parts, max_relay_lag)
 
     async def start(self, *, wait: float = 0.0) -> None:
         """Declare the queues, bind the subscriptions and start the worker.
@@ -614,29 +468,48 @@ class App:
             raise ConfigurationError(
                 f"start(wait={wait!r}) must be a number of seconds >= 0 (0: do not wait)"
             )
-        if wait > 0:
-            await self._start_waiting(wait)
-            return
-        if self.database is not None and self.storage is None:
-            storage = attach_storage(self)  # before the check: it provides AsyncSession
-            if self.storage is None:  # the adapter's factory may have plugged it in itself
-                self.use_storage(storage)
-        self._check_configuration()
-        self.incoming.freeze()
-        self.outgoing.freeze()
-        transport = self.transport
-        self.settler = Settler(transport, self.retry.error_queue)
-        self._starting, self._start_ended = asyncio.current_task(), asyncio.Event()
+        task = asyncio.current_task()
+        assert task is not None
+        underway = (task, asyncio.Event())
         try:
-            await self._connect(transport)
+            if wait > 0:  # each try is a start(wait=0) of its own; stop() cancels this task
+                self._waiting = underway
+                await start_when_reachable(self, wait, hint="start(wait=SECONDS)", log=log)
+            else:
+                self._starting = underway
+                await self._start()
         finally:
-            self._starting = None
-            self._start_ended.set()
+            if self._waiting is underway:
+                self._waiting = None
+            if self._starting is underway:
+                self._starting = None
+            underway[1].set()
+
+    async def _start(self) -> None:
+        """Check the whole app, connect its parts in order, and start receiving."""
+        if self.database is not None and self._storage is None:
+            attached = plugins.storage_for(self, self.database)  # it provides AsyncSession
+            if self._storage is None:  # the adapter's factory may have plugged it in itself
+                self.use_storage(attached)
+        wiring = self._wiring()
+        settings.check_at_start(wiring, self.limits, self._transport.address)
+        self._handlers.check()
+        if self._sagas.specs:
+            self._sagas.store()
+            check_subscriptions(self._sagas.specs, self._subscriptions)
+        self._incoming.freeze()
+        self._outgoing.freeze()
+        transport = self._transport
+        self._settler = Settler(transport, self.retry.error_queue)
+        storage = self._storage
+        commit = storage.commit if storage is not None else self._sender.publish_committed
+        await self._connect(transport, commit)
+        self._sender.open(transport, commit, storage, self._observer)
+        self._requests.open(self._settler)
         self._running = True
         if self._worker is not None:
             self._worker.start()
-            self._warn_undelivered()
-            self._warn_unhandled()
+            settings.warn_at_start(wiring)
         log.info(
             "app %r started on %s%s",
             self.name,
@@ -644,18 +517,17 @@ class App:
             "" if self.consume else " (send-only)",
         )
 
-    async def _start_waiting(self, wait: float) -> None:
-        """Start within `wait` seconds of tries; a `stop()` meanwhile cancels this task."""
-        task = asyncio.current_task()
-        assert task is not None
-        waiting = self._waiting = (task, asyncio.Event())
-        try:
-            await start_when_reachable(self, wait, hint="start(wait=SECONDS)", log=log)
-        finally:
-            self._waiting = None
-            waiting[1].set()
+    def _wiring(self) -> Wiring:
+        return Wiring(
+            self._settings,
+            self._routes.queues,
+            self._subscriptions,
+            self._handlers.message_types,
+            self._sagas.timeouts,
+            self._incoming.names,
+        )
 
-    async def _connect(self, transport: Transport) -> None:
+    async def _connect(self, transport: Transport, commit: Commit) -> None:
         """Start the transport, declare and bind, start the storage, open the consumer."""
         await transport.start()
         try:
@@ -663,23 +535,55 @@ class App:
                 await self._declare_input(transport)
                 await declare_error_queue(transport, self.retry.error_queue)
                 await self._bind_subscriptions(transport)
-            if self.storage is not None:
-                await self.storage.start()
+            if self._storage is not None:
+                await self._storage.start()
             if self.consume:
                 consumer = await transport.consume(self.name, prefetch=self.prefetch)
                 self._worker = Worker(
-                    consumer, self._handle, self.settler, concurrency=self.concurrency
+                    consumer, self._receiver(commit), self._settler, concurrency=self.concurrency
                 )
         except BaseException:
             self._worker = None
-            if self.storage is not None:
-                await self.storage.stop()
+            if self._storage is not None:
+                await self._storage.stop()
             await transport.stop()
             raise
 
+    def _receiver(self, commit: Commit) -> Receiver:
+        """What turns each of the app's deliveries into an outcome, committing with `commit`."""
+        owner, ids = self, id_namespace(self.name)
+
+        def new_transaction(envelope: Envelope) -> Transaction:
+            return Transaction(commit, owner, envelope, ids)
+
+        return Receiver(
+            self,
+            self._incoming,
+            self.retry,
+            self._settler,
+            new_transaction,
+            observer=self._observer,
+            log_messages=self.log_messages,
+        )
+
+    async def _declare_input(self, transport: Transport) -> None:
+        """Declare the app's queue, and its partitions if it has any."""
+        if not self.partitions:
+            await transport.declare(self.name)
+            return
+        try:
+            await transport.declare(self.name, partitions=self.partitions)
+        except TypeError as error:
+            if "partitions" not in str(error):
+                raise
+            raise ConfigurationError(
+                f"App(partitions={self.partitions}) needs a transport that partitions queues; "
+                f"{mask(transport.address)} does not: use RabbitMQ, or leave partitions out"
+            ) from None
+
     async def _bind_subscriptions(self, transport: Transport) -> None:
         """Bind the input queue to each subscribed topic, and unbind it from any other."""
-        topics = [self.types.name_of(message_type) for message_type in self._subscriptions]
+        topics = [self._types.name_of(message_type) for message_type in self._subscriptions]
         for topic in topics:
             await transport.bind(self.name, topic)
         if isinstance(transport, BindingPruner):  # an earlier start may have subscribed to more
@@ -704,29 +608,30 @@ class App:
 
     async def _abort_start(self) -> None:
         """Cancel a start() under way in another task, and wait until it has undone its work."""
-        starting, ended = self._waiting or (self._starting, self._start_ended)
-        if starting is None or ended is None or starting is asyncio.current_task():
+        underway = self._waiting or self._starting
+        if underway is None or underway[0] is asyncio.current_task():
             return
-        starting.cancel()
-        await ended.wait()
+        underway[0].cancel()
+        await underway[1].wait()
 
     async def _shut_down(self) -> None:
         began = time.monotonic()
+        grace = self._settings.grace_period
         if log.isEnabledFor(logging.INFO):  # it may count the outbox's rows: only when shown
-            log.info("%s", await waiting.stopping(self))
+            running = waiting.running_handlers(self._types, self._worker)
+            log.info("%s", await waiting.stopping(self.name, grace, running, self._storage))
         unfinished = 0
         if self._worker is not None:
-            unfinished = await self._worker.stop(self.grace_period)
+            unfinished = await self._worker.stop(grace)
         self._worker = None
-        await self.clock.stop()
+        await self._clock.stop()
         self._running = False
-        if self.storage is not None:
-            await self.storage.stop()
-        if self._replies is not None:
-            await self._replies.close()
-            self._replies = None
-        await self.transport.stop()
-        ended = waiting.stopped(self, time.monotonic() - began, unfinished)
+        self._sender.close()
+        if self._storage is not None:
+            await self._storage.stop()
+        await self._requests.close()
+        await self._transport.stop()
+        ended = waiting.stopped(self.name, grace, time.monotonic() - began, unfinished)
         log.log(logging.WARNING if unfinished else logging.INFO, "%s", ended)
 
     async def __aenter__(self) -> App:
@@ -741,227 +646,9 @@ class App:
     ) -> None:
         await self.stop()
 
-    def _handle(self, delivery: Delivery) -> Awaitable[Outcome]:
-        """Run the incoming pipeline; whatever happens, say how to settle the delivery."""
-        unsent = self.settler.unsent(delivery)
-        if unsent is not None:  # handled before; its retry or dead letter is what is left
-            return _settled(unsent)
-        context = MessageContext(self, delivery)
-        return self._run_logged(context) if self.log_messages else self._run(context)
-
-    async def _run_logged(self, context: MessageContext) -> Outcome:
-        started = time.perf_counter()
-        outcome = await self._run(context)
-        log_handled(context, outcome, started)
-        return outcome
-
-    async def _run(self, context: MessageContext) -> Outcome:
-        try:
-            await self.incoming.run(context)
-        except asyncio.CancelledError as error:
-            if cancelled_by_owner():
-                raise
-            absorb_cancellation()
-            return self._escaped(context, error)
-        except BaseException as error:
-            return self._escaped(context, error)
-        if context.outcome is None:
-            outcome = Outcome.dead_letter(STOPPED_SHORT, attempts_made(context.envelope) + 1)
-            log_failure(context, outcome, outcome.attempts)
-            return outcome
-        return context.outcome
-
-    def _escaped(self, context: MessageContext, error: BaseException) -> Outcome:
-        """A failure outside the retry step: one attempt, then the policy's next stage."""
-        made = attempts_made(context.envelope) + 1
-        outcome = after_failure(self.retry, error, made, immediate=False)
-        assert outcome is not None
-        log_failure(context, outcome, made)
-        return outcome
-
-    async def _declare_input(self, transport: Transport) -> None:
-        """Declare the app's queue, and its partitions if it has any."""
-        if not self.partitions:
-            await transport.declare(self.name)
-            return
-        try:
-            await transport.declare(self.name, partitions=self.partitions)
-        except TypeError as error:
-            if "partitions" not in str(error):
-                raise
-            raise ConfigurationError(
-                f"App(partitions={self.partitions}) needs a transport that partitions queues; "
-                f"{mask(transport.address)} does not: use RabbitMQ, or leave partitions out"
-            ) from None
-
-    def _check_configuration(self) -> None:
-        longest = max(self.retry.delayed, default=0.0)
-        limit = limits_of(self.transport).max_delay
-        if longest > limit:
-            raise ConfigurationError(
-                f"RetryPolicy(delayed=[..., {longest:g}, ...]) waits longer than the {limit:.0f}s "
-                f"the transport {mask(self.transport.address)} can hold a message: use shorter "
-                "delays"
-            )
-        if not self.consume:
-            self._check_send_only()
-        for message_type in self._subscriptions:
-            if not self.handlers.has_handler(message_type):
-                raise ConfigurationError(
-                    f"app {self.name!r} subscribes to {message_type.__qualname__} but has no "
-                    f"handler for it: app.register({message_type.__qualname__}, handler)"
-                )
-        if "commit" not in self.incoming.names:
-            raise ConfigurationError(
-                "app.incoming has no 'commit' step, so what handlers send (and, with a database, "
-                "what they write) would never be committed: put it back, or replace it with a "
-                "step that awaits context.transaction.commit()"
-            )
-        self.handlers.check()
-        if self._sagas:
-            self.saga_store()
-            check_subscriptions(self._sagas, self._subscriptions)
-
-    def _warn_unhandled(self) -> None:
-        """Warn of types routed to this app's own queue that no handler here takes."""
-        handled = self.handlers.message_types
-        for message_type, queue in self._routes.items():
-            if queue != self.name or self.handlers.has_handler(message_type):
-                continue
-            if any(issubclass(h, message_type) for h in handled):
-                continue  # its subclasses are handled: the route is theirs
-            name = message_type.__qualname__
-            log.warning(
-                "app %r routes %s to its own queue but has no handler for it: every %s it "
-                "receives is dead-lettered (NoHandler); app.register(%s, handler), or route %s "
-                "to the app that handles it",
-                self.name,
-                name,
-                name,
-                name,
-                name,
-            )
-
-    def _check_own_queue(self, what: str) -> None:
-        """Refuse `what` (a send to the app's own queue) in a send-only app, which has none."""
-        if not self.consume:
-            raise ConfigurationError(
-                f"app {self.name!r} is send-only (consume=False) and has no queue of its own, so "
-                f"it cannot {what}: route the type to the app that handles it (app.route)"
-            )
-
-    def _check_send_only(self) -> None:
-        """A send-only app receives nothing: refuse what would wait for a delivery."""
-        received = [*self._subscriptions, *self.handlers.message_types]
-        if received:
-            name = received[0].__qualname__
-            raise ConfigurationError(
-                f"app {self.name!r} is send-only (consume=False) and receives nothing, yet it "
-                f"subscribes to or handles {name}: drop the subscribe/register calls, or let it "
-                "consume (App(consume=True), the default)"
-            )
-        routed_home = [t for t, queue in self._routes.items() if queue == self.name]
-        if routed_home:
-            raise ConfigurationError(
-                f"app {self.name!r} is send-only (consume=False), so it has no queue of its own, "
-                f"yet it routes {routed_home[0].__qualname__} to {self.name!r}: route it to the "
-                "app that handles it"
-            )
-
-    def _warn_undelivered(self) -> None:
-        """Warn of handled types that no route to this app's queue or subscription brings."""
-        home = [t for t, queue in self._routes.items() if queue == self.name]
-        home += [t for spec in self._sagas for t in spec.timeouts]
-        for handled in self.handlers.message_types:
-            if any(issubclass(t, handled) for t in self._subscriptions) or any(
-                issubclass(t, handled) or issubclass(handled, t) for t in home
-            ):
-                continue
-            name = handled.__qualname__
-            log.warning(
-                "app %r handles %s but neither routes it to its own queue nor subscribes to it: "
-                "its handler runs only for a %s sent with send_local, routed here by another "
-                "app or replied to this app; app.route(%s, %r) if this app receives it, "
-                "app.subscribe(%s) if it is a published event",
-                self.name,
-                name,
-                name,
-                name,
-                self.name,
-                name,
-            )
-
-    def _check_running(self) -> None:
-        if not self._running:
-            raise NotRunning(
-                f"app {self.name!r} is not running: `await app.start()` or `async with app:` first"
-            )
-
     def _check_not_running(self, what: str) -> None:
         if self._running:
             raise ConfigurationError(f"{what} before app {self.name!r} starts")
-
-    async def _reply_queue(self) -> _Replies:
-        self._check_running()
-        if self._replies is None:
-            queue = f"{self.name}.replies.{uuid.uuid4().hex[:12]}"
-            await self.transport.declare(queue, temporary=True)
-            consumer = await self.transport.consume(queue, prefetch=self.concurrency)
-            self._replies = _Replies(self, queue, consumer)
-        return self._replies
-
-
-class _Replies:
-    """The app instance's own reply queue and the requests waiting on it."""
-
-    def __init__(self, app: App, queue: str, consumer: Consumer) -> None:
-        self.app = app
-        self.queue = queue
-        self._waiting: dict[str, asyncio.Future[Any]] = {}
-        self._worker = Worker(consumer, self._handle, app.settler, concurrency=1)
-        self._worker.start()
-
-    def expect(self, message_id: str) -> asyncio.Future[Any]:
-        """A future that the reply caused by `message_id` resolves."""
-        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[message_id] = waiter
-        return waiter
-
-    def forget(self, message_id: str) -> None:
-        """Stop waiting for a reply to `message_id`."""
-        self._waiting.pop(message_id, None)
-
-    async def close(self) -> None:
-        """Fail the waiting requests at once, then stop receiving replies."""
-        waiting, self._waiting = self._waiting, {}
-        for waiter in waiting.values():
-            if not waiter.done():
-                waiter.set_exception(NotRunning(f"app {self.app.name!r} stopped"))
-        await self._worker.stop(grace=0.0)
-
-    async def _handle(self, delivery: Delivery) -> Outcome:
-        envelope = delivery.envelope
-        waiter = self._waiting.get(envelope.headers.get(Header.CAUSATION_ID, ""))
-        if waiter is None or waiter.done():
-            log.warning("dropping a reply nobody waits for (late?): %s", describe(envelope.headers))
-            return ACK
-        try:
-            cls = self.app.types.resolve(envelope.headers.get(Header.TYPE, ""))
-            reply = self.app.codec.decode(envelope.body, cls)
-        except asyncio.CancelledError as cancelled:  # raised by the reply's class, or a stop
-            if cancelled_by_owner():
-                raise
-            absorb_cancellation()
-            error: BaseException = cancelled
-        except BaseException as failed:  # the reply's class may raise anything
-            error = failed
-        else:
-            waiter.set_result(reply)
-            return ACK
-        failure = Failure.of(error)
-        waiter.set_exception(DecodeError(f"the reply could not be decoded: {failure}"))
-        log.error("a reply could not be decoded (%s): %s", failure, describe(envelope.headers))
-        return Outcome.dead_letter(failure, 1)
 
 
 def _is_handler(thing: object) -> bool:
@@ -975,94 +662,3 @@ def _handler_name(handler: object) -> str:
     """How a handler is written in a call: its name, or its class's for an object."""
     name = getattr(handler, "__qualname__", None)
     return name if isinstance(name, str) else f"{type(handler).__qualname__}(...)"
-
-
-async def _settled(outcome: Outcome) -> Outcome:
-    return outcome
-
-
-@asynccontextmanager
-async def _joined(transaction: Transaction, session: object) -> AsyncIterator[Transaction]:
-    """The transaction already there, for a block inside it; a failed block dooms it."""
-    if session is not None and session is not transaction.session:
-        raise ConfigurationError(
-            "app.transaction(session) inside a handler joins the message's own transaction, "
-            "which writes through the message's session: pass that session (ask for "
-            "AsyncSession in the handler) or none"
-        )
-    try:
-        yield transaction
-    except BaseException as error:
-        transaction.doom(
-            f"an app.transaction() block inside the transaction failed ({Failure.of(error)}), "
-            "so the transaction cannot commit"
-        )
-        raise
-
-
-@asynccontextmanager
-async def _buffered(app: App) -> AsyncIterator[Transaction]:
-    transaction = Transaction(app.send_committed, app)
-    try:
-        yield transaction
-    except BaseException:
-        transaction.rollback()
-        raise
-    await transaction.commit()
-
-
-def check_concurrency(concurrency: int) -> None:
-    """Fail with a `ConfigurationError` unless `concurrency` is an int >= 1."""
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-        raise ConfigurationError(f"App(concurrency={concurrency!r}) must be an int >= 1")
-
-
-def check_partitions(partitions: int | None, consume: bool) -> int:
-    """The number of partitions, 0 for none; a `ConfigurationError` for what cannot be."""
-    if partitions is None:
-        return 0
-    if isinstance(partitions, bool) or not isinstance(partitions, int):
-        raise ConfigurationError(
-            f"App(partitions={partitions!r}) must be an int from 1 to {MAX_PARTITIONS}"
-        )
-    if not 1 <= partitions <= MAX_PARTITIONS:
-        raise ConfigurationError(
-            f"App(partitions={partitions!r}) must be from 1 to {MAX_PARTITIONS}"
-        )
-    if not consume:
-        raise ConfigurationError(
-            "App(partitions=...) splits the app's own queue, and a send-only app "
-            "(consume=False) has none: leave partitions out"
-        )
-    return partitions
-
-
-def check_prefetch(prefetch: int | None, concurrency: int) -> int:
-    """The deliveries an app takes at once: handled, or waiting behind their partition key."""
-    if prefetch is None:
-        return min(MAX_PREFETCH, concurrency * (1 + WAITING_PER_SLOT))
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < concurrency:
-        raise ConfigurationError(
-            f"App(prefetch={prefetch!r}) must be an int >= concurrency ({concurrency})"
-        )
-    return min(prefetch, MAX_PREFETCH)
-
-
-def check_timeout(timeout: float | None) -> float | None:
-    """A handler timeout in seconds (None: none), or a `ConfigurationError`."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise ConfigurationError(
-            f"App(handler_timeout={timeout!r}) must be a number of seconds > 0, or None"
-        )
-    return None if math.isinf(timeout) else float(timeout)
-
-
-def check_queue_name(name: str, what: str) -> None:
-    """Fail with a `ConfigurationError` unless `name` is a usable queue name."""
-    if not isinstance(name, str) or not QUEUE_NAME.fullmatch(name):
-        raise ConfigurationError(
-            f"{what} = {name!r} is not a usable queue name: use 1-200 letters, digits and "
-            "'_', '.', ':', '/', '-', starting with a letter or digit"
-        )

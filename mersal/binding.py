@@ -8,21 +8,17 @@ import types
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from mersal.context import MessageContext
 from mersal.errors import ConfigurationError
 
-if TYPE_CHECKING:
-    from mersal.pipeline import MessageContext
-
 Handle = Callable[[Any], Awaitable[object]]
-Bind = Callable[[Callable[..., Awaitable[object]], "MessageContext"], Handle]
+Bind = Callable[[Callable[..., Awaitable[object]], MessageContext], Handle]
 
 MESSAGE, CONTEXT = 0, 1
 """What a parameter receives: the message or its MessageContext."""
 
-_CONTEXT = ("mersal.pipeline", "MessageContext")
-"""MessageContext, by module and name: the pipeline imports the handlers, not the reverse."""
 _TRUSTED_CONTEXT = object()
 """An annotation naming MessageContext that does not resolve at run time."""
 _EMPTY = inspect.Parameter.empty
@@ -353,7 +349,7 @@ def _is_context(hint: Any) -> bool:
         return True
     if is_union(hint):
         return any(_is_context(member) for member in typing.get_args(hint))
-    return (getattr(hint, "__module__", None), getattr(hint, "__qualname__", None)) == _CONTEXT
+    return hint is MessageContext
 
 
 def _opaque(parameters: list[inspect.Parameter]) -> bool:
@@ -389,7 +385,7 @@ def _evaluated(where: str, annotation: Any, namespace: dict[str, Any]) -> Any:
         if not isinstance(annotation, str):
             raise _unreadable(where, error) from None
         written = annotation.strip().strip("'\"")
-        return _TRUSTED_CONTEXT if written.rpartition(".")[2] == _CONTEXT[1] else Any
+        return _TRUSTED_CONTEXT if written.rpartition(".")[2] == MessageContext.__name__ else Any
     except Exception as error:
         raise _unreadable(where, error) from None
 

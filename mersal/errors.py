@@ -57,3 +57,7 @@ class ConcurrencyConflict(MersalError):
 
 class ConsumerClosed(MersalError):
     """The consumer was closed (or lost for good) while waiting for a delivery."""
+
+
+class Duplicate(MersalError):
+    """The inbox holds the message's id: another copy of it was handled, so this one is acked."""

@@ -6,18 +6,15 @@ import inspect
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from lagom import Container
 
-from mersal.binding import Binding, binder, class_binding, function_binding, name_of
+from mersal.binding import Binding, Handle, binder, class_binding, function_binding, name_of
+from mersal.context import MessageContext
 from mersal.errors import ConfigurationError
 
-if TYPE_CHECKING:
-    from mersal.pipeline import MessageContext
-
-Handle = Callable[[Any], Awaitable[object]]
-Provider = Callable[["MessageContext"], object]
+Provider = Callable[[MessageContext], object]
 
 M = TypeVar("M")
 M_contra = TypeVar("M_contra", contravariant=True)
@@ -34,8 +31,8 @@ class Handles(Protocol[M_contra]):
 Handler = (
     type[Handles[M]]
     | Callable[[M], Awaitable[object]]
-    | Callable[[M, "MessageContext"], Awaitable[object]]
-    | Callable[["MessageContext", M], Awaitable[object]]
+    | Callable[[M, MessageContext], Awaitable[object]]
+    | Callable[[MessageContext, M], Awaitable[object]]
 )
 """What `App.register` takes for messages of type M: a class, or an async function.
 

@@ -14,15 +14,16 @@ call it as often as it likes. Each failing check is named with its reason:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from mersal.outbox import Relay
 from mersal.settle import Failure
-
-if TYPE_CHECKING:
-    from mersal.app import App
+from mersal.worker import Worker
 
 MAX_RELAY_LAG = 60.0
 """Seconds the outbox relay may stay behind before the app is not ready."""
+
+LIVE_CHECKS = frozenset({"app", "worker", "relay"})
+"""The checks that tell whether an app is alive (the others, whether it is ready)."""
 
 
 @dataclass(frozen=True)
@@ -33,34 +34,50 @@ class Health:
     ready: bool
     checks: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def live_checks(self) -> dict[str, str]:
+        """The failing checks of liveness alone: name -> reason."""
+        return {name: why for name, why in self.checks.items() if name in LIVE_CHECKS}
 
-def check(app: App, max_relay_lag: float = MAX_RELAY_LAG) -> Health:
-    """Run every check on `app` and sum them up."""
-    alive = liveness(app)
-    readiness = {**alive, **ready_checks(app, max_relay_lag)} if app.running else alive
+
+@dataclass(frozen=True)
+class Parts:
+    """What an app's health is read from, as it is now."""
+
+    name: str
+    running: bool
+    worker: Worker | None
+    has_storage: bool
+    relay: Relay | None
+    transport: object
+
+
+def health_of(parts: Parts, max_relay_lag: float = MAX_RELAY_LAG) -> Health:
+    """Every check on the app's parts, summed up."""
+    alive = liveness(parts)
+    readiness = {**alive, **ready_checks(parts, max_relay_lag)} if parts.running else alive
     return Health(live=not alive, ready=not readiness, checks=readiness)
 
 
-def liveness(app: App) -> dict[str, str]:
+def liveness(parts: Parts) -> dict[str, str]:
     """The failing liveness checks: name -> reason."""
-    if not app.running:
-        return {"app": f"app {app.name!r} is not running (never started, or stopped)"}
+    if not parts.running:
+        return {"app": f"app {parts.name!r} is not running (never started, or stopped)"}
     failing: dict[str, str] = {}
-    worker = app.worker
+    worker = parts.worker
     if worker is not None and worker.failed is not None:
         failing["worker"] = f"the worker stopped receiving: {Failure.of(worker.failed)}"
-    storage = app.storage
-    if storage is not None and (storage.relay is None or not storage.relay.running):
+    if parts.has_storage and (parts.relay is None or not parts.relay.running):
         failing["relay"] = "the outbox relay is not running"
     return failing
 
 
-def ready_checks(app: App, max_relay_lag: float) -> dict[str, str]:
+def ready_checks(parts: Parts, max_relay_lag: float) -> dict[str, str]:
     """The failing readiness checks beyond liveness: name -> reason."""
     failing: dict[str, str] = {}
-    if not getattr(app.transport, "connected", True):
+    if not getattr(parts.transport, "connected", True):
         failing["broker"] = "not connected to the broker (reconnecting)"
-    relay = app.storage.relay if app.storage is not None else None
+    relay = parts.relay
     if relay is not None:
         if relay.failing is not None:
             failing["outbox"] = f"the outbox relay's last round failed: {relay.failing}"

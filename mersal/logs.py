@@ -13,13 +13,11 @@ import json
 import logging
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from mersal.context import MessageContext
 from mersal.messages import Header
 from mersal.settle import Outcome, Verdict
-
-if TYPE_CHECKING:
-    from mersal.pipeline import MessageContext
 
 MESSAGE_FIELDS = ("message_id", "message_type", "correlation_id", "queue", "attempt", "duration_ms")
 """The record attributes that describe a message, in the order JSON lines show them."""

@@ -10,19 +10,15 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from mersal import plugins
 from mersal.errors import MersalError, Unroutable, Unsendable
 from mersal.messages import Header, describe
+from mersal.observer import Observer, send_each
 from mersal.pipeline import StorageSteps
 from mersal.settle import Failure, run_to_end
 from mersal.transaction import Transaction
-from mersal.transport import Outgoing, Transport, mask
-
-if TYPE_CHECKING:
-    from mersal.app import App
-    from mersal.telemetry import Telemetry
+from mersal.transport import Outgoing, Transport
 
 log = logging.getLogger("mersal.outbox")
 
@@ -82,6 +78,10 @@ class Storage(StorageSteps, Protocol):
         """Bind sends to the caller's session: outbox rows in its transaction, then commit."""
         ...
 
+    async def commit(self, transaction: Transaction) -> None:
+        """Commit a transaction of the app: its messages as outbox rows, in its session."""
+        ...
+
     async def pending(self) -> int:
         """How many committed messages still wait in the outbox to be sent."""
         ...
@@ -95,12 +95,6 @@ class Storage(StorageSteps, Protocol):
     def relay(self) -> Relay | None:
         """The outbox relay, while the storage runs."""
         ...
-
-
-def attach_storage(app: App) -> Storage:
-    """The storage for `app.database`, from the installed adapter for its URL's scheme."""
-    assert app.database is not None
-    return plugins.storage_for(app, mask(app.database))
 
 
 class Relay:
@@ -124,16 +118,16 @@ class Relay:
         max_backoff: float = 30.0,
         max_failures: int = 5,
         retry_delay: float = 1.0,
-        telemetry: Telemetry | None = None,
+        observer: Observer | None = None,
         measure_backlog: Callable[[], Awaitable[tuple[int, float]]] | None = None,
         retry_command: Callable[[int], str] | None = None,
     ) -> None:
         self.store = store
         self.transport = transport
-        self.telemetry = telemetry
+        self.observer = observer
         """Told of each publish, and of the backlog when `measure_backlog` is given."""
         self.measure_backlog = measure_backlog
-        """The pending rows and the oldest one's age in seconds, for `telemetry`."""
+        """The pending rows and the oldest one's age in seconds, for `observer`."""
         self.retry_command = retry_command or default_retry_command
         """The command that un-parks a row, named in the log line that parks it."""
         self.batch = batch
@@ -227,8 +221,8 @@ class Relay:
         if self.parked != self._parked_seen or now - self._counted_at >= self.poll_interval:
             self._parked_seen, self._counted_at = self.parked, now
             self.parked_rows = await self.store.count_parked()
-            if self.telemetry is not None and self.measure_backlog is not None:
-                self.telemetry.outbox_measured(*await self.measure_backlog())
+            if self.observer is not None and self.measure_backlog is not None:
+                self.observer.outbox_measured(*await self.measure_backlog())
 
     async def _batch(self) -> int | None:
         """Claim a batch and see each row to its end; None when there was none.
@@ -250,10 +244,7 @@ class Relay:
             return None
         messages = [row.outgoing for row in rows if not row.problem]
         try:
-            if self.telemetry is None:
-                results = await self.transport.send_each(messages)
-            else:
-                results = await self.telemetry.send_each(self.transport, messages)
+            results = await send_each(self.observer, self.transport, messages, detached=True)
         except BaseException:  # nothing is known of these: give them back, to be sent again
             await self.store.release([row.id for row in rows])
             raise
@@ -294,44 +285,44 @@ class Relay:
     async def _settle(self, rows: list[OutboxRow], results: list[Exception | None]) -> int:
         """Delete, park or give back each row as its result says; how many were sent."""
         sent = iter(results)
-        plan = _Plan()
+        fates = _Fates()
         for row in rows:
             result = f"cannot read the row: {row.problem}" if row.problem else next(sent)
-            self._judge(row, result, plan)
-        await self._carry_out(plan)
-        if plan.retry:
-            raise plan.retry_error or MersalError("outbox rows could not be sent")
-        return len(plan.sent)
+            self._judge(row, result, fates)
+        await self._carry_out(fates)
+        if fates.retry:
+            raise fates.retry_error or MersalError("outbox rows could not be sent")
+        return len(fates.sent)
 
-    def _judge(self, row: OutboxRow, result: Exception | str | None, plan: _Plan) -> None:
+    def _judge(self, row: OutboxRow, result: Exception | str | None, fates: _Fates) -> None:
         """Decide what becomes of one row of a batch."""
         if result is None:
-            plan.sent.append(row.id)
+            fates.sent.append(row.id)
         elif isinstance(result, str):
-            plan.park.append((row, result))
+            fates.park.append((row, result))
         elif unreachable_reply(row.outgoing, result):
-            plan.dropped.append(row.id)
+            fates.dropped.append(row.id)
         elif isinstance(result, Unsendable):
-            plan.park.append((row, f"{type(result).__name__}: {Failure.of(result).message}"))
+            fates.park.append((row, f"{type(result).__name__}: {Failure.of(result).message}"))
         elif isinstance(result, MersalError):  # the broker's state, not the row: try again
-            plan.retry.append(row.id)
-            plan.retry_error = plan.retry_error or result
+            fates.retry.append(row.id)
+            fates.retry_error = fates.retry_error or result
         else:
             failures = self._failures.get(row.id, 0) + 1
             if failures >= self.max_failures:
-                plan.park.append((row, f"failed {failures} times: {Failure.of(result)}"))
+                fates.park.append((row, f"failed {failures} times: {Failure.of(result)}"))
             else:
                 if len(self._failures) >= MAX_TRACKED_FAILURES:  # rows gone elsewhere linger
                     self._failures.clear()
                 self._failures[row.id] = failures
-                plan.retry.append(row.id)
-                plan.retry_error = plan.retry_error or result
+                fates.retry.append(row.id)
+                fates.retry_error = fates.retry_error or result
 
-    async def _carry_out(self, plan: _Plan) -> None:
-        done = [*plan.sent, *plan.dropped]
+    async def _carry_out(self, fates: _Fates) -> None:
+        done = [*fates.sent, *fates.dropped]
         if done:
             await self.store.delete(done)
-        for row, reason in plan.park:
+        for row, reason in fates.park:
             log.error(
                 "parking outbox row %d (%s to %r): %s; after fixing the cause, send it again "
                 "with %s",
@@ -342,17 +333,17 @@ class Relay:
                 self.retry_command(row.id),
             )
             await self.store.park(row.id, reason)
-        if plan.retry:  # later (unless stopping), so that the rows behind them go meanwhile
-            await self.store.release(plan.retry, 0.0 if self._stopping else self.retry_delay)
-        for row_id in (*done, *(row.id for row, _ in plan.park)):
+        if fates.retry:  # later (unless stopping), so that the rows behind them go meanwhile
+            await self.store.release(fates.retry, 0.0 if self._stopping else self.retry_delay)
+        for row_id in (*done, *(row.id for row, _ in fates.park)):
             self._failures.pop(row_id, None)
-        self.published += len(plan.sent)
-        self.dropped += len(plan.dropped)
-        self.parked += len(plan.park)
+        self.published += len(fates.sent)
+        self.dropped += len(fates.dropped)
+        self.parked += len(fates.park)
 
 
 @dataclass
-class _Plan:
+class _Fates:
     """What a batch's rows come to: deleted (sent or dropped), parked, or tried again."""
 
     sent: list[int] = field(default_factory=list)

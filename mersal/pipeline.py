@@ -5,116 +5,27 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from contextvars import ContextVar
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 from uuid import UUID
 
+from mersal.context import MessageContext, OutgoingContext
 from mersal.errors import ConfigurationError, DecodeError, NoHandler, Unsendable
 from mersal.handlers import Handlers
 from mersal.messages import Envelope, Header, TypeRegistry, new_id
 from mersal.serialization import Codec
-from mersal.settle import ACK, Outcome
 from mersal.timeouts import HandlerClock, HandlerTimeout
-from mersal.transaction import Transaction
-from mersal.transport import Delivery, Outgoing, Transport, check, limits_of, plainly_fine
-
-if TYPE_CHECKING:
-    from mersal.app import App
+from mersal.transport import Outgoing, Transport, check, limits_of, plainly_fine
 
 log = logging.getLogger("mersal.pipeline")
+
+RETRY_HINT = (
+    ": retries are not a step; every incoming step runs once per attempt, inside the retry "
+    "loop (mersal.receiving), so put a step first with insert_before('decode', ...)"
+)
 
 C = TypeVar("C")
 Next = Callable[[C], Awaitable[None]]
 Step = Callable[[C, Next[C]], Awaitable[None]]
-
-
-class MessageContext:
-    """The message being handled: its headers, decoded body, attempt, transaction and outcome.
-
-    Steps and handlers read it; a step decides what becomes of the delivery by setting
-    `outcome` (the worker settles the delivery after the pipeline, never a step).
-    """
-
-    __slots__ = (
-        "app",
-        "attempt",
-        "conflicts",
-        "delivery",
-        "envelope",
-        "handlers",
-        "items",
-        "message",
-        "message_type",
-        "outcome",
-        "transaction",
-    )
-
-    def __init__(self, app: App, delivery: Delivery) -> None:
-        self.app = app
-        self.delivery = delivery
-        self.envelope: Envelope = delivery.envelope
-        self.message: Any = None
-        self.message_type: type | None = None
-        self.attempt = 1
-        self.conflicts = 0
-        """How often this attempt ran again after losing a race for shared state (a saga)."""
-        self.outcome: Outcome | None = None
-        self.transaction = Transaction(app.send_committed, app, self.envelope, app.message_ids)
-        self.items: dict[str, Any] = {}
-        self.handlers: list[Callable[[Any], Awaitable[object]]] = []
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """The message's headers as received."""
-        return self.envelope.headers
-
-    @property
-    def message_id(self) -> str:
-        """The message's id ('' for a message sent without one)."""
-        return self.envelope.headers.get(Header.MESSAGE_ID, "")
-
-    @property
-    def correlation_id(self) -> str:
-        """The id shared by every message of one conversation."""
-        headers = self.envelope.headers
-        return headers.get(Header.CORRELATION_ID) or headers.get(Header.MESSAGE_ID, "")
-
-    @property
-    def reply_to(self) -> str | None:
-        """Where `app.reply` sends to."""
-        return self.envelope.headers.get(Header.REPLY_TO)
-
-    @property
-    def queue(self) -> str:
-        """The queue the message came from."""
-        return self.delivery.queue
-
-    def begin_attempt(self, attempt: int) -> None:
-        """Start handling afresh: a new transaction, no handlers, no step state, no outcome."""
-        self.attempt = attempt
-        self.outcome = None
-        if not self.transaction.untouched:  # the one made with the context serves attempt 1
-            self.transaction = self._new_transaction()
-            self.items.clear()
-            self.handlers.clear()
-
-    def _new_transaction(self) -> Transaction:
-        app = self.app
-        return Transaction(app.send_committed, app, self.envelope, app.message_ids)
-
-
-@dataclass(slots=True)
-class OutgoingContext:
-    """A message being sent: its destination, headers, and (once serialized) its envelope."""
-
-    message: object
-    address: str
-    publish: bool
-    headers: dict[str, str]
-    incoming: MessageContext | None
-    transaction: Transaction | None
-    envelope: Envelope = field(default_factory=lambda: Envelope({}, b""))
 
 
 class Pipeline(Generic[C]):
@@ -179,7 +90,10 @@ class Pipeline(Generic[C]):
         for index, (existing, _) in enumerate(self._steps):
             if existing == name:
                 return index
-        raise ConfigurationError(f"no pipeline step named {name!r}; the steps are {self.names}")
+        hint = RETRY_HINT if name == "retry" else ""
+        raise ConfigurationError(
+            f"no pipeline step named {name!r}; the steps are {self.names}{hint}"
+        )
 
     def _check_open(self) -> None:
         if self._chain is not None:
@@ -197,34 +111,33 @@ async def _end(context: object) -> None:
     return None
 
 
-async def handled(context: MessageContext) -> None:
+async def completed(context: MessageContext) -> None:
     """The end of the incoming pipeline: every step ran, so the message was dealt with."""
-    if context.outcome is None:
-        context.outcome = ACK
+    context.completed = True
 
 
 # The assembly: every step that runs, in order.
 
 
 def incoming_pipeline(
-    retry: Step[MessageContext],
     codec: Codec,
     types: TypeRegistry,
     handlers: Handlers,
     clock: HandlerClock,
     max_body_size: int,
 ) -> Pipeline[MessageContext]:
-    """The steps a delivery goes through; a storage adds its own (`add_storage_steps`)."""
+    """The steps each attempt at a delivery goes through; a storage adds its own
+    (`add_storage_steps`). The attempts are run, and what they raise judged, by
+    `mersal.receiving`, outside every step."""
     return Pipeline(
         [
-            ("retry", retry),  # runs the rest once per attempt; decides retry or dead letter
             ("decode", decode_step(codec, types, max_body_size)),
             # with a storage: ("unit_of_work", ...), ("inbox", ...)
             ("activate", activate_step(handlers)),
             ("dispatch", dispatch_step(clock)),
             ("commit", commit_step),
         ],
-        end=handled,
+        end=completed,
     )
 
 
@@ -283,7 +196,7 @@ class StorageSteps(Protocol):
         ...
 
 
-# The incoming steps the core provides (the retry step lives in mersal.retry).
+# The incoming steps the core provides.
 
 
 def decode_step(codec: Codec, types: TypeRegistry, max_body_size: int) -> Step[MessageContext]:
@@ -498,7 +411,3 @@ def partition_key_text(key: object) -> str:
 def now() -> str:
     """The current time as the epoch-seconds string used in headers."""
     return f"{time.time():.6f}"
-
-
-current_message: ContextVar[MessageContext | None] = ContextVar("mersal_message", default=None)
-"""The message whose attempt is running (in its handlers and the tasks they start)."""

@@ -18,15 +18,12 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import EntryPoint, entry_points
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mersal.errors import ConfigurationError
+from mersal.outbox import Storage
 from mersal.transport import Transport, mask
 from mersal.transport.memory import MemoryTransport
-
-if TYPE_CHECKING:
-    from mersal.app import App
-    from mersal.outbox import Storage
 
 TRANSPORTS = "mersal.transports"
 STORAGES = "mersal.storages"
@@ -72,17 +69,17 @@ def transport_for(url: str, shown: str) -> Transport:
     return make(url)
 
 
-def storage_for(app: App, shown: str) -> Storage:
-    """The storage an installed adapter makes for `app.database` (`shown`: masked)."""
-    assert app.database is not None
-    scheme, separator, _ = app.database.partition("://")
+def storage_for(app: object, database: str) -> Storage:
+    """The storage an installed adapter makes for `app` (the App) and its `database` URL."""
+    shown = mask(database)
+    scheme, separator, _ = database.partition("://")
     if not separator or not scheme.replace("+", "").isalnum():
         raise ConfigurationError(
             f"database {shown!r} is not a database URL: use "
             "'postgresql+asyncpg://user:password@host/name' or 'sqlite+aiosqlite:///file.db'"
         )
     scheme = scheme.partition("+")[0].lower()
-    make: Callable[[App], Storage] = load(
+    make: Callable[[object], Storage] = load(
         STORAGES, scheme, f"database {shown!r}", install=STORAGE_EXTRA
     )
     return make(app)

@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from mersal.errors import ConfigurationError
-from mersal.health import liveness
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -47,7 +46,7 @@ async def probes(
     def readiness() -> dict[str, str]:
         return app.health(max_relay_lag=max_relay_lag).checks
 
-    server.router.add_get("/livez", _answer(lambda: liveness(app), "live"))
+    server.router.add_get("/livez", _answer(lambda: app.health().live_checks, "live"))
     server.router.add_get("/readyz", _answer(readiness, "ready"))
     unserved: str | None = None
     if metrics is not None:
@@ -96,7 +95,7 @@ def prometheus_metrics(app: App) -> Metrics | None:
         return None
     from mersal.telemetry import instrument
 
-    if app.telemetry is None:
+    if app.observer is None:
         instrument(app, meter_provider=MeterProvider(metric_readers=[PrometheusMetricReader()]))
 
     def render() -> tuple[bytes, str]:

@@ -1,12 +1,11 @@
 """Retries: immediate ones in process, delayed ones through the broker, then the error queue.
 
-The policy says how often; the retry step decides, attempt by attempt; `mersal.settle` carries
-the decision out.
+The policy says how often; `after_failure` decides, attempt by attempt, for the receiver
+(`mersal.receiving`), which runs the attempts; `mersal.settle` carries the decision out.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import random
@@ -14,12 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mersal.errors import ConcurrencyConflict, ConfigurationError, DecodeError
+from mersal.context import MessageContext
+from mersal.errors import ConfigurationError, DecodeError
 from mersal.logs import message_fields
 from mersal.messages import Envelope, Header, describe
-from mersal.pipeline import MessageContext, Next, current_message
-from mersal.settle import Failure, Outcome, Verdict, absorb_cancellation, cancelled_by_owner
-from mersal.transaction import current_transaction
+from mersal.settle import Failure, Outcome, Verdict
 
 log = logging.getLogger("mersal.retry")
 
@@ -94,91 +92,37 @@ def attempts_made(envelope: Envelope) -> int:
         return 0
 
 
-class RetryStep:
-    """The outermost incoming step: runs attempts and decides what a failure leads to.
-
-    Every way an attempt can end counts: a return, any exception (a `BaseException` too), a
-    `CancelledError` the handler raised itself, a handler timeout. Only the worker's own stop
-    cancels without counting. The step only decides (`context.outcome`); the worker settles.
-    """
-
-    def __init__(self, policy: RetryPolicy) -> None:
-        self.policy = policy
-
-    async def __call__(self, context: MessageContext, next: Next[MessageContext]) -> None:
-        """Run the rest of the pipeline per attempt until one succeeds or the policy decides.
-
-        Each attempt runs with its own transaction current; when the attempt ends, so does the
-        transaction, committed or not: a task the handler left behind that sends later gets
-        `TransactionClosed`.
-        """
-        made = attempts_made(context.envelope)
-        conflicts = 0
-        while True:
-            context.begin_attempt(made + 1)
-            context.conflicts = conflicts
-            transaction = context.transaction
-            message_token = current_message.set(context)
-            transaction_token = current_transaction.set(transaction)
-            try:
-                await next(context)
-                return
-            except asyncio.CancelledError as cancelled:
-                if cancelled_by_owner():
-                    raise
-                absorb_cancellation()
-                error: BaseException = cancelled
-            except BaseException as failed:
-                error = failed
-            finally:
-                transaction.rollback()
-                current_transaction.reset(transaction_token)
-                current_message.reset(message_token)
-            if isinstance(error, ConcurrencyConflict) and conflicts < MAX_CONFLICTS:
-                conflicts += 1
-                log.debug("%s: %s; running it again", describe(context.headers), error)
-                await asyncio.sleep(conflict_pause(conflicts))
-                continue
-            made += 1
-            outcome = after_failure(self.policy, error, made)
-            log_failure(context, outcome, made, Failure.of(error) if outcome is None else None)
-            if outcome is not None:
-                context.outcome = outcome
-                return
-
-
 def conflict_pause(conflicts: int) -> float:
     """A short random pause before rerunning after the `conflicts`-th conflict in a row."""
     return random.uniform(0.0, min(0.001 * 2 ** min(conflicts, 6), 0.05))
 
 
-def after_failure(
-    policy: RetryPolicy, error: BaseException, made: int, *, immediate: bool = True
-) -> Outcome | None:
+def after_failure(policy: RetryPolicy, error: BaseException, made: int) -> Outcome | None:
     """What follows the `made`-th failed attempt: None to retry at once, else the outcome."""
-    failure = Failure.of(error)
     if isinstance(error, (DecodeError, *policy.fail_fast)):
-        return Outcome.dead_letter(failure, made)
+        return Outcome.dead_letter(Failure.of(error), made)
     first_round = 1 + policy.immediate
-    if immediate and made < first_round:
+    if made < first_round:
         return None
     step = max(0, made - first_round)
     if step < len(policy.delayed):
-        return Outcome.retry_later(policy.delayed[step], made, failure)
-    return Outcome.dead_letter(failure, made)
+        return Outcome.retry_later(policy.delayed[step], made, Failure.of(error))
+    return Outcome.dead_letter(Failure.of(error), made)
 
 
 def log_failure(
-    context: MessageContext, outcome: Outcome | None, made: int, failure: Failure | None = None
+    context: MessageContext,
+    outcome: Outcome | None,
+    made: int,
+    failure: Failure | None,
+    error_queue: str,
 ) -> None:
-    """Log a failed attempt (`failure`, or the outcome's): retried at WARNING, dead at ERROR."""
-    if failure is None and outcome is not None:
-        failure = outcome.failure
+    """Log a failed attempt: retried at WARNING, moved to `error_queue` at ERROR."""
     if outcome is not None and outcome.verdict is Verdict.DEAD_LETTER:
         log.error(
             "moving %s to %r after %d attempt(s): %s",
             describe(context.headers),
-            context.app.retry.error_queue,
+            error_queue,
             made,
             failure,
             extra={**message_fields(context), "attempt": made},

@@ -163,7 +163,7 @@ async def serve(
                     )
                 code = await watch(app, stopping)
         finally:
-            stopped = await stop_within(app, app.grace_period + STOP_MARGIN)
+            stopped = await stop_within(app, app.settings.grace_period + STOP_MARGIN)
         return code if stopped else 1
     finally:
         for signum in SIGNALS:

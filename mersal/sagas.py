@@ -34,19 +34,23 @@ from collections.abc import (
 )
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import msgspec
 
+from mersal.context import MessageContext, current_message
 from mersal.errors import ConcurrencyConflict, ConfigurationError, DecodeError, MersalError
-from mersal.messages import KEY_LENGTH, Header, describe, stored_key, subclasses
-from mersal.pipeline import MessageContext, current_message
-from mersal.serialization import MAX_DEPTH, explain
+from mersal.handlers import Handlers
+from mersal.messages import (
+    KEY_LENGTH,
+    Header,
+    check_message_class,
+    describe,
+    stored_key,
+    subclasses,
+)
+from mersal.serialization import MAX_DEPTH, Codec, explain
 from mersal.transaction import Transaction, current_transaction
-
-if TYPE_CHECKING:
-    from mersal.app import App
-    from mersal.serialization import Codec
 
 log = logging.getLogger("mersal.sagas")
 
@@ -161,7 +165,8 @@ class Saga(Generic[Data]):
             Header.SAGA_TYPE: spec.name,
             Header.SAGA_CHECK: saga_check(spec.name, self.saga_id),
         }
-        return await context.app.defer(delay, message, headers=marked, to_self=True)
+        sent: str = await context.app.defer(delay, message, headers=marked, to_self=True)
+        return sent
 
     async def not_found(self, message: Any) -> None:
         """Called for a message whose saga does not exist and which does not start one.
@@ -1045,23 +1050,93 @@ class MemorySagaStore:
             self.ids[row.id] = key
 
 
-async def saga_data(app: App, saga: type[Saga[D]], correlation: object) -> D | None:
-    """The committed data of the `saga` whose correlation value is `correlation`, or None.
+class Sagas:
+    """An app's sagas: their registrations, runners, and where their data lives."""
 
-    Inside a transaction of this app (a handler's, or an `app.transaction()` block's) it is
-    read in that transaction (so it does not wait for a database connection the transaction
-    holds): the data as the transaction sees it.
-    """
-    spec = app.saga_spec(saga)
-    key = correlation_key(correlation, spec, type(correlation))
-    transaction = current_transaction.get()
-    if transaction is not None and (transaction.owner is not app or not transaction.open):
-        transaction = None
-    stored = await app.saga_store().read(spec.name, key, transaction=transaction)
-    if stored is None or stored.data is None:
-        return None
-    decoded: D = decode_data(app.codec, stored.data, spec.data_type)
-    return decoded
+    def __init__(self, owner: object, name: str, codec: Codec, handlers: Handlers) -> None:
+        self.owner = owner
+        """The App whose transactions `data` reads within."""
+        self.name = name
+        self.codec = codec
+        self.handlers = handlers
+        self.specs: list[SagaSpec] = []
+        self.runners: dict[str, SagaRunner] = {}
+        self.memory = MemorySagaStore()
+        self.storage: object | None = None
+        """The app's storage once attached: its `sagas` store holds the data."""
+
+    def register(self, saga: type[Saga[Any]], pessimistic: bool, subscriptions: list[type]) -> None:
+        """Check the saga and have its runner handle each message type it takes."""
+        spec = saga_spec(saga, self.codec, pessimistic=pessimistic)
+        for other in self.specs:
+            if other.name == spec.name:
+                raise ConfigurationError(
+                    f"{saga.__qualname__} and {other.cls.__qualname__} are both saga "
+                    f"{spec.name!r}: give one another name (`class ...(Saga[D], name='...')`)"
+                )
+        for message_type in spec.methods:
+            check_message_class(message_type, self.codec, "register_saga")
+        check_subscriptions([spec], subscriptions)
+        runner = SagaRunner(spec, self.handlers.builder(saga), self.store, self.codec, self.runners)
+        self.runners[spec.name] = runner
+
+        async def run(message: Any, context: MessageContext) -> None:
+            await runner(message, context)
+
+        run.__qualname__ = saga.__qualname__
+        for message_type in spec.methods:
+            self.handlers.add(message_type, run)
+        self.specs.append(spec)
+
+    @property
+    def classes(self) -> list[type[Saga[Any]]]:
+        """The saga classes registered, in order."""
+        return [spec.cls for spec in self.specs]
+
+    @property
+    def timeouts(self) -> list[type]:
+        """Every saga's timeout types (they come back to the app's own queue)."""
+        return [t for spec in self.specs for t in spec.timeouts]
+
+    def spec(self, saga: type[Saga[Any]]) -> SagaSpec:
+        """The registration of a saga class; a ConfigurationError if it is not registered."""
+        for spec in self.specs:
+            if spec.cls is saga:
+                return spec
+        raise ConfigurationError(
+            f"{getattr(saga, '__qualname__', saga)} is not a saga of app {self.name!r}: "
+            "app.register_saga(...) it first"
+        )
+
+    def store(self) -> SagaStore:
+        """Where the sagas live: the storage's saga table, or this process's memory."""
+        if self.storage is None:
+            return self.memory
+        store: SagaStore | None = getattr(self.storage, "sagas", None)
+        if store is None:
+            raise ConfigurationError(
+                f"the storage of app {self.name!r} ({type(self.storage).__qualname__}) keeps no "
+                "sagas: use mersal_sqlalchemy's, or drop the register_saga calls"
+            )
+        return store
+
+    async def data(self, saga: type[Saga[D]], correlation: object) -> D | None:
+        """The committed data of the `saga` whose correlation value is `correlation`, or None.
+
+        Inside a transaction of this app (a handler's, or an `app.transaction()` block's) it is
+        read in that transaction (so it does not wait for a database connection the transaction
+        holds): the data as the transaction sees it.
+        """
+        spec = self.spec(saga)
+        key = correlation_key(correlation, spec, type(correlation))
+        transaction = current_transaction.get()
+        if transaction is not None and not (transaction.owner is self.owner and transaction.open):
+            transaction = None
+        stored = await self.store().read(spec.name, key, transaction=transaction)
+        if stored is None or stored.data is None:
+            return None
+        decoded: D = decode_data(self.codec, stored.data, spec.data_type)
+        return decoded
 
 
 def decode_data(codec: Codec, data: bytes, data_type: type) -> Any:

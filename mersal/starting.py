@@ -11,12 +11,9 @@ import asyncio
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from mersal.errors import Unreachable
-
-if TYPE_CHECKING:
-    from mersal.app import App
 
 FIRST_PAUSE = 0.5
 MAX_PAUSE = 5.0
@@ -28,8 +25,21 @@ CLIENT_LOGGERS = ("aiormq.connection",)
 """The broker client's loggers that report each failed connect of a start."""
 
 
+class Startable(Protocol):
+    """An app, as far as starting it goes."""
+
+    @property
+    def name(self) -> str:
+        """The app's name."""
+        ...
+
+    async def start(self) -> None:
+        """Connect and start, or raise (`Unreachable` when the broker or database is down)."""
+        ...
+
+
 async def start_when_reachable(
-    app: App,
+    app: Startable,
     wait: float,
     stopping: asyncio.Event | None = None,
     *,
@@ -46,7 +56,7 @@ async def start_when_reachable(
 
 
 async def _start_patiently(
-    app: App, wait: float, stopping: asyncio.Event, hint: str, log: logging.Logger
+    app: Startable, wait: float, stopping: asyncio.Event, hint: str, log: logging.Logger
 ) -> bool:
     running = asyncio.get_running_loop()
     deadline = running.time() + wait
@@ -93,7 +103,7 @@ class _BelowDebugOnly(logging.Filter):
         return logging.getLogger().isEnabledFor(logging.DEBUG)
 
 
-async def start_once(app: App, limit: float, stopping: asyncio.Event) -> bool:
+async def start_once(app: Startable, limit: float, stopping: asyncio.Event) -> bool:
     """Start `app` within `limit` seconds: True once started, False if told to stop first.
 
     An attempt that outlasts `limit` (a broker or database that takes the connection but

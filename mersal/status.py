@@ -26,8 +26,8 @@ from mersal.app import App
 from mersal.commands import align, load_app, positive_seconds
 from mersal.errors import ConfigurationError, MersalError
 from mersal.messages import shown
-from mersal.outbox import Storage, attach_storage
-from mersal.plugins import transport_from
+from mersal.outbox import Storage
+from mersal.plugins import storage_for, transport_from
 from mersal.transport import Transport, mask, partition_queue, split_urls
 from mersal.transport.status import ERROR, INPUT, QUEUE, WAIT, QueueReport, QueueStatus
 
@@ -408,7 +408,8 @@ async def storage_of(plan: Plan) -> AsyncIterator[Storage]:
         storage, owned = app.storage, not app.running
     else:
         name = app.name if app is not None else PROBE_APP
-        storage = attach_storage(App(name, transport="memory://", database=plan.database))
+        database = plan.database or ""
+        storage = storage_for(App(name, transport="memory://", database=database), database)
         owned = True
     try:
         yield storage

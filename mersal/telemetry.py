@@ -1,9 +1,10 @@
 """OpenTelemetry spans and metrics for an app, after the messaging semantic conventions.
 
-`instrument(app)` puts steps into `app.incoming` and `app.outgoing` and sets `app.telemetry`,
-through which the core reports what no step sees: the outbox relay's publishes, the inbox's
-duplicates and the outbox backlog. OpenTelemetry (the `otel` extra) is imported here only,
-and the core imports this module only for type checking.
+`instrument(app)` puts steps into `app.incoming` and `app.outgoing` and makes itself the app's
+observer (`mersal.observer`), to which the core reports what no step sees: each delivery and
+the outcome it came to, the publishes at commit and by the outbox relay, the inbox's duplicates
+and the outbox backlog. OpenTelemetry (the `otel` extra) is imported here only; the core never
+imports this module.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from mersal.app import App
+from mersal.context import MessageContext, OutgoingContext
 from mersal.distribution import NAME
-from mersal.errors import ConfigurationError, MersalError
+from mersal.errors import ConfigurationError, Duplicate, MersalError
 from mersal.messages import Header
-from mersal.outbox import unreachable_reply
-from mersal.pipeline import MessageContext, Next, OutgoingContext
+from mersal.pipeline import Next
 from mersal.retry import attempts_made
-from mersal.settle import Verdict, error_text, error_type
-from mersal.transaction import Transaction
+from mersal.settle import Outcome, Verdict, error_text, error_type
 from mersal.transport import Delivery, Outgoing, Transport
 
 try:
@@ -46,8 +47,6 @@ if TYPE_CHECKING:
     )
     from opentelemetry.propagators.textmap import TextMapPropagator
     from opentelemetry.trace import Span, SpanContext
-
-    from mersal.app import App
 
 SCHEMA_URL = "https://opentelemetry.io/schemas/1.44.0"
 """The semantic conventions the spans and metrics follow."""
@@ -87,27 +86,7 @@ SEND = "send"
 PROCESS = "process"
 
 STEP = "telemetry"
-"""The incoming step counting deliveries and outcomes, and the outgoing step tracing sends."""
-PROCESS_STEP = "telemetry.process"
-"""The incoming step tracing each attempt."""
-
-
-class Telemetry(Protocol):
-    """What the core reports where no pipeline step can see (`App.telemetry`)."""
-
-    async def send_each(
-        self, transport: Transport, messages: Sequence[Outgoing]
-    ) -> list[Exception | None]:
-        """`transport.send_each(messages)` for the outbox relay, observed."""
-        ...
-
-    def skipped_duplicate(self, context: MessageContext) -> None:
-        """The inbox had the message's id: it is acknowledged without being handled."""
-        ...
-
-    def outbox_measured(self, pending: int, oldest_age: float) -> None:
-        """The relay counted its app's unsent outbox rows; the oldest has waited `oldest_age` s."""
-        ...
+"""The outgoing step tracing sends, and the first incoming step, tracing each attempt."""
 
 
 def instrument(
@@ -125,10 +104,8 @@ def instrument(
     _check_instrumentable(app)
     telemetry = OpenTelemetry(app, tracer_provider, meter_provider)
     app.outgoing.insert_before("serialize", STEP, telemetry.produce)
-    app.incoming.insert_before(app.incoming.names[0], STEP, telemetry.receive)
-    attempts = "retry" if "retry" in app.incoming.names else STEP  # each attempt runs after it
-    app.incoming.insert_after(attempts, PROCESS_STEP, telemetry.process)
-    app.telemetry = telemetry
+    app.incoming.insert_before(app.incoming.names[0], STEP, telemetry.process)
+    app.observe(telemetry)
 
 
 def _check_instrumentable(app: App) -> None:
@@ -138,8 +115,13 @@ def _check_instrumentable(app: App) -> None:
             f"instrument(app) before app {app.name!r} starts: its pipelines are fixed once it "
             "runs; call instrument(app) right after building the app"
         )
-    if app.telemetry is not None:
+    if isinstance(app.observer, OpenTelemetry):
         raise ConfigurationError(f"app {app.name!r} is instrumented already: call instrument once")
+    if app.observer is not None:
+        raise ConfigurationError(
+            f"app {app.name!r} has an observer already ({type(app.observer).__qualname__}): "
+            "an app reports to one observer; instrument an app without one"
+        )
     if not app.incoming.names:
         raise ConfigurationError(f"app {app.name!r} has no incoming steps to trace")
     if "serialize" not in app.outgoing.names:
@@ -147,11 +129,10 @@ def _check_instrumentable(app: App) -> None:
             "instrument(app) traces sends just before 'serialize', which app.outgoing no longer "
             f"has (its steps: {app.outgoing.names}): keep a step named 'serialize'"
         )
-    taken = {STEP, PROCESS_STEP} & {*app.incoming.names, *app.outgoing.names}
-    if taken:
+    if STEP in {*app.incoming.names, *app.outgoing.names}:
         raise ConfigurationError(
-            f"app {app.name!r} has a step named {sorted(taken)[0]!r}, a name instrument(app) "
-            "needs: rename yours"
+            f"app {app.name!r} has a step named {STEP!r}, a name instrument(app) needs: "
+            "rename yours"
         )
 
 
@@ -266,7 +247,7 @@ class OutboxGauges:
 
 
 class OpenTelemetry:
-    """An app's instrumentation: its pipeline steps and what the core reports to it."""
+    """An app's instrumentation: its pipeline steps, and the observer the core reports to."""
 
     def __init__(
         self,
@@ -293,15 +274,33 @@ class OpenTelemetry:
 
     # What the core reports.
 
+    def received(self, context: MessageContext) -> None:
+        """Count the delivery."""
+        self.instruments.consumed.add(1, self._consumer_attributes(context))
+
+    def decided(self, context: MessageContext, outcome: Outcome) -> None:
+        """Count the immediate retries, and the delayed retry or dead letter it came to."""
+        instruments = self.instruments
+        attributes = self._consumer_attributes(context)
+        immediate = context.attempt - attempts_made(context.envelope) - 1
+        if immediate > 0:
+            instruments.retries.add(immediate, {**attributes, RETRY_KIND: "immediate"})
+        if outcome.verdict is Verdict.RETRY_LATER:
+            instruments.retries.add(1, {**attributes, RETRY_KIND: "delayed"})
+        elif outcome.verdict is Verdict.DEAD_LETTER:
+            failure = outcome.failure.type_name if outcome.failure else "_OTHER"
+            instruments.dead_letters.add(1, {**attributes, ERROR_TYPE: failure})
+
     async def send_each(
-        self, transport: Transport, messages: Sequence[Outgoing]
+        self, transport: Transport, messages: Sequence[Outgoing], *, detached: bool
     ) -> list[Exception | None]:
-        """`transport.send_each(messages)` for the outbox relay: each in a trace of its own."""
-        return await self._send_each(transport, messages, otel_context.Context())
+        """`transport.send_each(messages)` with a send span each: in a trace of its own when
+        `detached` (the outbox relay), else in the current one (a commit without an outbox)."""
+        parent = otel_context.Context() if detached else None
+        return await self._send_each(transport, messages, parent)
 
     def skipped_duplicate(self, context: MessageContext) -> None:
-        """Mark the attempt's span and count the duplicate."""
-        trace.get_current_span().set_attribute(DUPLICATE, True)
+        """Count the duplicate (its attempt's span is marked by `process`)."""
         self.instruments.duplicates.add(1, self._consumer_attributes(context))
 
     def outbox_measured(self, pending: int, oldest_age: float) -> None:
@@ -316,7 +315,6 @@ class OpenTelemetry:
             await self._send_now(context, next)
             return
         await self._create(context, next)
-        self._publish_at_commit(context.transaction)
 
     async def _create(self, context: OutgoingContext, next: Next[OutgoingContext]) -> None:
         """Open the message's create span and carry its context in the headers."""
@@ -361,20 +359,6 @@ class OpenTelemetry:
             raise
         finally:
             self._end_send(span, attributes, failure, time.perf_counter() - started)
-
-    def _publish_at_commit(self, transaction: Transaction) -> None:
-        """Trace the publish at commit of a transaction without an outbox."""
-        if transaction.committer == self.app.send_committed:
-            transaction.replace_commit(self._publish_committed)
-
-    async def _publish_committed(self, outgoing: Sequence[Outgoing]) -> None:
-        """`App.send_committed`, with a send span per message."""
-        if not outgoing:
-            return
-        results = await self._send_each(self.app.transport, outgoing, None)
-        for sent, result in zip(outgoing, results, strict=True):
-            if result is not None and not unreachable_reply(sent, result):
-                raise result
 
     async def _send_each(
         self, transport: Transport, messages: Sequence[Outgoing], parent: Context | None
@@ -428,30 +412,7 @@ class OpenTelemetry:
         measured[OPERATION_TYPE] = SEND
         self.instruments.operation_duration.record(seconds, measured)
 
-    # The incoming steps.
-
-    async def receive(self, context: MessageContext, next: Next[MessageContext]) -> None:
-        """Count the delivery, then the retries and the dead letter its attempts came to."""
-        attributes = self._consumer_attributes(context)
-        self.instruments.consumed.add(1, attributes)
-        try:
-            await next(context)
-        finally:
-            self._count_outcome(context, attributes)
-
-    def _count_outcome(self, context: MessageContext, attributes: dict[str, str]) -> None:
-        instruments = self.instruments
-        immediate = context.attempt - attempts_made(context.envelope) - 1
-        if immediate > 0:
-            instruments.retries.add(immediate, {**attributes, RETRY_KIND: "immediate"})
-        outcome = context.outcome
-        if outcome is None:
-            return
-        if outcome.verdict is Verdict.RETRY_LATER:
-            instruments.retries.add(1, {**attributes, RETRY_KIND: "delayed"})
-        elif outcome.verdict is Verdict.DEAD_LETTER:
-            failure = outcome.failure.type_name if outcome.failure else "_OTHER"
-            instruments.dead_letters.add(1, {**attributes, ERROR_TYPE: failure})
+    # The incoming step.
 
     async def process(self, context: MessageContext, next: Next[MessageContext]) -> None:
         """Trace one attempt as a process span, current while the handlers run.
@@ -473,6 +434,9 @@ class OpenTelemetry:
         started = time.perf_counter()
         try:
             await next(context)
+        except Duplicate:
+            span.set_attribute(DUPLICATE, True)
+            raise
         except BaseException as error:
             measured[ERROR_TYPE] = _fail(span, error)
             raise

@@ -70,7 +70,7 @@ class NotIdle(MersalError, TimeoutError):
 def _handler_waits(app: App, several: bool) -> list[str]:
     """The app's running handlers and the messages waiting behind their partition key."""
     in_app = f" in app {app.name!r}" if several else ""
-    running = running_handlers(app)
+    running = running_handlers(app.types, app.worker)
     waits = []
     if running:
         which = with_times(running)
@@ -189,7 +189,7 @@ class Harness:
             if queue.ready and queue.consumers:
                 waits.append(f"{plural(len(queue), 'message')} queued in {name!r}, not yet taken")
         for app in self.apps:
-            pending = await pending_rows(app)
+            pending = await pending_rows(app.storage)
             if pending:
                 waits.append(f"{plural(pending, 'outbox row')} of app {app.name!r} not yet sent")
         return waits
@@ -218,8 +218,8 @@ class Harness:
     def _type_name(self, envelope: Envelope) -> str:
         for app in self.apps:
             if app.types.known(envelope.headers.get(Header.TYPE, "")) is not None:
-                return type_of(app, envelope)
-        return type_of(self.apps[0], envelope)
+                return type_of(app.types, envelope)
+        return type_of(self.apps[0].types, envelope)
 
     def deliver_delayed(self, within: float | None = None) -> int:
         """Deliver deferred messages and timeouts due within `within` seconds now (None: all)."""
@@ -228,7 +228,7 @@ class Harness:
     async def saga_data(self, saga: type[Saga[D]], correlation: object) -> D | None:
         """The committed data of the saga with this correlation value, in whichever app runs it."""
         for app in self.apps:
-            if saga in app.sagas:
+            if saga in app.sagas.classes:
                 return await app.saga_data(saga, correlation)
         raise ConfigurationError(
             f"no app of this Harness runs saga {getattr(saga, '__qualname__', saga)}: "

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 
 from mersal.errors import MersalError
 from mersal.messages import Envelope, Header, derived_id, new_id
 from mersal.transport import Outgoing
 
-Commit = Callable[[Sequence[Outgoing]], Awaitable[None]]
+Commit = Callable[["Transaction"], Awaitable[None]]
+"""Makes a transaction's buffered messages leave: as outbox rows, or handed to the transport."""
 Hook = Callable[[], Awaitable[None]]
 
 MESSAGE_IDS = uuid.UUID("6d9a3c1e-51b4-4c7e-9a53-0c1f6f0e8f2a")
@@ -113,13 +114,9 @@ class Transaction:
         return derived_id(self._ids, f"{self._seed}\x00{self._sent}")
 
     @property
-    def committer(self) -> Commit:
-        """What `commit` hands the buffered messages to."""
-        return self._commit
-
-    def replace_commit(self, commit: Commit) -> None:
-        """Hand the buffered messages to `commit` instead (an outbox writes them as rows)."""
-        self._commit = commit
+    def source(self) -> Envelope | None:
+        """The incoming message whose attempt this transaction is, if any."""
+        return self._source
 
     def before_commit(self, hook: Hook) -> None:
         """Run `hook` at commit, before the messages are handed on; if it raises, none are."""
@@ -150,7 +147,7 @@ class Transaction:
         try:
             for hook in self._before_commit:
                 await hook()
-            await self._commit(self.outgoing)
+            await self._commit(self)
             committed = True
         finally:
             for callback in self._ended:

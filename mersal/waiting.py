@@ -5,21 +5,19 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
-from mersal.messages import Envelope, Header, shown
-
-if TYPE_CHECKING:
-    from mersal.app import App
+from mersal.messages import Envelope, Header, TypeRegistry, shown
+from mersal.outbox import Storage
+from mersal.worker import Worker
 
 PENDING_WAIT = 1.0
 """Seconds to wait for the outbox's count of pending rows before leaving it out."""
 
 
-def type_of(app: App, envelope: Envelope) -> str:
+def type_of(types: TypeRegistry, envelope: Envelope) -> str:
     """The message's class name if the app knows its type, else its wire type name."""
     name = envelope.headers.get(Header.TYPE, "")
-    cls = app.types.known(name)
+    cls = types.known(name)
     return cls.__qualname__ if cls is not None else shown(name) or "a message without a type"
 
 
@@ -42,12 +40,11 @@ def seconds(value: float) -> str:
     return f"{value:.1f} s"
 
 
-def running_handlers(app: App) -> list[tuple[str, float]]:
-    """The message type of each handler running now in `app`, with the seconds it has run."""
-    worker = app.worker
+def running_handlers(types: TypeRegistry, worker: Worker | None) -> list[tuple[str, float]]:
+    """The message type of each handler running now in `worker`, with the seconds it has run."""
     if worker is None:
         return []
-    return [(type_of(app, delivery.envelope), taken) for delivery, taken in worker.handling()]
+    return [(type_of(types, delivery.envelope), taken) for delivery, taken in worker.handling()]
 
 
 def with_times(running: Sequence[tuple[str, float]]) -> str:
@@ -61,18 +58,18 @@ def with_times(running: Sequence[tuple[str, float]]) -> str:
     )
 
 
-async def stopping(app: App) -> str:
-    """What a graceful stop of `app` is about to wait for, and for how long at most."""
-    running = running_handlers(app)
+async def stopping(
+    name: str, grace_period: float, running: Sequence[tuple[str, float]], storage: Storage | None
+) -> str:
+    """What a graceful stop of app `name` is about to wait for, and for how long at most."""
     waits = []
     if running:
         which = tally(name for name, _ in running)
         waits.append(
-            f"up to {app.grace_period:g} s for {plural(len(running), 'handler')} in flight "
-            f"({which})"
+            f"up to {grace_period:g} s for {plural(len(running), 'handler')} in flight ({which})"
         )
-    rows = await pending_rows(app) if app.storage is not None and app.storage.relay else 0
-    drain = getattr(app.storage, "drain_timeout", None)  # the SQL storage's; others: unbounded
+    rows = await pending_rows(storage) if storage is not None and storage.relay else 0
+    drain = getattr(storage, "drain_timeout", None)  # the SQL storage's; others: unbounded
     left = ""
     if rows and drain is not None and not drain > 0:
         left = f"; {plural(rows, 'outbox row')} pending wait for the next start (drain_timeout=0)"
@@ -80,27 +77,27 @@ async def stopping(app: App) -> str:
         bound = "" if drain is None else f"up to {drain:g} s "
         waits.append(f"{bound}for the outbox relay ({plural(rows, 'row')} pending)")
     if not waits:
-        return f"stopping app {app.name!r}: nothing in flight{left}"
-    return f"stopping app {app.name!r}: waiting {' and then '.join(waits)}{left}"
+        return f"stopping app {name!r}: nothing in flight{left}"
+    return f"stopping app {name!r}: waiting {' and then '.join(waits)}{left}"
 
 
-def stopped(app: App, took: float, unfinished: int) -> str:
-    """How a graceful stop of `app` ended: everything done, or what it gave up on."""
+def stopped(name: str, grace_period: float, took: float, unfinished: int) -> str:
+    """How a graceful stop of app `name` ended: everything done, or what it gave up on."""
     if not unfinished:
-        return f"app {app.name!r} stopped in {seconds(took)}"
+        return f"app {name!r} stopped in {seconds(took)}"
     return (
-        f"app {app.name!r} stopped in {seconds(took)}: gave up after {app.grace_period:g} s "
+        f"app {name!r} stopped in {seconds(took)}: gave up after {grace_period:g} s "
         f"with {plural(unfinished, 'handler')} still running; their messages go back to the "
         "queue and will be redelivered"
     )
 
 
-async def pending_rows(app: App) -> int:
-    """The app's outbox rows not yet sent; 0 when it has no outbox or does not answer soon."""
-    if app.storage is None:
+async def pending_rows(storage: Storage | None) -> int:
+    """The outbox rows not yet sent; 0 without a storage, or one that does not answer soon."""
+    if storage is None:
         return 0
     try:
         async with asyncio.timeout(PENDING_WAIT):
-            return await app.storage.pending()
+            return await storage.pending()
     except Exception:  # a database that does not answer: the rest of the text still helps
         return 0

@@ -1,7 +1,8 @@
 """The polling worker: pulls deliveries, runs them concurrently, one lane per partition key.
 
-Each delivery is handled by `handle`, which says how to settle it (an `Outcome`), and is then
-settled by the `Settler`, exactly once, even when the worker is stopped meanwhile.
+Each delivery goes to `receive` (a `mersal.receiving.Receiver`), which says how to settle it (an
+`Outcome`), and is then settled by the `Settler`, exactly once, even when the worker is stopped
+meanwhile.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from mersal.messages import describe
 from mersal.settle import (
     RETURN,
     Failure,
@@ -26,7 +26,8 @@ from mersal.transport import Consumer, Delivery
 
 log = logging.getLogger("mersal.worker")
 
-Handle = Callable[[Delivery], Awaitable[Outcome]]
+Receive = Callable[[Delivery], Awaitable[Outcome]]
+"""How a delivery is to be settled, once handled; raises only when the worker's stop cancels it."""
 
 MIN_CANCEL_WAIT = 5.0
 """Seconds a stop waits for cancelled handlers to end before it leaves them."""
@@ -43,17 +44,15 @@ class Worker:
     def __init__(
         self,
         consumer: Consumer,
-        handle: Handle,
+        receive: Receive,
         settler: Settler,
         *,
         concurrency: int,
-        backoff: float = 1.0,
     ) -> None:
         self.consumer = consumer
         self.settler = settler
         self.concurrency = concurrency
-        self.backoff = backoff
-        self._handle = handle
+        self._receive = receive
         self._slots = asyncio.Semaphore(concurrency)
         self._lanes: dict[str, deque[Delivery]] = {}
         self._tasks: set[asyncio.Task[object]] = set()
@@ -176,18 +175,10 @@ class Worker:
         self._started[id(delivery)] = (delivery, asyncio.get_running_loop().time())
         try:
             try:
-                outcome = await self._handle(delivery)
+                outcome = await self._receive(delivery)
             except asyncio.CancelledError:
                 await run_to_end(self.settler.settle(delivery, RETURN))
                 raise
-            except Exception as error:  # the handle function itself failed: a bug
-                log.error(
-                    "unexpected failure around %s (%s); returning it in %gs",
-                    describe(delivery.envelope.headers),
-                    Failure.of(error),
-                    self.backoff,
-                )
-                outcome = Outcome.give_back(self.backoff)
             if outcome.verdict is Verdict.ACK:  # an ack does not wait on the broker
                 return await self.settler.settle(delivery, outcome)
             task = asyncio.current_task()

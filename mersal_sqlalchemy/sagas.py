@@ -12,8 +12,8 @@ from sqlalchemy import CursorResult, Select, Table, delete, func, insert, select
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
+from mersal.context import MessageContext
 from mersal.errors import ConcurrencyConflict
-from mersal.pipeline import MessageContext
 from mersal.sagas import StoredSaga
 from mersal.transaction import Transaction
 from mersal_sqlalchemy.database import ENDING, is_postgresql

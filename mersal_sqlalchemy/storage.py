@@ -6,23 +6,23 @@ import asyncio
 import logging
 import random
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, SessionTransaction
 
-from mersal.errors import ConfigurationError, MersalError
-from mersal.messages import describe
+from mersal.context import MessageContext
+from mersal.errors import ConfigurationError, Duplicate, MersalError
+from mersal.messages import Header
 from mersal.outbox import Relay
-from mersal.pipeline import MessageContext, Next
-from mersal.settle import ACK, run_to_end
+from mersal.pipeline import Next
+from mersal.settle import run_to_end
 from mersal.status import Naming, StorageStatus
-from mersal.transaction import Commit, Hook, Transaction
-from mersal.transport import Outgoing
+from mersal.transaction import Transaction
 from mersal_sqlalchemy.database import (
     ENDING,
     autocommits,
@@ -68,7 +68,7 @@ LOST_ROLLBACK = (
 )
 
 
-class AlreadyHandled(MersalError):
+class AlreadyHandled(Duplicate):
     """The inbox holds the message's id: another copy of it committed first."""
 
 
@@ -291,7 +291,7 @@ class SqlStorage:
             self.app.transport,
             batch=self.relay_batch,
             poll_interval=self.poll_interval,
-            telemetry=self.app.telemetry,
+            observer=self.app.observer,
             measure_backlog=self.backlog,
             retry_command=self.retry_command,
         )
@@ -372,46 +372,28 @@ class SqlStorage:
         """Handle the message in a session of its own, committed by the message's transaction."""
         session = self.sessions(info={GUARDED: True, SENDS: context.transaction})
         context.items[SESSION] = session
-        transaction = context.transaction
-        transaction.session = session
-        inbox_id = context.message_id if self.inbox_at_commit else ""
-        transaction.replace_commit(self._committer(session, inbox_id))
-        transaction.after_commit(self._waker(transaction))
+        context.transaction.session = session
         try:
             await next(context)
         finally:
             await run_to_end(_end(session))
 
     async def check_inbox(self, context: MessageContext, next: Next[MessageContext]) -> None:
-        """Skip a message this app has handled already (ack it); record it otherwise.
+        """Refuse (`AlreadyHandled`) a message this app has handled already; record it otherwise.
 
         On PostgreSQL the id is recorded first, so that a copy being handled at the same time
         waits for this one. On SQLite it is looked up first and recorded at commit, so that
         the write transaction stays short; a copy that committed meanwhile is found then.
         """
         message_id = context.message_id
-        if not message_id:
-            await next(context)
-            return
-        if self.inbox_at_commit:
-            seen = await self.inbox.seen(message_id)
-        else:
-            seen = not await self.inbox.record(self.session_of(context), message_id)
-        if not seen:
-            try:
-                await next(context)
-                return
-            except AlreadyHandled:
-                pass
-        log.info(
-            "duplicate %s skipped: app %r handled it already",
-            describe(context.headers),
-            self.app.name,
-        )
-        if self.app.telemetry is not None:
-            self.app.telemetry.skipped_duplicate(context)
-        context.transaction.rollback()
-        context.outcome = ACK
+        if message_id:
+            if self.inbox_at_commit:
+                seen = await self.inbox.seen(message_id)
+            else:
+                seen = not await self.inbox.record(self.session_of(context), message_id)
+            if seen:
+                raise AlreadyHandled(f"message {message_id} was handled already")
+        await next(context)
 
     # Outside handlers.
 
@@ -423,8 +405,7 @@ class SqlStorage:
         session is rolled back and nothing is sent.
         """
         executor: Executor = self.sessions() if session is None else session
-        transaction = Transaction(self._committer(executor), self.app, session=executor)
-        transaction.after_commit(self._waker(transaction))
+        transaction = Transaction(self.commit, self.app, session=executor)
         try:
             yield transaction
             await transaction.commit()
@@ -437,36 +418,36 @@ class SqlStorage:
                 assert isinstance(executor, AsyncSession)
                 await run_to_end(executor.close())
 
-    def _committer(self, executor: Executor, inbox_id: str = "") -> Commit:
-        """A commit that writes the outbox rows (and the inbox row, if given) and commits.
+    async def commit(self, transaction: Transaction) -> None:
+        """Write the transaction's outbox rows in its session and commit; wake the relay.
 
-        A message's session that was rolled back behind Mersal's back lost its inbox row: the
-        commit fails rather than commit the handler's writes without it.
+        A message's attempt records its inbox row here too on SQLite. A message's session that
+        was rolled back behind Mersal's back lost its inbox row: the commit fails rather than
+        commit the handler's writes without it.
         """
-        outbox, app, channel = self.tables.outbox, self.app.name, self._channel
-
-        async def commit(outgoing: Sequence[Outgoing]) -> None:
-            if isinstance(executor, MessageAsyncSession):
-                if executor.info.get(ROLLED_BACK):
-                    raise MersalError(LOST_ROLLBACK)
-                if inbox_id and not await self.inbox.record(executor, inbox_id):
-                    raise AlreadyHandled(f"message {inbox_id} was handled meanwhile")
-                await write_outbox(executor, outbox, app, outgoing, channel)
-                await executor.end(commit=True)
-                return
-            await write_outbox(executor, outbox, app, outgoing, channel)
+        executor = transaction.session
+        if executor is None:  # an attempt that had no unit of work: a session of our own
+            async with self.sessions() as own:
+                transaction.session = own
+                await self.commit(transaction)
+            return
+        outgoing, table, channel = transaction.outgoing, self.tables.outbox, self._channel
+        if isinstance(executor, MessageAsyncSession):
+            if executor.info.get(ROLLED_BACK):
+                raise MersalError(LOST_ROLLBACK)
+            source = transaction.source
+            inbox_id = source.headers.get(Header.MESSAGE_ID, "") if source is not None else ""
+            at_commit = inbox_id and self.inbox_at_commit and executor.info.get(GUARDED)
+            if at_commit and not await self.inbox.record(executor, inbox_id):
+                raise AlreadyHandled(f"message {inbox_id} was handled meanwhile")
+            await write_outbox(executor, table, self.app.name, outgoing, channel)
+            await executor.end(commit=True)
+        else:
+            assert isinstance(executor, AsyncSession | AsyncConnection)
+            await write_outbox(executor, table, self.app.name, outgoing, channel)
             await executor.commit()
-
-        return commit
-
-    def _waker(self, transaction: Transaction) -> Hook:
-        """An after-commit hook that wakes the relay if the transaction wrote outbox rows."""
-
-        async def wake_relay() -> None:
-            if transaction.outgoing:
-                self.wake()
-
-        return wake_relay
+        if outgoing:
+            self.wake()
 
 
 async def _discard(executor: Executor) -> None:

@@ -63,6 +63,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from mersal import App, Header, MessageContext, Outgoing, RetryPolicy, message
 from mersal.errors import ConcurrencyConflict
 from mersal.pipeline import Next
+from mersal.retry import attempts_made
 from mersal.runner import serve
 from mersal.sagas import Saga
 from mersal_rabbitmq import RabbitMQTransport
@@ -241,8 +242,12 @@ class Chaos:
         return self.handler_delay
 
     async def log_delivery(self, context: MessageContext, next: Next[MessageContext]) -> None:
-        """The first incoming step: every delivery the worker takes goes to the raw log."""
+        """The first incoming step: every delivery the worker takes goes to the raw log (at its
+        first attempt; the step runs again for each immediate retry and conflict rerun)."""
         headers = context.headers
+        if context.attempt > attempts_made(context.envelope) + 1 or context.conflicts:
+            await next(context)
+            return
         await self.raw.append(
             context.message_id,
             intent_of(context.envelope.body),
@@ -387,13 +392,13 @@ def worker_app(args: argparse.Namespace, chaos: Chaos) -> App:
         poll_interval=1.0,
         engine_options={"pool_size": args.concurrency + 2, "max_overflow": 4},
     )
+    app.incoming.insert_before("decode", "chaos_raw_log", chaos.log_delivery)
     if args.saga:
         app.register_saga(Tally, pessimistic=args.saga == PESSIMISTIC)
-        app.incoming.insert_after("retry", "chaos_conflicts", chaos.log_conflict)
+        app.incoming.insert_after("chaos_raw_log", "chaos_conflicts", chaos.log_conflict)
     else:
         app.register(Work, WorkHandler)
     app.register(Doom, DoomHandler)
-    app.incoming.insert_before("retry", "chaos_raw_log", chaos.log_delivery)
     app.incoming.insert_before("commit", "chaos_before_commit", chaos.before_commit)
     app.incoming.insert_after("commit", "chaos_after_commit", chaos.after_commit)
     return app

@@ -227,7 +227,7 @@ class CountingTransport(DelegatingTransport):
 # 1. One settle point.
 
 
-async def test_a_step_before_retry_that_always_raises_counts_attempts_then_dead_letters() -> None:
+async def test_a_first_step_that_always_raises_is_retried_then_dead_lettered() -> None:
     step_calls = 0
     handled: list[int] = []
 
@@ -241,17 +241,17 @@ async def test_a_step_before_retry_that_always_raises_counts_attempts_then_dead_
 
     app = App("steps", retry=POLICY)
     app.register(Job, handle)
-    app.incoming.insert_before("retry", "broken", broken_step)
+    app.incoming.insert_before("decode", "broken", broken_step)
     async with Harness(app) as bus:
         message_id = await app.send_local(Job(1))
         await bus.idle(timeout=5)
         assert_settled(bus.broker, "steps")
         assert len(in_queue(bus.broker, "error")) == 1
 
-    # Each delivery is one attempt: through the delayed stage, then the error queue, no loop.
+    # Like a handler's failure: immediate retries, the delayed stage, then the error queue.
     assert step_calls == POLICY.max_attempts
     assert handled == []
-    assert [r.message_id for r in bus.retried] == [message_id] * (POLICY.max_attempts - 1)
+    assert [r.message_id for r in bus.retried] == [message_id] * len(POLICY.delayed)
     [dead] = bus.dead_lettered
     assert dead.message_id == message_id
     assert dead.error_type == qualified(Broken)
@@ -260,7 +260,7 @@ async def test_a_step_before_retry_that_always_raises_counts_attempts_then_dead_
     assert dead.source_queue == "steps"
 
 
-async def test_a_step_before_retry_that_fails_once_sends_the_message_to_the_delayed_stage() -> None:
+async def test_a_first_step_that_fails_once_is_retried_at_once_like_a_handler() -> None:
     step_calls = 0
     handled: list[int] = []
 
@@ -276,7 +276,7 @@ async def test_a_step_before_retry_that_fails_once_sends_the_message_to_the_dela
 
     app = App("steps", retry=POLICY)
     app.register(Job, handle)
-    app.incoming.insert_before("retry", "flaky", flaky_step)
+    app.incoming.insert_before("decode", "flaky", flaky_step)
     async with Harness(app) as bus:
         await app.send_local(Job(1))
         await bus.idle(timeout=5)
@@ -284,12 +284,11 @@ async def test_a_step_before_retry_that_fails_once_sends_the_message_to_the_dela
 
     assert step_calls == 2
     assert handled == [1]
-    [retried] = bus.retried
-    assert retried.headers[Header.ATTEMPT] == "1"
+    assert bus.retried == []
     assert bus.dead_lettered == []
 
 
-@pytest.mark.parametrize("anchor", ["retry", "dispatch"])
+@pytest.mark.parametrize("anchor", ["decode", "dispatch"])
 async def test_a_step_that_returns_without_next_or_outcome_dead_letters_with_a_reason(
     anchor: str,
 ) -> None:
@@ -321,7 +320,7 @@ async def test_a_step_that_returns_without_next_or_outcome_dead_letters_with_a_r
     assert dead.error_type
 
 
-@pytest.mark.parametrize("anchor", ["retry", "dispatch"])
+@pytest.mark.parametrize("anchor", ["decode", "dispatch"])
 async def test_a_step_that_decides_ack_without_next_acks_without_handling(anchor: str) -> None:
     handled: list[int] = []
 
@@ -362,7 +361,7 @@ async def _succeed(message: Job) -> None:
         pytest.param(_succeed, None, False, 1, 0, id="handled"),
         pytest.param(_raise_broken, None, False, 2, 1, id="handler raises"),
         pytest.param(_raise_fatal, None, False, 2, 1, id="handler raises BaseException"),
-        pytest.param(_succeed, "raises", False, 3, 1, id="step before retry raises"),
+        pytest.param(_succeed, "raises", False, 2, 1, id="first step raises"),
         pytest.param(_succeed, "stops", False, 1, 1, id="step stops short"),
         pytest.param(_succeed, None, True, 1, 1, id="unknown type"),
     ],
@@ -384,7 +383,7 @@ async def test_every_delivery_is_acked_or_nacked_exactly_once(
     transport = CountingTransport(memory_url)
     app = App("counted", transport=transport, retry=POLICY)
     app.register(Job, handler)
-    app.incoming.insert_before("retry", "user", user_step)
+    app.incoming.insert_before("decode", "user", user_step)
     async with app:
         broker = transport.broker
         if inject_unknown:

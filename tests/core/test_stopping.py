@@ -103,7 +103,7 @@ def test_a_type_name_the_app_does_not_know_is_shown_escaped() -> None:
     app = App("orders")
     app.register(Ping, slow)
 
-    known = type_of(app, Envelope({Header.TYPE: app.types.name_of(Ping)}, b"{}"))
-    unknown = type_of(app, Envelope({Header.TYPE: "Evil\nINFO app 'x' stopped"}, b"{}"))
+    known = type_of(app.types, Envelope({Header.TYPE: app.types.name_of(Ping)}, b"{}"))
+    unknown = type_of(app.types, Envelope({Header.TYPE: "Evil\nINFO app 'x' stopped"}, b"{}"))
 
     assert (known, unknown) == ("Ping", r"Evil\nINFO\x20app\x20'x'\x20stopped")

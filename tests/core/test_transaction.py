@@ -245,6 +245,6 @@ async def test_at_the_end_of_commit_the_messages_are_queued_and_the_delivery_is_
         await bus.idle()
         unacked_at_end = bus.broker.queues["batches"].unacked
 
-    assert app.incoming.names == ["retry", "decode", "activate", "dispatch", "commit", "snapshot"]
+    assert app.incoming.names == ["decode", "activate", "dispatch", "commit", "snapshot"]
     assert snapshots == [(3, 1)]
     assert unacked_at_end == 0

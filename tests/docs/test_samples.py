@@ -95,7 +95,7 @@ async def test_handlers() -> None:
 async def test_pipeline() -> None:
     pipeline.durations.clear()
     names, tenants = await pipeline.main()
-    assert names[:3] == ["retry", "decode", "timed"]
+    assert names[:2] == ["decode", "timed"]
     assert tenants == ["acme"]
     assert len(pipeline.durations) == 1
 

@@ -27,6 +27,7 @@ import pydantic
 
 from mersal import App, DecodeError, Envelope, Header, MessageContext, message
 from mersal.pipeline import decode_step
+from mersal.transaction import Transaction
 from tests.fuzz.corpus import (
     CONTENT_TYPES,
     HOSTILE_NAMES,
@@ -176,6 +177,15 @@ class _Delivery:
         """Nothing to return."""
 
 
+def _transaction(envelope: Envelope) -> Transaction:
+    """The decode step commits nothing: a transaction that refuses to."""
+    return Transaction(_refuse)
+
+
+async def _refuse(transaction: Transaction) -> None:
+    raise AssertionError("the decode step committed a transaction")
+
+
 class Target:
     """The decode step of an app with three registered types, and an input to check."""
 
@@ -192,7 +202,7 @@ class Target:
     def check(self, data: bytes) -> None:
         """Decode one input: pass a registered message on or raise DecodeError, nothing else."""
         headers, body = delivery_from(data)
-        context = MessageContext(self.app, _Delivery(Envelope(headers, body)))
+        context = MessageContext(self.app, _Delivery(Envelope(headers, body)), _transaction)
         reached: list[object] = []
 
         async def next_step(passed: MessageContext) -> None:

@@ -1,9 +1,9 @@
-"""The import graph: adapters depend on the core, never the reverse, and no module circles."""
+"""The import graph: adapters depend on the core, never the reverse, and no module circles,
+not even through imports made only for type checking."""
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,10 +29,10 @@ MODULES = modules()
 
 
 def imported(name: str, path: Path) -> set[str]:
-    """The shipped modules `name` imports when it runs (at any depth, not for type checking)."""
+    """The shipped modules `name` imports (at any depth, for type checking too)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets: set[str] = set()
-    for node in runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -42,18 +42,6 @@ def imported(name: str, path: Path) -> set[str]:
             if len(submodules) < len(node.names):
                 targets.add(base)
     return {shipped for target in targets if (shipped := owner(target)) and shipped != name}
-
-
-def runtime_nodes(node: ast.AST) -> Iterator[ast.AST]:
-    """The nodes under `node`, leaving out the bodies of `if TYPE_CHECKING:`."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-            for other in child.orelse:
-                yield other
-                yield from runtime_nodes(other)
-            continue
-        yield child
-        yield from runtime_nodes(child)
 
 
 def absolute(package: str, level: int, module: str | None) -> str:
@@ -134,3 +122,9 @@ def test_adapters_do_not_import_each_other() -> None:
 
 def test_no_modules_import_each_other_in_a_circle() -> None:
     assert circles() == []
+
+
+def test_the_app_imports_the_parts_and_no_part_imports_the_app() -> None:
+    below = {module for module in GRAPH["mersal.app"] if module.startswith(f"{CORE}.")}
+    assert {"mersal.receiving", "mersal.sending", "mersal.requests", "mersal.settings"} <= below
+    assert sorted(module for module in below if "mersal.app" in GRAPH[module]) == []

@@ -354,7 +354,7 @@ async def test_refused_outbox_rows_leave_the_apps_consumer_and_its_deliveries_al
         retry=RetryPolicy(immediate=0, delayed=[], error_queue=f"{prefix}.error"),
     )
     attach(app, poll_interval=0.5)
-    app.incoming.insert_before("retry", "count", count_deliveries)
+    app.incoming.insert_before("decode", "count", count_deliveries)  # once per delivery
     app.register(Slow, slow)
     app.route(Slow, name)
     slow_ids = {f"slow-{n}" for n in range(5)}

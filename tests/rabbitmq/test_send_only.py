@@ -49,7 +49,6 @@ async def test_a_send_only_app_declares_no_queue_and_its_outbox_rows_reach_the_r
     url: str, broker: Broker, prefix: str
 ) -> None:
     front_errors = RetryPolicy(error_queue=f"{prefix}.web-err")
-    front = App(f"{prefix}.web", transport=url, consume=False, retry=front_errors)
     orders = App(f"{prefix}.orders", transport=url, retry=RetryPolicy(error_queue=f"{prefix}.err"))
     broker.watch(orders.transport)  # type: ignore[arg-type]
     seen: list[tuple[object, dict[str, str]]] = []
@@ -63,9 +62,11 @@ async def test_a_send_only_app_declares_no_queue_and_its_outbox_rows_reach_the_r
     orders.register(PlaceOrder, place)
     orders.register(OrderPlaced, placed)
     orders.subscribe(OrderPlaced)
-    front.route(PlaceOrder, orders.name)
     async with postgres_database(migrate=True) as database:
-        front.database = database
+        front = App(
+            f"{prefix}.web", transport=url, consume=False, retry=front_errors, database=database
+        )
+        front.route(PlaceOrder, orders.name)
         engine = create_async_engine(database)
         try:
             async with orders, front:

@@ -140,7 +140,7 @@ def phases(database: str | None) -> Phase:
     def app_of(saga: type[Saga[object]]) -> App:
         app = account_app(saga, database)
         if database is None:
-            app._memory_sagas = memory  # two releases in one process: one memory store
+            app.sagas.memory = memory  # two releases in one process: one memory store
         return app
 
     return app_of
@@ -623,7 +623,7 @@ class RenamedAccount(Saga[Renamed], name="tests.data.RenamedAccount"):
 async def test_a_field_read_under_an_older_alias_keeps_its_value() -> None:
     memory = MemorySagaStore()
     app = account_app(RenamedAccount, None)
-    app._memory_sagas = memory
+    app.sagas.memory = memory
     await run(app, Open("a-1"))
     [row] = memory.rows.values()
     row.data = b'{"key":"a-1","balance":7,"past":{"history":[7]}}'  # an earlier release's row

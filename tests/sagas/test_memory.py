@@ -173,11 +173,11 @@ def orders_app(probe: Probe, saga: type[Orders] = Orders, retry: RetryPolicy | N
 
 async def stored(app: App, saga: type[Orders], correlation: str) -> StoredSaga | None:
     """The saga's committed row (id, revision, data), or None."""
-    return await app.saga_store().read(app.saga_spec(saga).name, correlation)
+    return await app.sagas.store().read(app.sagas.spec(saga).name, correlation)
 
 
 def memory_store(app: App) -> MemorySagaStore:
-    store = app.saga_store()
+    store = app.sagas.store()
     assert isinstance(store, MemorySagaStore)
     return store
 

@@ -169,7 +169,7 @@ def sender_app(name: str, transport: str, target: str) -> App:
 
 async def saga_row(app: App, saga: type[Tallies], key: str) -> StoredSaga | None:
     """The saga's committed row (id, revision, data) as the database has it."""
-    return await storage_of(app).sagas.read(app.saga_spec(saga).name, key)
+    return await storage_of(app).sagas.read(app.sagas.spec(saga).name, key)
 
 
 async def saga_rows(storage: SqlStorage) -> int:

@@ -116,7 +116,7 @@ def refusal(saga: object) -> str:
     app = App("orders")
     with pytest.raises(ConfigurationError) as raised:
         app.register_saga(saga)  # type: ignore[arg-type]
-    assert app.sagas == []
+    assert app.sagas.classes == []
     return str(raised.value)
 
 
@@ -186,8 +186,8 @@ def test_register_saga_lists_the_saga_and_registers_its_types() -> None:
     app = App("orders")
     app.register_saga(OrderFulfilment)
 
-    assert app.sagas == [OrderFulfilment]
-    assert app.saga_spec(OrderFulfilment).name == "shop.OrderFulfilment"
+    assert app.sagas.classes == [OrderFulfilment]
+    assert app.sagas.spec(OrderFulfilment).name == "shop.OrderFulfilment"
     for message_type in (OrderPlaced, PaymentReceived, StockReserved, PaymentOverdue):
         assert app.handlers.has_handler(message_type)
 
@@ -195,7 +195,7 @@ def test_register_saga_lists_the_saga_and_registers_its_types() -> None:
 def test_saga_spec_of_an_unregistered_saga_names_register_saga() -> None:
     app = App("orders")
     with pytest.raises(ConfigurationError, match=r"app\.register_saga\(\.\.\.\) it first"):
-        app.saga_spec(OrderFulfilment)
+        app.sagas.spec(OrderFulfilment)
 
 
 def test_new_data_without_defaults_says_to_give_defaults_or_override_new_data() -> None:
@@ -514,7 +514,7 @@ def test_two_sagas_with_one_name_are_refused() -> None:
         app.register_saga(Again)
     assert "are both saga 'shop.OrderFulfilment'" in str(raised.value)
     assert "give one another name (`class ...(Saga[D], name='...')`)" in str(raised.value)
-    assert app.sagas == [OrderFulfilment]
+    assert app.sagas.classes == [OrderFulfilment]
 
 
 async def test_register_saga_after_start_is_refused(memory_url: str) -> None:
@@ -523,7 +523,7 @@ async def test_register_saga_after_start_is_refused(memory_url: str) -> None:
         with pytest.raises(ConfigurationError) as raised:
             app.register_saga(OrderFulfilment)
     assert "register sagas" in str(raised.value)
-    assert app.sagas == []
+    assert app.sagas.classes == []
 
 
 async def test_a_send_only_app_with_a_saga_is_refused_at_start(memory_url: str) -> None:
@@ -640,7 +640,7 @@ def test_a_saga_taking_a_subscribed_type_without_correlation_is_refused() -> Non
         app.register_saga(Shipping)
 
     assert str(raised.value) == SUBSCRIBED_TIMEOUT
-    assert app.sagas == []
+    assert app.sagas.classes == []
     assert not app.handlers.has_handler(OrderShipped)
 
 
@@ -890,7 +890,7 @@ def test_correlation_attributes_that_messages_have_without_a_field_are_accepted(
 
     app = App("orders")
     app.register_saga(Accepting)
-    assert app.sagas == [Accepting]
+    assert app.sagas.classes == [Accepting]
 
 
 def test_a_correlation_naming_a_method_of_the_message_is_refused() -> None:
@@ -1037,7 +1037,7 @@ def test_required_dataclass_arguments_are_read_from_its_init() -> None:
     )
     app = App("orders")
     app.register_saga(MakesItself)
-    assert app.sagas == [MakesItself]
+    assert app.sagas.classes == [MakesItself]
 
 
 def test_a_required_field_the_start_message_lacks_is_left_to_fill_in() -> None:
@@ -1074,7 +1074,7 @@ def test_data_with_required_fields_and_new_data_overridden_is_accepted() -> None
     app = App("orders")
     app.register_saga(Made)
     app.register_saga(Inherits)
-    assert app.sagas == [Made, Inherits]
+    assert app.sagas.classes == [Made, Inherits]
 
 
 def test_an_async_new_data_is_refused() -> None:

@@ -244,7 +244,7 @@ async def test_distinct_keys_and_short_lived_consumers_leave_memory_where_it_was
         side = SideQueue(transport, f"soak-side-{tag}")
         await transport.declare(side.name)
         home = transport.broker.queues[app.name]
-        worker = app._worker
+        worker = app.worker
         assert worker is not None
         base = 0
         for batch in range(batches):
@@ -638,13 +638,13 @@ async def test_requests_answered_late_or_never_leave_no_reply_waiters() -> None:
         answered.expect(100)
         async with asyncio.timeout(5):
             await answered.reached.wait()
-        replies = requester._replies
+        replies = requester._requests.replies
         assert replies is not None
         transport = requester.transport
         assert isinstance(transport, MemoryTransport)
         reply_queue = transport.broker.queues[replies.queue]
         await eventually(lambda: reply_queue.idle, "the late replies were taken and dropped")
-        waiting = dict(replies._waiting)
+        waiting = dict(replies.waiting)
     assert [r for r in results if r is not None] == [Answer(n) for n in range(0, 100, 2)]
     assert waiting == {}
 

@@ -122,7 +122,7 @@ async def test_the_same_message_delivered_twice_is_handled_once(
     async with billing, orders:
         storage = storage_of(orders)
         envelope = envelope_of(orders, PlaceOrder("o-1"), "the-same-id")
-        caplog.set_level(logging.INFO, logger="mersal.sqlalchemy")
+        caplog.set_level(logging.INFO, logger="mersal.receiving")
         await orders.transport.send([Outgoing("orders", envelope)])
         await eventually(lambda: probe.billed == ["o-1"], "the first copy was handled")
         await orders.transport.send([Outgoing("orders", envelope.copy())])

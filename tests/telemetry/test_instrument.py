@@ -24,19 +24,19 @@ def memory_app() -> App:
 def test_instrumenting_adds_named_steps_to_both_pipelines(otel: Recorder) -> None:
     app = memory_app()
     otel.instrument(app)
-    assert app.telemetry is not None
-    assert app.incoming.names[:3] == ["telemetry", "retry", "telemetry.process"]
+    assert app.observer is not None
+    assert app.incoming.names[:2] == ["telemetry", "decode"]
     assert app.outgoing.names == ["headers", "correlation", "telemetry", "serialize", "send"]
 
 
 def test_instrumenting_twice_is_refused_and_changes_nothing(otel: Recorder) -> None:
     app = memory_app()
     otel.instrument(app)
-    incoming, outgoing, telemetry = app.incoming.names, app.outgoing.names, app.telemetry
+    incoming, outgoing, telemetry = app.incoming.names, app.outgoing.names, app.observer
     with pytest.raises(ConfigurationError, match="instrumented already"):
         instrument(app)
     assert (app.incoming.names, app.outgoing.names) == (incoming, outgoing)
-    assert app.telemetry is telemetry
+    assert app.observer is telemetry
 
 
 async def test_instrumenting_a_running_app_is_refused(otel: Recorder) -> None:
@@ -44,7 +44,7 @@ async def test_instrumenting_a_running_app_is_refused(otel: Recorder) -> None:
     async with app:
         with pytest.raises(MersalError, match=r"instrument\(app\) before app .* starts"):
             otel.instrument(app)
-    assert app.telemetry is None
+    assert app.observer is None
     assert "telemetry" not in app.incoming.names
 
 
@@ -54,7 +54,7 @@ async def test_instrumenting_an_app_that_ran_is_refused(otel: Recorder) -> None:
         pass
     with pytest.raises(MersalError, match="before the app starts"):
         otel.instrument(app)
-    assert app.telemetry is None
+    assert app.observer is None
 
 
 def test_a_step_of_the_same_name_is_refused_with_what_to_rename(otel: Recorder) -> None:
@@ -66,7 +66,7 @@ def test_a_step_of_the_same_name_is_refused_with_what_to_rename(otel: Recorder) 
     app.outgoing.insert_before("send", "telemetry", mine)
     with pytest.raises(ConfigurationError, match="rename yours"):
         otel.instrument(app)
-    assert app.telemetry is None
+    assert app.observer is None
 
 
 def test_the_exchange_a_publish_names_is_the_one_rabbitmq_publishes_on() -> None:

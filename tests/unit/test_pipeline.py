@@ -213,10 +213,9 @@ class Steps:
 
 
 def test_a_storage_s_steps_go_right_after_decode() -> None:
-    incoming = pipeline("retry", "decode", "activate", "dispatch", "commit")
+    incoming = pipeline("decode", "activate", "dispatch", "commit")
     add_storage_steps(incoming, Steps())  # type: ignore[arg-type]
     assert incoming.names == [
-        "retry",
         "decode",
         "unit_of_work",
         "inbox",
@@ -229,7 +228,7 @@ def test_a_storage_s_steps_go_right_after_decode() -> None:
 @pytest.mark.parametrize(
     ("names", "complaint"),
     [
-        (["retry", "activate", "commit"], "keep a step named 'decode'"),
+        (["activate", "commit"], "keep a step named 'decode'"),
         (["decode", "inbox", "commit"], "already has a step named 'inbox'"),
     ],
 )
