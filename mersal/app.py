@@ -42,7 +42,6 @@ from mersal.timeouts import HandlerClock
 from mersal.transaction import Commit, Transaction, id_namespace
 from mersal.transport import (
     BindingPruner,
-    Limits,
     Transport,
     declare_error_queue,
     limits_of,
@@ -142,32 +141,6 @@ class App:
         """How message bodies are encoded and decoded."""
         return self._settings.codec
 
-    @property
-    def database(self) -> str | None:
-        """The outbox's database URL (None: no outbox)."""
-        return self._settings.database
-
-    @property
-    def concurrency(self) -> int:
-        """How many messages the app handles at once."""
-        return self._settings.concurrency
-
-    @property
-    def prefetch(self) -> int:
-        """How many deliveries the app takes at once (handled, or waiting behind their key)."""
-        assert self._settings.prefetch is not None
-        return self._settings.prefetch
-
-    @property
-    def consume(self) -> bool:
-        """False for a send-only app: no input or error queue, no worker; sends and relays."""
-        return self._settings.consume
-
-    @property
-    def partitions(self) -> int:
-        """How many ordered partitions the app's input is split into by partition key (0: none)."""
-        return self._settings.partitions or 0
-
     def set_concurrency(self, concurrency: int) -> None:
         """Handle up to `concurrency` messages at once (before start); the prefetch follows."""
         self._check_not_running("change the concurrency")
@@ -183,11 +156,6 @@ class App:
     def transport(self, transport: Transport) -> None:
         self._check_not_running("change the transport")
         self._transport = transport
-
-    @property
-    def limits(self) -> Limits:
-        """What the transport carries (a broker's are known once it is connected)."""
-        return limits_of(self._transport)
 
     @property
     def types(self) -> TypeRegistry:
@@ -437,7 +405,10 @@ class App:
         """Running, still receiving, and no outbox row parked for an operator to deal with."""
         return (
             self._running
-            and (not self.consume or (self._worker is not None and self._worker.failed is None))
+            and (
+                not self._settings.consume
+                or (self._worker is not None and self._worker.failed is None)
+            )
             and (self._storage is None or not self._storage.parked)
         )
 
@@ -487,12 +458,14 @@ class App:
 
     async def _start(self) -> None:
         """Check the whole app, connect its parts in order, and start receiving."""
-        if self.database is not None and self._storage is None:
-            attached = plugins.storage_for(self, self.database)  # it provides AsyncSession
+        if self._settings.database is not None and self._storage is None:
+            attached = plugins.storage_for(
+                self, self._settings.database
+            )  # it provides AsyncSession
             if self._storage is None:  # the adapter's factory may have plugged it in itself
                 self.use_storage(attached)
         wiring = self._wiring()
-        settings.check_at_start(wiring, self.limits, self._transport.address)
+        settings.check_at_start(wiring, limits_of(self._transport), self._transport.address)
         self._handlers.check()
         if self._sagas.specs:
             self._sagas.store()
@@ -514,7 +487,7 @@ class App:
             "app %r started on %s%s",
             self.name,
             mask(transport.address),
-            "" if self.consume else " (send-only)",
+            "" if self._settings.consume else " (send-only)",
         )
 
     def _wiring(self) -> Wiring:
@@ -531,16 +504,19 @@ class App:
         """Start the transport, declare and bind, start the storage, open the consumer."""
         await transport.start()
         try:
-            if self.consume:
+            if self._settings.consume:
                 await self._declare_input(transport)
                 await declare_error_queue(transport, self.retry.error_queue)
                 await self._bind_subscriptions(transport)
             if self._storage is not None:
                 await self._storage.start()
-            if self.consume:
-                consumer = await transport.consume(self.name, prefetch=self.prefetch)
+            if self._settings.consume:
+                consumer = await transport.consume(self.name, prefetch=self._settings.window)
                 self._worker = Worker(
-                    consumer, self._receiver(commit), self._settler, concurrency=self.concurrency
+                    consumer,
+                    self._receiver(commit),
+                    self._settler,
+                    concurrency=self._settings.concurrency,
                 )
         except BaseException:
             self._worker = None
@@ -568,16 +544,17 @@ class App:
 
     async def _declare_input(self, transport: Transport) -> None:
         """Declare the app's queue, and its partitions if it has any."""
-        if not self.partitions:
+        partitions = self._settings.partitions
+        if not partitions:
             await transport.declare(self.name)
             return
         try:
-            await transport.declare(self.name, partitions=self.partitions)
+            await transport.declare(self.name, partitions=partitions)
         except TypeError as error:
             if "partitions" not in str(error):
                 raise
             raise ConfigurationError(
-                f"App(partitions={self.partitions}) needs a transport that partitions queues; "
+                f"App(partitions={partitions}) needs a transport that partitions queues; "
                 f"{mask(transport.address)} does not: use RabbitMQ, or leave partitions out"
             ) from None
 

@@ -53,6 +53,12 @@ class Settings:
                 "would come back to be handled again; name another queue"
             )
 
+    @property
+    def window(self) -> int:
+        """How many deliveries the app takes at once: handled, or waiting behind their key."""
+        assert self.prefetch is not None  # made an int by __post_init__
+        return self.prefetch
+
     def with_concurrency(self, concurrency: int) -> Settings:
         """The same settings handling `concurrency` messages at once (the prefetch follows)."""
         return replace(self, concurrency=concurrency, prefetch=None)

@@ -404,7 +404,7 @@ async def storage_of(plan: Plan) -> AsyncIterator[Storage]:
     same name.
     """
     app = plan.app
-    if app is not None and app.storage is not None and plan.database == app.database:
+    if app is not None and app.storage is not None and plan.database == app.settings.database:
         storage, owned = app.storage, not app.running
     else:
         name = app.name if app is not None else PROBE_APP
@@ -434,15 +434,15 @@ def plan_for(
 ) -> Plan:
     """What to look at for `app`: its transport, database, input, error and wait queues."""
     named: list[tuple[str, str]] = []
-    if getattr(app, "consume", True) is not False:  # a send-only app declares neither queue
+    if app.settings.consume:  # a send-only app declares neither queue
         named += [(app.name, INPUT), (error_queue or app.retry.error_queue, ERROR)]
-        partitions = getattr(app, "partitions", 0)
+        partitions = app.settings.partitions or 0
         named[1:1] = [(partition_queue(app.name, n), INPUT) for n in range(partitions)]
     elif error_queue is not None:
         named.append((error_queue, ERROR))
     named += [(name, QUEUE) for name in queues]
     transport = transport or app.transport
-    database = database or app.database
+    database = database or app.settings.database
     return Plan(
         app=app,
         transport=transport,

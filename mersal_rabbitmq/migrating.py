@@ -555,7 +555,9 @@ async def _bindings(
         if app is not None and name == app.name:
             return sorted((EVENTS, app.types.name_of(t)) for t in app.subscriptions)
         if app is not None and name in _queues_of(app):
-            partitions = [partition_queue(app.name, index) for index in range(app.partitions)]
+            partitions = [
+                partition_queue(app.name, index) for index in range(app.settings.partitions or 0)
+            ]
             return [(f"{app.name}.partitions", "1")] if name in partitions else []
         raise MersalError(
             f"cannot tell what queue {name!r} is bound to ({error}); without its bindings, "
@@ -577,9 +579,9 @@ async def _with_waits(api: Management, queues: Sequence[str]) -> list[str]:
 
 def _queues_of(app: App | None) -> list[str]:
     """The app's retry wait queues, its partitions, its queue and its error queue, in order."""
-    if app is None or not app.consume:
+    if app is None or not app.settings.consume:
         return []
-    partitions = [partition_queue(app.name, index) for index in range(app.partitions)]
+    partitions = [partition_queue(app.name, index) for index in range(app.settings.partitions or 0)]
     waits = [
         name
         for queue in (app.name, *partitions)
@@ -592,7 +594,7 @@ def _queues_of(app: App | None) -> list[str]:
 
 def _error_queue_of(app: App) -> str | None:
     """The app's error queue, which is classic whatever the others are (see declare_error_queue)."""
-    return app.retry.error_queue if app.consume else None
+    return app.retry.error_queue if app.settings.consume else None
 
 
 def _app_queue_type(app: App | None) -> str | None:

@@ -169,7 +169,7 @@ def attach(
     engine: AsyncEngine | None = None,
     engine_options: Mapping[str, Any] | None = None,
 ) -> SqlStorage:
-    """Give `app` the SQL outbox and inbox of `app.database` (or of `engine`).
+    """Give `app` the SQL outbox and inbox of `app.settings.database` (or of `engine`).
 
     `App(database=...)` calls this with the defaults when it starts; call it yourself before
     the app starts to choose other options.
@@ -177,7 +177,7 @@ def attach(
     if app.storage is not None:
         raise ConfigurationError(f"app {app.name!r} already has a storage attached")
     tables = make_tables(outbox_table, inbox_table)
-    database = app.database
+    database = app.settings.database
     owns_engine = engine is None
     if engine is None:
         if database is None:
@@ -185,7 +185,7 @@ def attach(
                 "attach(app) needs App(database=...) or attach(app, engine=...)"
             )
         url = database_url(database)
-        options = {**_engine_defaults(url.get_backend_name(), app.concurrency)}
+        options = {**_engine_defaults(url.get_backend_name(), app.settings.concurrency)}
         options.update(engine_options or {})
         engine = make_engine(url, **options)
     elif not (is_postgresql(engine) or is_sqlite(engine)):

@@ -402,7 +402,10 @@ async def test_without_the_prometheus_extra_metrics_answers_404_saying_what_serv
 def test_concurrency_is_set_before_start_and_the_prefetch_follows() -> None:
     app = App("run-concurrency", transport=f"memory://run-{uuid4().hex}", concurrency=4)
     app.set_concurrency(50)
-    assert (app.concurrency, app.prefetch) == (50, App("run-same", concurrency=50).prefetch)
+    assert (app.settings.concurrency, app.settings.prefetch) == (
+        50,
+        App("run-same", concurrency=50).settings.prefetch,
+    )
     with pytest.raises(MersalError, match="must be an int >= 1"):
         app.set_concurrency(0)
 
