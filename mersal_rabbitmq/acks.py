@@ -21,7 +21,7 @@ from collections import deque
 
 import aiormq
 
-from mersal_rabbitmq.connection import why
+from mersal_rabbitmq.failures import why
 
 log = logging.getLogger("mersal.rabbitmq")
 

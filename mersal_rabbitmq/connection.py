@@ -23,20 +23,19 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.connection import make_url
 
-from mersal.errors import ConfigurationError, MersalError, Unreachable
-from mersal.transport import mask, split_urls
+from mersal.errors import ConfigurationError, MersalError
+from mersal.transport import mask
 from mersal_rabbitmq import patches
-from mersal_rabbitmq.urls import node_urls
+from mersal_rabbitmq.failures import closed_under, connect_failure, why, worst
+from mersal_rabbitmq.urls import nodes_of, seconds_option, take_option
 
 log = logging.getLogger("mersal.rabbitmq")
 
@@ -45,18 +44,9 @@ RECONNECT_INTERVAL = 1.0
 unless the URL's `reconnect_interval` says otherwise; each further such round doubles it."""
 MAX_PAUSE = 30.0
 """The longest pause between two rounds of reconnect attempts."""
-MAX_OPTION_SECONDS = 3600.0
-"""The longest `reconnect_interval` a URL may give (longer is a mistake: an app that never
-tries again)."""
 CONNECT_TIMEOUT = 10.0
 """Seconds one attempt to connect to a node may take (a node can take the TCP connection and
 never answer): then the next node is tried."""
-CHANNEL_ERRORS = (
-    aiormq.exceptions.AMQPError,
-    aiormq.exceptions.ChannelInvalidStateError,
-    ConnectionError,
-)
-"""What a channel raises when it, or its connection, closed under the caller."""
 
 Restore = Callable[[], Awaitable[None]]
 """Brings one object back on the current connection; raises if it cannot."""
@@ -73,7 +63,9 @@ class Connection:
         address, interval = take_option(address, "reconnect_interval")
         self.nodes = nodes_of(address)
         """The URLs of the nodes to try, in order: one, or several for failover."""
-        self.pause = _seconds(interval, "reconnect_interval") if interval else RECONNECT_INTERVAL
+        self.pause = (
+            seconds_option(interval, "reconnect_interval") if interval else RECONNECT_INTERVAL
+        )
         """Seconds of the first pause after a round of reconnect attempts that all failed."""
         self.index = 0
         """The node connected to, or to be tried next: an index into `nodes`."""
@@ -122,14 +114,14 @@ class Connection:
                     "use amqp://user:password@host:port/vhost"
                 ) from None
             except (OSError, aiormq.exceptions.AMQPError) as error:
-                failures.append(connect_failure(self.nodes[index], error))
+                failures.append(connect_failure(self.nodes[index], error, reason(error)))
                 if index + 1 < len(self.nodes):
                     log.warning("%s; trying the next node", failures[-1])
                 continue
             self._closed = asyncio.Event()
             self._attach(connection, index)
             return connection
-        raise _worst(failures)
+        raise worst(failures)
 
     async def close(self) -> None:
         """Restore nothing more, stop reconnecting, and disconnect."""
@@ -336,63 +328,6 @@ async def close_quietly(channel: AbstractChannel) -> None:
         log.debug("closing a channel failed: %s", error)
 
 
-def nodes_of(address: str) -> list[str]:
-    """The node URLs of a transport address: one URL, or several separated by `;`."""
-    nodes = node_urls(address)
-    if not nodes:
-        raise ConfigurationError(
-            f"transport {mask(address)!r} names no broker: use amqp://user:password@host/vhost, "
-            "or several such URLs separated by ';' for a cluster"
-        )
-    queries = {urlsplit(node).query: _options(node) for node in nodes}
-    if len(set(queries.values())) > 1:
-        raise ConfigurationError(
-            f"the URLs of {mask(address)!r} carry different query options "
-            f"({' / '.join(sorted(queries))}): give every node the same ones"
-        )
-    return nodes
-
-
-def _options(node: str) -> tuple[tuple[str, str], ...]:
-    """A URL's query options as they are read: in any order, numbers by their value."""
-    query = parse_qsl(urlsplit(node).query, keep_blank_values=True)
-    return tuple(sorted((key, str(_value(value))) for key, value in query))
-
-
-def _value(value: str) -> object:
-    """A number as its value (2 and 2.0 are one), other text as it is."""
-    try:
-        number = float(value)
-    except ValueError:
-        return value
-    return number if number == number else value
-
-
-def take_option(address: str, name: str) -> tuple[str, str | None]:
-    """The address without query option `name` (in every node's URL), and its value if given.
-
-    Every node must give the same value, or none.
-    """
-    node_urls(address)
-    values: dict[object, str | None] = {}  # each value as read: as written the first time
-    nodes = []
-    for node in split_urls(address):
-        parts = urlsplit(node)
-        query = parse_qsl(parts.query, keep_blank_values=True)
-        value = next((v for k, v in query if k == name), None)
-        if node.strip():
-            values.setdefault(None if value is None else _value(value), value)
-        kept = urlencode([(key, v) for key, v in query if key != name])
-        nodes.append(node if value is None else parts._replace(query=kept).geturl())
-    if len(values) > 1:
-        given = " / ".join("none" if value is None else repr(value) for value in values.values())
-        raise ConfigurationError(
-            f"the URLs of transport {mask(address)!r} give different {name} options ({given}): "
-            f"give every node the same ?{name}=..., or leave it out of every URL"
-        )
-    return ";".join(nodes), next(iter(values.values()), None)
-
-
 async def _connect(url: Any) -> AbstractConnection:
     """A connected plain aio-pika connection to `url`; a failed attempt leaves nothing open."""
     connection = aio_pika.Connection(url)
@@ -414,20 +349,6 @@ async def _close_lost(connection: AbstractConnection | None) -> None:
         log.debug("closing a lost connection failed: %s", error)
 
 
-def _seconds(value: str, name: str) -> float:
-    """A URL option's number of seconds: more than 0, at most MAX_OPTION_SECONDS."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not 0 < seconds <= MAX_OPTION_SECONDS:
-        raise ConfigurationError(
-            f"{name}={value!r} in the transport URL is not a number of seconds from 0 to "
-            f"{MAX_OPTION_SECONDS:g}: write {name}=1 (or any such number)"
-        )
-    return seconds
-
-
 def _round_failed(passed: Sequence[str]) -> str:
     """The line for a round of reconnect attempts in which no node answered."""
     if len(passed) == 1:
@@ -435,87 +356,8 @@ def _round_failed(passed: Sequence[str]) -> str:
     return f"all {len(passed)} RabbitMQ nodes failed ({'; '.join(passed)})"
 
 
-def _worst(failures: Sequence[MersalError]) -> MersalError:
-    """The error to raise when no node answered: a refusal before an unreachable node."""
-    for failure in failures:
-        if not isinstance(failure, Unreachable):
-            return failure
-    if len(failures) == 1:
-        return failures[0]
-    return Unreachable(
-        f"cannot connect to any of {len(failures)} RabbitMQ nodes: "
-        + "; ".join(str(failure) for failure in failures)
-    )
-
-
-def connect_failure(address: str, error: Exception) -> MersalError:
-    """The error for a failed connect: `Unreachable` when nothing answered, else what refused."""
-    user, vhost = _login_of(address)
-    if isinstance(error, aiormq.exceptions.ProbableAuthenticationError):
-        return ConfigurationError(
-            f"RabbitMQ at {mask(address)} refused the login for user {user!r}: check the user "
-            "name and password"
-        )
-    if isinstance(error, aiormq.exceptions.InvalidFrameError) and "Connection.OpenOk" in str(
-        error
-    ):  # RabbitMQ answered Connection.Open with Connection.Close: the vhost is the trouble
-        return ConfigurationError(
-            f"RabbitMQ at {mask(address)} refused to open the vhost: vhost {vhost!r} does not "
-            f"exist or user {user!r} may not use it; fix the vhost in the URL, or create it and "
-            f"let the user in (rabbitmqctl add_vhost {vhost}; rabbitmqctl set_permissions -p "
-            f"{vhost} {user} '.*' '.*' '.*')"
-        )
-    if isinstance(error, ssl.SSLError) or isinstance(error.__cause__, ssl.SSLError):
-        return ConfigurationError(
-            f"the TLS handshake with RabbitMQ at {mask(address)} failed "
-            f"({type(error).__name__}: {error}): check the port (5671 for amqps), the server's "
-            "certificate and the CA the client trusts (?cafile=... in the URL)"
-        )
-    if isinstance(error, OSError) or isinstance(error.__cause__, OSError):
-        return Unreachable(
-            f"cannot connect to RabbitMQ at {mask(address)}: {reason(error)}; "
-            "is it running, and are the host and port right?"
-        )
-    return MersalError(
-        f"cannot connect to RabbitMQ at {mask(address)}: {type(error).__name__}: {error}; "
-        "check the URL, the vhost and the credentials"
-    )
-
-
-def _login_of(address: str) -> tuple[str, str]:
-    """The user name and vhost an AMQP URL logs in with (aio-pika's defaults: guest, /)."""
-    url = make_url(address)
-    return url.user or "guest", url.path[1:].replace("%2F", "/") or "/"
-
-
-def closed_under(error: BaseException, closed: bool, what: str) -> ConnectionError | None:
-    """`error` as a lost connection, if aiormq raised it for a close mid-call; else None.
-
-    A closing connection fails what is pending on it with a RuntimeError or a bare Exception
-    (`closed` tells those from other errors), or, when aio-pika closes it (at app.stop()),
-    with a CancelledError in a task that nobody cancelled.
-    """
-    if isinstance(error, CHANNEL_ERRORS):
-        return None
-    if isinstance(error, asyncio.CancelledError):
-        task = asyncio.current_task()
-        if task is None or task.cancelling():
-            return None
-    elif not (closed and isinstance(error, Exception)):
-        return None
-    return ConnectionError(f"{what} ({why(error)})")
-
-
 def reason(error: BaseException) -> str:
     """Why an attempt to connect failed, for a message or a log line."""
     if isinstance(error, TimeoutError):  # raised bare by the attempt's time limit
         return f"no answer within {CONNECT_TIMEOUT:g} s"
     return why(error)
-
-
-def why(error: BaseException | None) -> str:
-    """An error for a message or a log line: its type and text, or that none was given."""
-    if error is None:
-        return "no reason given"
-    text = str(error)
-    return f"{type(error).__name__}: {text}" if text else f"{type(error).__name__}, no reason given"

@@ -25,15 +25,8 @@ from mersal.errors import ConsumerClosed, MersalError, Unroutable
 from mersal.messages import describe
 from mersal.transport import partition_queue
 from mersal_rabbitmq.acks import Acks
-from mersal_rabbitmq.connection import (
-    CHANNEL_ERRORS,
-    Connection,
-    Lost,
-    Registration,
-    Restore,
-    close_quietly,
-    why,
-)
+from mersal_rabbitmq.connection import Connection, Lost, Registration, Restore, close_quietly
+from mersal_rabbitmq.failures import CHANNEL_ERRORS, why
 from mersal_rabbitmq.topology import Topology
 from mersal_rabbitmq.wire import envelope_of, redelivered
 

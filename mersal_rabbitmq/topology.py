@@ -60,8 +60,9 @@ from aio_pika.abc import AbstractChannel
 from mersal.errors import ConfigurationError, MersalError, Unreachable, Unroutable
 from mersal.transport import mask, partition_queue
 from mersal.transport.status import QueueStatus
-from mersal_rabbitmq.connection import Connection, close_quietly, closed_under, why
+from mersal_rabbitmq.connection import Connection, close_quietly
 from mersal_rabbitmq.delays import wait_queue_name
+from mersal_rabbitmq.failures import closed_under, why
 
 log = logging.getLogger("mersal.rabbitmq")
 

@@ -27,9 +27,10 @@ from mersal.errors import ConfigurationError, MersalError
 from mersal.messages import check_type_name
 from mersal.transport import Limits, Outgoing, first_failure, mask
 from mersal.transport.status import WAIT, QueueReport, QueueStatus
-from mersal_rabbitmq.connection import CHANNEL_ERRORS, Connection, take_option, why
+from mersal_rabbitmq.connection import Connection
 from mersal_rabbitmq.consuming import ACK_MODES, RESUBSCRIBE_DELAYS, Consumers, RabbitMQConsumer
 from mersal_rabbitmq.delays import MAX_WAIT_MS, retry_wait_queues, waiting_for
+from mersal_rabbitmq.failures import CHANNEL_ERRORS, why
 from mersal_rabbitmq.management import ENABLE, Management, ManagementUnavailable, delivery_limit
 from mersal_rabbitmq.publishing import Publishing
 from mersal_rabbitmq.topology import (
@@ -39,6 +40,7 @@ from mersal_rabbitmq.topology import (
     durable_shape,
     temporary_shape,
 )
+from mersal_rabbitmq.urls import take_option
 from mersal_rabbitmq.wire import broker_version, limits_for
 
 log = logging.getLogger("mersal.rabbitmq")
