@@ -9,7 +9,9 @@ alone, so that an upgrade that changes what it does shows here first:
 - it leaves a consumer that the broker cancelled cancelled (Mersal consumes it again; aio-pika
   10.2 does so only under its robust connection, retrying with no bound);
 - aio-pika's robust connection stays down for good when one declaration it restores is refused,
-  however long the broker has been back (so the topology, and reconnecting, are Mersal's).
+  however long the broker has been back, and it binds a partition of a consistent-hash
+  exchange that it declares again last, which moves keys to other partitions (so the topology,
+  and reconnecting, are Mersal's).
 """
 
 from __future__ import annotations
@@ -126,3 +128,50 @@ async def test_a_robust_connection_stays_down_while_a_declaration_it_restores_is
             assert await broker.exists(kept)  # the broker answers: only the restore is refused
         finally:
             await robust.close()
+
+
+async def test_a_robust_connection_binds_a_partition_it_declares_again_last_and_keys_move(
+    url: str, vhost: str, broker: Broker, prefix: str
+) -> None:
+    exchange = f"{prefix}.partitions"
+    partitions = [f"{prefix}.partition.{n}" for n in range(3)]
+    broker.made.update(partitions)
+    keys = [f"k{n}" for n in range(24)]
+    async with relay(url) as node:
+        robust = await aio_pika.connect_robust(node.url(vhost), reconnect_interval=0.1)
+        try:
+            channel = await robust.channel()
+            ring = await channel.declare_exchange(exchange, "x-consistent-hash", durable=True)
+            for name in partitions:  # in order, each with the same weight
+                await (await channel.declare_queue(name, durable=True)).bind(ring, "1")
+            before = await partitions_of(ring, broker, partitions, keys)
+
+            await node.die()
+            await broker.delete(partitions[:1])
+            await node.start()
+            await eventually(lambda: broker.exists(partitions[0]), "declared again", timeout=15)
+            after = await partitions_of(ring, broker, partitions, keys)
+        finally:
+            await robust.close()
+            await broker.channel.exchange_delete(exchange)
+    assert len(set(before.values())) == 3
+    assert [key for key in keys if before[key] != after[key]] == keys
+
+
+async def partitions_of(
+    ring: aio_pika.abc.AbstractExchange, broker: Broker, partitions: list[str], keys: list[str]
+) -> dict[str, str]:
+    """The partition each key lands in: one message per key through `ring`, then taken."""
+    for key in keys:
+        await ring.publish(aio_pika.Message(key.encode()), key)
+    found: dict[str, str] = {}
+
+    async def taken() -> bool:
+        for name in partitions:
+            queue = await broker.channel.get_queue(name, ensure=False)
+            while (message := await queue.get(no_ack=True, fail=False)) is not None:
+                found[message.body.decode()] = name
+        return len(found) == len(keys)
+
+    await eventually(taken, "every key taken from its partition", interval=0.05)
+    return found
