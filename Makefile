@@ -71,7 +71,8 @@ $(LOWEST_STAMP): pyproject.toml Makefile
 
 test-lowest: $(LOWEST_STAMP) services
 	$(LOWEST_VENV)/bin/pytest -p no:cacheprovider tests/rabbitmq/test_failover.py \
-		tests/rabbitmq/test_recovery.py tests/rabbitmq/test_library_workarounds.py $(PYTEST_ARGS)
+		tests/rabbitmq/test_recovery.py tests/rabbitmq/test_library_workarounds.py \
+		tests/rabbitmq/test_aio_pika_restoration.py $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)

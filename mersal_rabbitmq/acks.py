@@ -21,7 +21,7 @@ from collections import deque
 
 import aiormq
 
-from mersal_rabbitmq.connection import why
+from mersal_rabbitmq.failures import why
 
 log = logging.getLogger("mersal.rabbitmq")
 
@@ -37,7 +37,8 @@ class Acks:
     def __init__(
         self, channel: aiormq.abc.AbstractChannel, delay: float = DELAY, linger: float = LINGER
     ) -> None:
-        self._channel = channel
+        self.channel = channel
+        """The channel whose deliveries these acks settle."""
         self._delay = delay
         self._linger = linger
         self._unsettled: deque[int] = deque()
@@ -123,7 +124,7 @@ class Acks:
 
     async def _write(self, tag: int, multiple: bool) -> None:
         try:
-            await self._channel.basic_ack(tag, multiple=multiple, wait=False)
+            await self.channel.basic_ack(tag, multiple=multiple, wait=False)
         except Exception as error:
             log.warning(
                 "could not ack delivery %d%s (%s); RabbitMQ delivers it again",

@@ -1,10 +1,15 @@
-"""Consuming: one channel per consumer, deliveries owed exactly one ack or nack.
+"""Consuming: one restored channel per consumer, deliveries owed exactly one ack or nack.
 
-Each consumer has a channel of its own with its prefetch. It registers with the connection's
-registry, which restores it after a reconnect: a new channel, its queue declared again (when
-this transport declared it), consuming again. A consumer whose channel closed on its own, or
-that the broker cancelled (its queue was deleted), asks for the same restore; that is tried a
-bounded number of times while connected, and then `get()` raises `ConsumerLost`.
+Each consumer has a channel of its own (`channels.RestoredChannel`, aio-pika's robust channel)
+with its prefetch and one consumer per queue, and aio-pika restores it: the channel reopened
+with its QoS, its queues looked up again and its consumers consuming again with their tags and
+arguments. What aio-pika lacks, the consumer adds, in its `Recovery`: before the channel is
+restored its queues are declared again with their bindings (when this transport declared them:
+a temporary queue went with the old connection, a queue may have been deleted meanwhile); a
+consumer that the broker cancelled, its queue deleted, consumes again (aio-pika leaves it
+cancelled); and a consumer that cannot come back is given up after a bounded number of
+attempts, and then `get()` raises `ConsumerLost`. The recovery runs when the channel closes
+(with the connection, or alone) and when the broker cancels one of its consumers.
 """
 
 from __future__ import annotations
@@ -18,22 +23,16 @@ from functools import partial
 from typing import Protocol
 
 import aiormq
-from aio_pika.abc import AbstractChannel
-from aiormq.abc import DeliveredMessage
+from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from mersal.errors import ConsumerClosed, MersalError, Unroutable
 from mersal.messages import describe
 from mersal.transport import partition_queue
 from mersal_rabbitmq.acks import Acks
-from mersal_rabbitmq.connection import (
-    CHANNEL_ERRORS,
-    Connection,
-    Lost,
-    Registration,
-    Restore,
-    close_quietly,
-    why,
-)
+from mersal_rabbitmq.channels import Cancelled, RestoredChannel, close_quietly
+from mersal_rabbitmq.connection import Connection
+from mersal_rabbitmq.failures import CHANNEL_ERRORS, why
+from mersal_rabbitmq.recovery import Lost, Recovery, Restore
 from mersal_rabbitmq.topology import Topology
 from mersal_rabbitmq.wire import envelope_of, redelivered
 
@@ -46,26 +45,32 @@ ACK_DRAIN_TIMEOUT = 2.0
 RESUBSCRIBE_DELAYS = (0.2, 0.5, 1.0, 2.0, 5.0)
 """The pauses between a lost consumer's attempts to consume again."""
 
+Underlay = aiormq.abc.AbstractChannel
+
 
 class ConsumerLost(ConsumerClosed):
     """The broker took a consumer away and consuming again kept failing."""
 
 
 class ConsumerHost(Protocol):
-    """What a consumer needs of its transport: channels, recovery, its queue, and release."""
+    """What a consumer needs of its transport: channels, recovery, its queues, and release."""
 
-    async def channel(self) -> AbstractChannel:
-        """A new channel, once connected."""
+    async def channel(self, cancelled: Cancelled) -> RestoredChannel:
+        """A new restored channel, once connected; `cancelled` hears the broker's cancels."""
         ...
 
-    def register(
+    def recovery(
         self, what: str, restore: Restore, *, delays: Sequence[float], lost: Lost
-    ) -> Registration:
-        """Run `restore` after every reconnect and when asked; `lost` hears if it gives up."""
+    ) -> Recovery:
+        """A recovery of one object: `restore` when asked, bounded by `delays`, then `lost`."""
         ...
 
     async def redeclare(self, queue: str) -> None:
         """Declare `queue` and its bindings again, if they were declared here."""
+        ...
+
+    async def exists(self, queue: str) -> bool:
+        """Whether `queue` exists (nothing is made)."""
         ...
 
     def forget(self, consumer: RabbitMQConsumer) -> None:
@@ -74,7 +79,7 @@ class ConsumerHost(Protocol):
 
 
 class RabbitMQConsumer:
-    """Deliveries from a queue (and its partitions), on a channel of its own; restored."""
+    """Deliveries from a queue (and its partitions), on a restored channel of its own."""
 
     def __init__(
         self,
@@ -92,18 +97,20 @@ class RabbitMQConsumer:
         self.prefetch = max(1, prefetch)
         self._host = host
         self._ack_mode = ack_mode
-        self._delays = delays
-        self._channel: AbstractChannel | None = None
-        self._underlay: aiormq.abc.AbstractChannel | None = None
+        self._channel: RestoredChannel | None = None
+        self._consumers: dict[str, AbstractQueue] = {}  # consumer tag -> its queue
+        self._cancelled: set[str] = set()  # tags the broker cancelled on `_underlay`
+        self._underlay: Underlay | None = None  # the underlying channel consumed on
         self._acks: Acks | None = None
-        self._tags: dict[str, str] = {}  # consumer tag -> queue, on the current channel
         self._consuming = False
-        self._buffer: deque[tuple[AbstractChannel, str, DeliveredMessage]] = deque()
+        self._buffer: deque[tuple[Underlay, str, AbstractIncomingMessage]] = deque()
         self._ready = asyncio.Event()
         self._outstanding: set[RabbitMQDelivery] = set()
         self._closed = False
         self._failure: str | None = None
-        self._registration: Registration | None = None
+        self._recovery = host.recovery(
+            f"consuming {queue!r}", self._consume_again, delays=delays, lost=self._fail
+        )
         self._closing: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -114,9 +121,6 @@ class RabbitMQConsumer:
             await self.abandon()
             await self._close_channel()
             raise
-        self._registration = self._host.register(
-            f"consuming {self.queue!r}", self._restore, delays=self._delays, lost=self._fail
-        )
 
     async def get(self) -> RabbitMQDelivery:
         """The next delivery, waiting for one (through reconnects)."""
@@ -124,10 +128,10 @@ class RabbitMQConsumer:
             if self._closed:
                 raise ConsumerClosed(f"consumer of {self.queue!r} is closed")
             while self._buffer:
-                channel, queue, message = self._buffer.popleft()
-                if not channel.is_closed:  # else its channel died: the broker delivers it again
-                    acks = self._acks if channel is self._channel else None
-                    delivery = RabbitMQDelivery(self, message, acks, queue)
+                underlay, queue, message = self._buffer.popleft()
+                if not underlay.is_closed:  # else its channel died: the broker delivers it again
+                    acks = self._acks if self._acks and self._acks.channel is underlay else None
+                    delivery = RabbitMQDelivery(self, message, underlay, acks, queue)
                     self._outstanding.add(delivery)
                     return delivery
             if self._failure is not None:
@@ -159,8 +163,7 @@ class RabbitMQConsumer:
         """Stop at once, sending only the acks already noted (the connection is about to close)."""
         self._closed = True
         self._ready.set()
-        if self._registration is not None:
-            await self._registration.cancel()
+        await self._recovery.cancel()
         await self._send_acks()
 
     @property
@@ -179,83 +182,94 @@ class RabbitMQConsumer:
         if self._closed and not self._outstanding and self._closing is None:
             self._closing = asyncio.create_task(self._close_channel())
 
-    # Subscribing, and restoring after a loss.
+    # Subscribing, and consuming again after a loss.
 
     async def _subscribe(self) -> None:
-        """Consume every queue not consumed yet on the channel (a new one if it closed)."""
-        channel = self._channel
-        if channel is None or channel.is_closed:
-            channel = await self._open()
-        underlay = await channel.get_underlay_channel()
+        """A restored channel with the prefetch, consuming every queue."""
+        channel = self._channel = await self._host.channel(self._on_cancel)
+        channel.close_callbacks.add(self._on_channel_close)
+        await channel.set_qos(prefetch_count=self.prefetch)
         for queue in self.queues:
-            if queue in self._tags.values():
-                continue
-            consuming = await underlay.basic_consume(
-                queue, partial(self._on_message, channel, queue), no_ack=self._ack_mode == "none"
-            )
-            assert consuming.consumer_tag is not None
-            self._tags[consuming.consumer_tag] = queue
-        self._underlay = underlay
+            amqp_queue = await channel.declare_queue(queue, passive=True)
+            await self._consume(amqp_queue)
+        self._underlay = await channel.get_underlay_channel()
         self._consuming = True
 
-    async def _open(self) -> AbstractChannel:
-        channel = await self._host.channel()
-        try:
-            await channel.set_qos(prefetch_count=self.prefetch)
-            underlay = await channel.get_underlay_channel()
-        except BaseException:
-            await close_quietly(channel)
-            raise
-        underlay.on_consumer_cancel_callbacks.add(self._on_cancel)
-        channel.close_callbacks.add(self._on_channel_close)
-        self._channel = channel
-        self._tags = {}
-        self._acks = Acks(underlay) if self._ack_mode == "manual" else None
-        return channel
+    async def _consume(self, amqp_queue: AbstractQueue, tag: str | None = None) -> None:
+        """Consume `amqp_queue` (again, with the same `tag`): aio-pika remembers it."""
+        no_ack = self._ack_mode == "none"
+        tag = await amqp_queue.consume(self._on_message, no_ack=no_ack, consumer_tag=tag)
+        self._consumers[tag] = amqp_queue
 
-    async def _restore(self) -> None:
-        """Declare the queues again and consume again, unless consuming on an open channel."""
+    async def _consume_again(self) -> None:
+        """Declare the queues again, let aio-pika restore the channel, consume what it left.
+
+        aio-pika reopens a closed channel with its QoS and consumers; a consumer the broker
+        cancelled is consumed again here, once its queue is there.
+        """
         channel = self._channel
-        if self._consuming and channel is not None and not channel.is_closed:
+        if channel is None or (self._consuming and not channel.is_closed):
             return
         for queue in self.queues:
             await self._host.redeclare(queue)
-        await self._subscribe()
+        await channel.restore()
+        underlay = await channel.get_underlay_channel()
+        if underlay is not self._underlay:  # reopened: aio-pika consumed with every tag again
+            self._underlay, self._cancelled = underlay, set()
+        for tag in sorted(self._cancelled):
+            amqp_queue = self._consumers[tag]
+            if not await self._host.exists(amqp_queue.name):
+                raise Unroutable(f"no queue named {amqp_queue.name!r} to consume from")
+            await self._consume(amqp_queue, tag)
+            self._cancelled.discard(tag)
+        if channel.is_closed:
+            raise aiormq.exceptions.ChannelInvalidStateError(f"{channel!r} closed as it opened")
+        self._consuming = True
         log.info("consuming %r again", self.queue)
 
-    async def _on_message(
-        self, channel: AbstractChannel, queue: str, message: DeliveredMessage
-    ) -> None:
-        acks = self._acks if channel is self._channel else None
+    async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        try:
+            underlay = message.channel
+        except aiormq.exceptions.ChannelInvalidStateError:
+            return  # its channel closed meanwhile: the broker delivers it again
+        acks = self._acks_for(underlay)
         if acks is not None:
             acks.received(_tag(message))
         if self._closed:
             return  # arrived after the cancel: the channel's close returns it to its place
-        if channel is not self._channel:
-            if self._ack_mode == "manual":
-                with contextlib.suppress(Exception):
-                    await _nack(message, acks, requeue=True)
-            return
         if self._ack_mode == "on_receive":
-            await _ack(message)
-        self._buffer.append((channel, queue, message))
+            await _ack(underlay, _tag(message))
+        amqp_queue = self._consumers.get(message.consumer_tag or "")
+        queue = self.queue if amqp_queue is None else amqp_queue.name
+        self._buffer.append((underlay, queue, message))
         self._ready.set()
 
-    def _on_cancel(self, frame: aiormq.spec.Basic.Cancel) -> None:
-        queue = self._tags.pop(frame.consumer_tag or "", None)
-        if self._closed or queue is None or not self._consuming:
+    def _acks_for(self, underlay: Underlay) -> Acks | None:
+        """The acks of `underlay`, the channel deliveries now come on (manual acks only)."""
+        if self._ack_mode != "manual":
+            return None
+        if self._acks is None or self._acks.channel is not underlay:
+            self._acks = Acks(underlay)
+        return self._acks
+
+    def _on_cancel(self, tag: str) -> None:
+        amqp_queue = self._consumers.get(tag)
+        if amqp_queue is None:
+            return
+        self._cancelled.add(tag)
+        if self._closed or not self._consuming:
             return
         log.warning(
             "RabbitMQ cancelled the consumer of %r (was the queue deleted?); "
             "declaring the queue again and consuming again",
-            queue,
+            amqp_queue.name,
         )
         self._lost()
 
     def _on_channel_close(self, channel: object, error: BaseException | None) -> None:
         # What arrived on that channel cannot be acked any more: the broker delivers it again.
-        self._buffer = deque(item for item in self._buffer if item[0] is not channel)
-        if self._closed or channel is not self._channel or not self._consuming:
+        self._buffer = deque(item for item in self._buffer if not item[0].is_closed)
+        if self._closed or not self._consuming:
             return
         log.warning(
             "the channel consuming %r closed (%s); consuming again when connected",
@@ -266,8 +280,7 @@ class RabbitMQConsumer:
 
     def _lost(self) -> None:
         self._consuming = False
-        if self._registration is not None:
-            self._registration.restore()
+        self._recovery.ask()
 
     def _fail(self, error: Exception, attempts: int) -> None:
         self._failure = (
@@ -280,18 +293,18 @@ class RabbitMQConsumer:
     # Closing.
 
     async def _cancel_consumers(self) -> None:
-        underlay, channel = self._underlay, self._channel
-        if underlay is None or channel is None or channel.is_closed:
+        channel = self._channel
+        if channel is None or channel.is_closed:
             return
-        for tag in list(self._tags):
+        for tag, amqp_queue in list(self._consumers.items()):
             try:
-                await underlay.basic_cancel(tag)
+                await amqp_queue.cancel(tag)
             except Exception as error:  # closing anyway
-                log.debug("cancelling the consumer of %r failed: %s", self._tags[tag], error)
+                log.debug("cancelling the consumer of %r failed: %s", amqp_queue.name, error)
 
     async def _send_acks(self) -> None:
-        channel, acks = self._channel, self._acks
-        if acks is not None and channel is not None and not channel.is_closed:
+        acks = self._acks
+        if acks is not None and not acks.channel.is_closed:
             with contextlib.suppress(TimeoutError):  # a blocked connection: they come again
                 async with asyncio.timeout(ACK_DRAIN_TIMEOUT):
                     await acks.drain()
@@ -307,17 +320,28 @@ class RabbitMQConsumer:
 class RabbitMQDelivery:
     """A message received from RabbitMQ, owed exactly one ack or nack."""
 
-    __slots__ = ("_acks", "_consumer", "_message", "_settled", "envelope", "queue", "redelivered")
+    __slots__ = (
+        "_acks",
+        "_channel",
+        "_consumer",
+        "_message",
+        "_settled",
+        "envelope",
+        "queue",
+        "redelivered",
+    )
 
     def __init__(
         self,
         consumer: RabbitMQConsumer,
-        message: DeliveredMessage,
+        message: AbstractIncomingMessage,
+        channel: Underlay,
         acks: Acks | None = None,
         queue: str | None = None,
     ) -> None:
         self._consumer = consumer
         self._message = message
+        self._channel = channel
         self._acks = acks
         self._settled = False
         self.envelope = envelope_of(message)
@@ -325,7 +349,7 @@ class RabbitMQDelivery:
         self.redelivered = redelivered(message)
 
     @property
-    def message(self) -> DeliveredMessage:
+    def message(self) -> AbstractIncomingMessage:
         """The AMQP message as received: channel, delivery tag, properties; settle with ack/nack."""
         return self._message
 
@@ -349,7 +373,7 @@ class RabbitMQDelivery:
 
         The ack goes with others noted within a few milliseconds (see `mersal_rabbitmq.acks`).
         """
-        await self._settle(partial(_ack, self._message, self._acks))
+        await self._settle(partial(_ack, self._channel, _tag(self._message), self._acks))
 
     async def nack(self, requeue: bool = True) -> None:
         """Return the message to its queue; `requeue=False` lets the broker drop it.
@@ -360,7 +384,8 @@ class RabbitMQDelivery:
         if requeue and self._consumer.closed:
             await self._settle(_left_to_the_close)
             return
-        await self._settle(partial(_nack, self._message, self._acks, requeue=requeue))
+        tag = _tag(self._message)
+        await self._settle(partial(_nack, self._channel, tag, self._acks, requeue=requeue))
 
     async def _settle(self, action: Callable[[], Awaitable[None]]) -> None:
         if self._settled:
@@ -381,7 +406,7 @@ class RabbitMQDelivery:
 
 
 class Consumers:
-    """The consumers on one connection: started, restored through it, tracked until done."""
+    """The consumers on one connection: started, their queues declared again, tracked."""
 
     def __init__(self, connection: Connection, topology: Topology, ack_mode: str) -> None:
         self._connection = connection
@@ -430,19 +455,23 @@ class Consumers:
         for consumer in consumers:
             await consumer.abandon()
 
-    async def channel(self) -> AbstractChannel:
-        """A new channel, once connected."""
-        return await self._connection.channel()
+    async def channel(self, cancelled: Cancelled) -> RestoredChannel:
+        """A new restored channel, once connected; `cancelled` hears the broker's cancels."""
+        return await self._connection.restored_channel(cancelled)
 
-    def register(
+    def recovery(
         self, what: str, restore: Restore, *, delays: Sequence[float], lost: Lost
-    ) -> Registration:
-        """Run `restore` after every reconnect and when asked; `lost` hears if it gives up."""
-        return self._connection.register(what, restore, delays=delays, lost=lost)
+    ) -> Recovery:
+        """A recovery of one object: `restore` when asked, bounded by `delays`, then `lost`."""
+        return Recovery(self._connection, what, restore, delays=delays, lost=lost)
 
     async def redeclare(self, queue: str) -> None:
         """Declare `queue` and its bindings again, if they were declared here."""
         await self._topology.restore_queue(queue)
+
+    async def exists(self, queue: str) -> bool:
+        """Whether `queue` exists (nothing is made)."""
+        return await self._topology.exists(queue)
 
     def forget(self, consumer: RabbitMQConsumer) -> None:
         """The consumer is done (closed, every delivery settled): stop tracking it."""
@@ -453,21 +482,21 @@ async def _left_to_the_close() -> None:
     """Settle nothing now: the channel's close returns the delivery to its place in the queue."""
 
 
-def _tag(message: DeliveredMessage) -> int:
+def _tag(message: AbstractIncomingMessage) -> int:
     assert message.delivery_tag is not None
     return message.delivery_tag
 
 
-async def _ack(message: DeliveredMessage, acks: Acks | None = None) -> None:
+async def _ack(channel: Underlay, tag: int, acks: Acks | None = None) -> None:
     if acks is None:
-        await message.channel.basic_ack(_tag(message))
+        await channel.basic_ack(tag)
         return
-    if message.channel.is_closed:
-        raise aiormq.exceptions.ChannelInvalidStateError(f"{message.channel!r} closed")
-    acks.ack(_tag(message))
+    if channel.is_closed:
+        raise aiormq.exceptions.ChannelInvalidStateError(f"{channel!r} closed")
+    acks.ack(tag)
 
 
-async def _nack(message: DeliveredMessage, acks: Acks | None = None, *, requeue: bool) -> None:
-    await message.channel.basic_nack(_tag(message), requeue=requeue)
+async def _nack(channel: Underlay, tag: int, acks: Acks | None = None, *, requeue: bool) -> None:
+    await channel.basic_nack(tag, requeue=requeue)
     if acks is not None:
-        acks.nacked(_tag(message))
+        acks.nacked(tag)

@@ -4,8 +4,9 @@ Each one turns a single hostile or refused message, which the libraries let brea
 connection again and again, back into one message's trouble. None changes what the libraries
 do for other code in the same process (a user's own aio-pika connections): the channel guard
 is a subclass given to Mersal's channels alone, and the lenient reading and the quieter log
-act only in the context that Mersal's connections are opened in (`own_context`), which their
-reader tasks inherit. Remove one when the library it works around is fixed.
+act only in the context that Mersal's connections and restored channels are opened in
+(`own_context`), which their reader tasks and close callbacks inherit. Remove one when the
+library it works around is fixed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiormq.abc
 import aiormq.channel
 import pamqp.decode
 from aio_pika.abc import AbstractChannel
@@ -26,6 +28,8 @@ OWN = contextvars.ContextVar("mersal_rabbitmq_own_connection", default=False)
 """True in the tasks of Mersal's connections (their attempts and readers), else False."""
 CLIENT_LOG = "aiormq.connection"
 """aiormq's logger, which says ERROR for every failed TCP connect and every broker's close."""
+CALLBACK_LOG = "aio_pika.tools"
+"""aio-pika's logger for a callback that raised: a robust channel's failed restore of itself."""
 
 
 def own_context() -> contextvars.Context:
@@ -89,27 +93,32 @@ def lenient_table(value: bytes) -> tuple[int, dict[str, Any]]:
 
 
 def keep_lost_connections_to_mersals_line() -> None:
-    """Drop aiormq's lines for a failed connect or a lost connection of Mersal's connections.
+    """Drop the libraries' lines for a failed connect or a lost connection of Mersal's own.
 
     The connection logs one WARNING per lost connection (with the broker's reason) and one
     line per round of reconnect attempts, naming each node's reason; aiormq's ERROR for every
     failed attempt (one a second, with every node down), its ERROR for the broker's close and
-    its WARNING with a traceback for the socket's end say nothing more. A reader that ended on
+    its WARNING with a traceback for the socket's end say nothing more. Nor does aio-pika's
+    ERROR for a robust channel that tried to restore itself and failed (on a lost connection it
+    always does): its consumer restores it, and says so if it cannot. A reader that ended on
     anything but a lost connection (a malformed frame) keeps its line, and so do other code's
-    connections.
+    connections and channels.
     """
-    client = logging.getLogger(CLIENT_LOG)
-    if not any(isinstance(each, _OwnConnectionNoise) for each in client.filters):
-        client.addFilter(_OwnConnectionNoise())
+    for name in (CLIENT_LOG, CALLBACK_LOG):
+        client = logging.getLogger(name)
+        if not any(isinstance(each, _OwnConnectionNoise) for each in client.filters):
+            client.addFilter(_OwnConnectionNoise())
 
 
 NOISE = ("error when creating transport", "Unexpected connection close from remote")
 """How the lines of aiormq that Mersal's own say again begin."""
 READER_ENDED = "Cancelling cause reader exited abnormally"
+SELF_RESTORE = "RobustChannel._on_close"
+"""The callback a robust channel restores itself in, as aio-pika names it in its line."""
 
 
 class _OwnConnectionNoise(logging.Filter):
-    """Lets through every record but aiormq's connect and close lines in Mersal's context."""
+    """Lets through every record but the libraries' connect and close lines in Mersal's context."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not OWN.get():
@@ -119,6 +128,8 @@ class _OwnConnectionNoise(logging.Filter):
             return False
         if text.startswith(READER_ENDED) and record.exc_info:
             return not isinstance(record.exc_info[1], ConnectionError)
+        if record.name == CALLBACK_LOG and isinstance(record.args, tuple) and record.args:
+            return SELF_RESTORE not in repr(record.args[0])
         return True
 
 
@@ -130,8 +141,12 @@ async def guard(channel: AbstractChannel) -> None:
     (504 CHANNEL_ERROR), consumers included. On a guarded channel the publish fails as "channel
     gone" without a word reaching the broker, and is sent again.
     """
-    underlay = await channel.get_underlay_channel()
-    if type(underlay) is aiormq.channel.Channel:  # another class: leave it as it is
+    guard_underlay(await channel.get_underlay_channel())
+
+
+def guard_underlay(underlay: aiormq.abc.AbstractChannel) -> None:
+    """Guard one of aiormq's channels (see `guard`), unless it is of another class already."""
+    if type(underlay) is aiormq.channel.Channel:
         underlay.__class__ = GuardedChannel
 
 

@@ -22,14 +22,10 @@ from aio_pika.abc import AbstractChannel
 from mersal.errors import ConfigurationError, MersalError, OutcomeUnknown, Unroutable, Unsendable
 from mersal.messages import Envelope, describe
 from mersal.transport import Limits, Outgoing, mask, problem_of
-from mersal_rabbitmq.connection import (
-    CHANNEL_ERRORS,
-    Connection,
-    close_quietly,
-    closed_under,
-    why,
-)
+from mersal_rabbitmq.channels import close_quietly
+from mersal_rabbitmq.connection import Connection
 from mersal_rabbitmq.delays import MAX_WAIT_MS, wait_milliseconds
+from mersal_rabbitmq.failures import CHANNEL_ERRORS, closed_under, why
 from mersal_rabbitmq.topology import (
     EVENTS,
     PLUGIN_HINT,

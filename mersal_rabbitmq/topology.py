@@ -36,9 +36,14 @@ nobody holds is a rebuild cut short: a starting instance, a restore or such a ke
 the lock and finishes it. A keyed send that meets the exchange missing or without partitions
 fails with `OutcomeUnknown`, to be sent again.
 
-Everything is declared on one channel, replaced when an error closed it (RabbitMQ closes it on
-a 406), and remembered: the topology registers with the connection and declares it all again
-after every reconnect.
+Everything is declared on one plain channel, replaced when an error closed it (RabbitMQ closes
+it on a 406), and remembered: the transport declares it all again after every reconnect, and a
+consumer its own queues before it consumes again. Not aio-pika's robust channel, which would
+declare again what it remembers too: it restores one channel all or nothing (a queue that
+cannot be declared again, a classic queue whose node is down, keeps everything after it from
+coming back) and binds a partition declared again last, which moves keys to other partitions.
+Here each declaration that fails to come back is logged on its own, and the ring of partitions
+is made again in order.
 """
 
 from __future__ import annotations
@@ -60,8 +65,10 @@ from aio_pika.abc import AbstractChannel
 from mersal.errors import ConfigurationError, MersalError, Unreachable, Unroutable
 from mersal.transport import mask, partition_queue
 from mersal.transport.status import QueueStatus
-from mersal_rabbitmq.connection import Connection, close_quietly, closed_under, why
+from mersal_rabbitmq.channels import close_quietly
+from mersal_rabbitmq.connection import Connection
 from mersal_rabbitmq.delays import wait_queue_name
+from mersal_rabbitmq.failures import closed_under, why
 
 log = logging.getLogger("mersal.rabbitmq")
 
@@ -231,8 +238,7 @@ class Topology:
         self._marker_looked: dict[str, float] = {}  # when this process last looked for a marker
 
     async def start(self) -> None:
-        """Declare the topic exchange; from now on, everything again after each reconnect."""
-        self._connection.register("declaring the topology", self.restore)
+        """Declare the topic exchange that publishes go through."""
         await self.through_reconnects(f"declare exchange {EVENTS!r}", self.declare_exchange)
 
     async def declare_exchange(self) -> None:
@@ -771,6 +777,11 @@ class Topology:
             ) from None
         counts = queue.declaration_result
         return QueueStatus(name, ready=counts.message_count, consumers=counts.consumer_count)
+
+    async def exists(self, queue: str) -> bool:
+        """Whether `queue` exists, by passive declaration: nothing is made."""
+        async with self._lock:
+            return await self._exists(queue)
 
     async def _exists(self, queue: str) -> bool:
         channel = await self._ready_channel()

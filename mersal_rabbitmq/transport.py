@@ -2,13 +2,13 @@
 
 It configures and composes the parts, each in a module of its own:
 
-- `connection`: the connection (reconnected, with failover), plain channels, and the registry of
-  what it restores
-  after a reconnect;
+- `connection`: the connection, reconnected across the nodes of a list (failover);
+- `channels`: plain channels, and the restored channels (aio-pika's robust ones) of consumers;
+- `recovery`: bringing one lost object back, a bounded number of times;
 - `topology`: the events exchange, queues, bindings and wait queues, declared and remembered;
 - `delays`: how a delay becomes a wait queue;
 - `publishing`: confirmed publishes on a pool of channels;
-- `consuming`: consumers and their deliveries;
+- `consuming`: consumers, their deliveries, and consuming again after a loss;
 - `wire`: envelopes to and from AMQP properties and headers.
 """
 
@@ -27,11 +27,13 @@ from mersal.errors import ConfigurationError, MersalError
 from mersal.messages import check_type_name
 from mersal.transport import Limits, Outgoing, first_failure, mask
 from mersal.transport.status import WAIT, QueueReport, QueueStatus
-from mersal_rabbitmq.connection import CHANNEL_ERRORS, Connection, take_option, why
+from mersal_rabbitmq.connection import Connection
 from mersal_rabbitmq.consuming import ACK_MODES, RESUBSCRIBE_DELAYS, Consumers, RabbitMQConsumer
 from mersal_rabbitmq.delays import MAX_WAIT_MS, retry_wait_queues, waiting_for
+from mersal_rabbitmq.failures import CHANNEL_ERRORS, why
 from mersal_rabbitmq.management import ENABLE, Management, ManagementUnavailable, delivery_limit
 from mersal_rabbitmq.publishing import Publishing
+from mersal_rabbitmq.recovery import Recovery
 from mersal_rabbitmq.topology import (
     EVENTS,
     QUEUE_TYPES,
@@ -39,6 +41,7 @@ from mersal_rabbitmq.topology import (
     durable_shape,
     temporary_shape,
 )
+from mersal_rabbitmq.urls import take_option
 from mersal_rabbitmq.wire import broker_version, limits_for
 
 log = logging.getLogger("mersal.rabbitmq")
@@ -127,6 +130,8 @@ class RabbitMQTransport:
             unheard=self._unheard,
         )
         self._consumers = Consumers(self._link, self._topology, self.ack_mode)
+        self._redeclaring = Recovery(self._link, "declaring the topology", self._topology.restore)
+        self._link.on_reconnect = self._redeclaring.ask
 
     def __repr__(self) -> str:
         return f"<RabbitMQTransport {mask(self.address)}>"
@@ -169,6 +174,7 @@ class RabbitMQTransport:
     async def stop(self) -> None:
         """Disconnect: unacknowledged deliveries return to their queues."""
         await self._consumers.abandon()
+        await self._redeclaring.cancel()
         await self._link.close()
 
     async def declare(self, queue: str, *, temporary: bool = False, partitions: int = 0) -> None:
@@ -319,7 +325,7 @@ class RabbitMQTransport:
         await self._link.ready()
 
     async def open_channel(self, *, confirms: bool = False) -> AbstractChannel:
-        """A new plain channel (no robust restore: its owner restores it), once connected."""
+        """A new plain channel (not restored: its owner replaces it), once connected."""
         return await self._link.channel(confirms=confirms)
 
     async def restore_queue(self, queue: str) -> None:

@@ -2,17 +2,22 @@
 
 Several nodes are full URLs separated by `;` (as kombu takes them). The nodes of one cluster
 serve the same vhosts over the same protocol, so every URL names the same vhost and the same
-scheme (amqp or amqps); a `;` in a host or a path is a node written without its scheme.
+scheme (amqp or amqps); a `;` in a host or a path is a node written without its scheme. Query
+options that Mersal reads itself (`queue_type`, `reconnect_interval`) are taken out of every
+URL, and every node must carry the same options.
 """
 
 from __future__ import annotations
 
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from mersal.errors import ConfigurationError
 from mersal.transport import mask, split_urls
 
 SCHEMES = ("amqp", "amqps")
+MAX_OPTION_SECONDS = 3600.0
+"""The longest number of seconds a URL option may give (longer is a mistake: an app that never
+tries again)."""
 
 
 def node_urls(address: str) -> list[str]:
@@ -90,3 +95,74 @@ def _scheme(node: str) -> str:
 def _vhost(node: str) -> str:
     """The vhost a URL logs in to, as aio-pika reads it (no path, or `/`, is '/')."""
     return unquote(urlsplit(node).path[1:]) or "/"
+
+
+def nodes_of(address: str) -> list[str]:
+    """The node URLs of a transport address: one URL, or several separated by `;`."""
+    nodes = node_urls(address)
+    if not nodes:
+        raise ConfigurationError(
+            f"transport {mask(address)!r} names no broker: use amqp://user:password@host/vhost, "
+            "or several such URLs separated by ';' for a cluster"
+        )
+    queries = {urlsplit(node).query: _options(node) for node in nodes}
+    if len(set(queries.values())) > 1:
+        raise ConfigurationError(
+            f"the URLs of {mask(address)!r} carry different query options "
+            f"({' / '.join(sorted(queries))}): give every node the same ones"
+        )
+    return nodes
+
+
+def take_option(address: str, name: str) -> tuple[str, str | None]:
+    """The address without query option `name` (in every node's URL), and its value if given.
+
+    Every node must give the same value, or none.
+    """
+    node_urls(address)
+    values: dict[object, str | None] = {}  # each value as read: as written the first time
+    nodes = []
+    for node in split_urls(address):
+        parts = urlsplit(node)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        value = next((v for k, v in query if k == name), None)
+        if node.strip():
+            values.setdefault(None if value is None else _value(value), value)
+        kept = urlencode([(key, v) for key, v in query if key != name])
+        nodes.append(node if value is None else parts._replace(query=kept).geturl())
+    if len(values) > 1:
+        given = " / ".join("none" if value is None else repr(value) for value in values.values())
+        raise ConfigurationError(
+            f"the URLs of transport {mask(address)!r} give different {name} options ({given}): "
+            f"give every node the same ?{name}=..., or leave it out of every URL"
+        )
+    return ";".join(nodes), next(iter(values.values()), None)
+
+
+def seconds_option(value: str, name: str) -> float:
+    """A URL option's number of seconds: more than 0, at most MAX_OPTION_SECONDS."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds <= MAX_OPTION_SECONDS:
+        raise ConfigurationError(
+            f"{name}={value!r} in the transport URL is not a number of seconds from 0 to "
+            f"{MAX_OPTION_SECONDS:g}: write {name}=1 (or any such number)"
+        )
+    return seconds
+
+
+def _options(node: str) -> tuple[tuple[str, str], ...]:
+    """A URL's query options as they are read: in any order, numbers by their value."""
+    query = parse_qsl(urlsplit(node).query, keep_blank_values=True)
+    return tuple(sorted((key, str(_value(value))) for key, value in query))
+
+
+def _value(value: str) -> object:
+    """A number as its value (2 and 2.0 are one), other text as it is."""
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return number if number == number else value

@@ -12,8 +12,7 @@ from typing import Any
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractConnection
-from aiormq.abc import DeliveredMessage
+from aio_pika.abc import AbstractConnection, AbstractIncomingMessage
 
 from mersal.messages import Envelope, Header
 from mersal.transport import Limits
@@ -27,11 +26,11 @@ SHORT_STRING = 255  # bytes in an AMQP short string (message_id, type, reply_to,
 PROPERTY_HEADERS = (
     ("message_id", Header.MESSAGE_ID),
     ("correlation_id", Header.CORRELATION_ID),
-    ("message_type", Header.TYPE),
+    ("type", Header.TYPE),
     ("reply_to", Header.REPLY_TO),
     ("content_type", Header.CONTENT_TYPE),
 )
-"""(AMQP property, Mersal header) pairs: the headers that travel as properties."""
+"""(AMQP property, as aio-pika names it; Mersal header): the headers that travel as properties."""
 IN_PROPERTIES = frozenset(header for _, header in PROPERTY_HEADERS)
 """Headers carried by AMQP properties alone (the receiver restores them from there)."""
 BROKER_HEADERS = ("x-death", "x-first-death-", "x-last-death-", "x-delivery-count")
@@ -58,27 +57,26 @@ def amqp_properties(envelope: Envelope) -> aiormq.spec.Basic.Properties:
     )
 
 
-def envelope_of(message: DeliveredMessage) -> Envelope:
+def envelope_of(message: AbstractIncomingMessage) -> Envelope:
     """Our envelope for a received message: its headers, else its properties; then its body."""
-    properties = message.header.properties
     headers: dict[str, str] = {}
-    for key, value in (properties.headers or {}).items():
+    for key, value in (message.headers or {}).items():
         text = header_text(value)
         if text is not None and not key.startswith(BROKER_HEADERS):
             headers[key] = text
     for name, header in PROPERTY_HEADERS:
-        value = getattr(properties, name, None)
+        value = getattr(message, name, None)
         if value and header not in headers:
             headers[header] = str(value)
-    timestamp = properties.timestamp
+    timestamp = message.timestamp
     if Header.SENT_AT not in headers and isinstance(timestamp, datetime):
         headers[Header.SENT_AT] = f"{timestamp.timestamp():.6f}"
     return Envelope(headers, message.body)
 
 
-def redelivered(message: DeliveredMessage) -> bool:
+def redelivered(message: AbstractIncomingMessage) -> bool:
     """Whether the broker delivered the message before (a quorum queue counts deliveries)."""
-    count = (message.header.properties.headers or {}).get("x-delivery-count")
+    count = (message.headers or {}).get("x-delivery-count")
     return bool(message.redelivered) or (isinstance(count, int) and count > 0)
 
 

@@ -11,10 +11,9 @@ import itertools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import pytest
-from rabbitmq_support import Broker, rabbitmqctl
+from rabbitmq_support import Broker, rabbitmqctl, relay
 
 from mersal import App, ConfigurationError, MersalError, RetryPolicy
 from mersal.errors import Unreachable
@@ -105,64 +104,6 @@ async def test_a_silent_node_is_reported_as_not_answering_in_time(
         with pytest.raises(Unreachable, match=r"no answer within 0\.5 s") as caught:
             await transport.start()
     assert "TimeoutError" not in str(caught.value)
-
-
-@contextlib.asynccontextmanager
-async def relay(url: str) -> AsyncIterator[Relay]:
-    """A node on a port of its own that passes every byte on to the real one, until it dies."""
-    target = urlsplit(url)
-    node = Relay(target.hostname or "127.0.0.1", target.port or 5672)
-    await node.start()
-    try:
-        yield node
-    finally:
-        await node.die()
-
-
-class Relay:
-    """A TCP relay to RabbitMQ that can die (refusing connections) and come back on its port."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.target = host, port
-        self.port = 0
-        self._server: asyncio.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-
-    def url(self, vhost: str, query: str = "") -> str:
-        """The AMQP URL of the relay."""
-        return f"amqp://guest:guest@127.0.0.1:{self.port}/{vhost}{query}"
-
-    async def start(self) -> None:
-        """Listen (on the same port as before, if it listened before)."""
-        self._server = await asyncio.start_server(self._pass, "127.0.0.1", self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def die(self) -> None:
-        """Stop listening and drop every connection passed on."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for writer in self._writers:
-            writer.close()
-        self._writers.clear()
-
-    async def _pass(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        upstream_reader, upstream_writer = await asyncio.open_connection(self.host, self.target)
-        self._writers += [writer, upstream_writer]
-        await asyncio.gather(
-            self._pipe(reader, upstream_writer),
-            self._pipe(upstream_reader, writer),
-            return_exceptions=True,
-        )
-
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        finally:
-            writer.close()
 
 
 async def test_with_every_node_down_reconnects_back_off_saying_one_line_a_round(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import aio_pika
 import pytest
-from rabbitmq_support import Broker, rabbitmqctl
+from rabbitmq_support import Broker, Relay, rabbitmqctl, relay
 
 from mersal import App, ConfigurationError, MessageContext, OutcomeUnknown, RetryPolicy
 from mersal_rabbitmq import RabbitMQTransport, topology
@@ -205,12 +205,20 @@ async def test_a_deleted_partition_comes_back_bound_to_the_exchange(
         await eventually(bound, "the partition declared and bound again", timeout=15)
 
 
-@pytest.mark.parametrize("deleted", ["while it runs", "while it is stopped"])
+@pytest.mark.parametrize("deleted", ["while it runs", "while it is stopped", "while it is away"])
 async def test_keys_keep_their_partition_after_a_partition_was_deleted(
     url: str, vhost: str, broker: Broker, prefix: str, deleted: str
 ) -> None:
+    async with relay(url) as node:  # the app's node, to disconnect it while it runs
+        await keys_keep_their_partition(node, vhost, broker, prefix, deleted)
+
+
+async def keys_keep_their_partition(
+    node: Relay, vhost: str, broker: Broker, prefix: str, deleted: str
+) -> None:
+    """Send a round of keyed messages, delete a partition (`deleted`), send another round."""
     name = f"{prefix}.orders"
-    app = partitioned_app(name, url, broker, partitions=3)
+    app = partitioned_app(name, node.url(vhost, "?reconnect_interval=0.1"), broker, partitions=3)
     handled: dict[tuple[int, str], str] = {}
 
     async def handle(step: Step, context: MessageContext) -> None:
@@ -240,8 +248,14 @@ async def test_keys_keep_their_partition_after_a_partition_was_deleted(
 
     async with app:
         await send_round(1)
+        if deleted == "while it is away":
+            await node.die()
+            await eventually(lambda: not app.transport.connected, "disconnected")
+            await broker.channel.queue_delete(f"{name}.partition.0")
+            await node.start()
         if deleted == "while it runs":
             await broker.channel.queue_delete(f"{name}.partition.0")
+        if deleted != "while it is stopped":
             await eventually(bound_in_order, "the partitions bound again", timeout=15)
             await send_round(2)
     if deleted == "while it is stopped":

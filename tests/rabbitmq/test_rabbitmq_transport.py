@@ -26,7 +26,7 @@ from mersal import (
     Unsendable,
 )
 from mersal.dead_letters import LookingWouldLose
-from mersal_rabbitmq import ConsumerLost, RabbitMQTransport
+from mersal_rabbitmq import RabbitMQTransport
 from mersal_rabbitmq.delays import wait_milliseconds, wait_queue_name
 from mersal_rabbitmq.publishing import Publisher, distinct_runs
 from tests.support import eventually, rabbitmqctl_rows
@@ -430,44 +430,6 @@ async def broker_count_is(broker: Broker, queue: str, expected: int) -> bool:
     return await broker.count(queue) == expected
 
 
-async def test_a_consumer_whose_queue_was_deleted_declares_it_again_and_goes_on(
-    make_transport: Make, broker: Broker, prefix: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    queue = f"{prefix}.in"
-    topic = f"{prefix}.Event"
-    transport = await started(make_transport, queue)
-    await transport.bind(queue, topic)
-    consumer = await transport.consume(queue, prefetch=2)
-
-    caplog.set_level(logging.INFO, logger="mersal.rabbitmq")
-    await broker.delete([queue])
-    await eventually(
-        lambda: f"consuming {queue!r} again" in caplog.text, "resubscribed", timeout=10
-    )
-    assert any(
-        r.levelno == logging.WARNING and "cancelled the consumer" in r.getMessage()
-        for r in caplog.records
-    )
-    await transport.send([Outgoing(topic, envelope("m-15"), publish=True)])
-    delivery = await asyncio.wait_for(consumer.get(), 5)
-    assert delivery.envelope.message_id == "m-15"
-    await delivery.ack()
-
-
-async def test_a_consumer_that_cannot_consume_again_makes_get_raise(
-    make_transport: Make, broker: Broker, prefix: str
-) -> None:
-    queue = f"{prefix}.foreign"  # declared by someone else: the transport cannot restore it
-    await broker.declare(queue, durable=True)
-    transport = await started(make_transport)
-    transport.resubscribe_delays = (0.05, 0.05)
-    consumer = await transport.consume(queue, prefetch=1)
-
-    await broker.delete([queue])
-    with pytest.raises(ConsumerLost, match="could not consume again in 3 attempts"):
-        await asyncio.wait_for(consumer.get(), 10)
-
-
 def test_delays_round_up_to_two_significant_digits() -> None:
     assert [wait_milliseconds(s) for s in (0.0001, 0.05, 0.099, 0.2, 1.234, 59.9)] == [
         1,
@@ -479,30 +441,6 @@ def test_delays_round_up_to_two_significant_digits() -> None:
     ]
     assert wait_queue_name("", "orders", 200) == "orders.wait.200"
     assert wait_queue_name("mersal.events", "a.B", 200) == "mersal.events.a.B.wait.200"
-
-
-async def test_a_consumer_whose_channel_closed_consumes_again_on_a_new_one(
-    make_transport: Make, prefix: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    queue = f"{prefix}.in"
-    transport = await started(make_transport, queue)
-    consumer = await transport.consume(queue, prefetch=2)
-    await transport.send([Outgoing(queue, envelope("m-16"))])
-    first = await asyncio.wait_for(consumer.get(), 5)
-    caplog.set_level(logging.INFO, logger="mersal.rabbitmq")
-
-    # acking a delivery tag the channel never had makes RabbitMQ close that channel (406)
-    channel = first.message.channel
-    await channel.basic_ack(delivery_tag=first.message.delivery_tag + 1000)
-    await eventually(
-        lambda: f"consuming {queue!r} again" in caplog.text, "resubscribed", timeout=10
-    )
-    with pytest.raises(Exception, match="RabbitMQ will deliver it again"):
-        await first.ack()
-    again = await asyncio.wait_for(consumer.get(), 5)
-    assert again.envelope.message_id == "m-16"
-    assert again.redelivered is True
-    await again.ack()
 
 
 async def test_an_unconfirmed_publish_is_outcome_unknown_and_can_be_sent_again(
@@ -642,33 +580,6 @@ async def test_stop_ends_a_declaration_that_waits_for_a_reconnect(
     with pytest.raises(MersalError, match="not running"):
         await asyncio.wait_for(declaring, 5)
     assert time.monotonic() - started_at < 2
-
-
-async def test_temporary_queues_and_their_consumers_come_back_after_a_reconnect(
-    make_transport: Make, prefix: str, vhost: str
-) -> None:
-    temporary = f"{prefix}.replies"
-    transport = await started(make_transport)
-    await transport.declare(temporary, temporary=True)
-    consumer = await transport.consume(temporary, prefetch=1)
-
-    await asyncio.to_thread(rabbitmqctl, "close_all_connections", "-p", vhost, "test")
-    await eventually(lambda: transport.connected, "reconnected", timeout=10)
-
-    async def sent() -> bool:
-        try:
-            await transport.send([Outgoing(temporary, envelope("m-18"))])
-        except (Unroutable, OutcomeUnknown):
-            return False
-        return True
-
-    # the consumer declares its queue again after the reconnect
-    await eventually(
-        sent, "a send to the temporary queue, declared again", timeout=10, interval=0.1
-    )
-    delivery = await asyncio.wait_for(consumer.get(), 10)
-    assert delivery.envelope.message_id == "m-18"
-    await delivery.ack()
 
 
 async def test_prefetch_bounds_the_unacknowledged_deliveries_and_stop_returns_them(
