@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 from bench.support import per_call_us
 from mersal.messages import Envelope, Header, new_id
-from mersal.transport import DEFAULT_LIMITS, Outgoing, check, plainly_fine, problem_of
+from mersal.transport import Outgoing
+from mersal.transport.limits import DEFAULT_LIMITS, check_sendable, plainly_sendable, problem_of
 
 CALLS = 200_000
 
@@ -59,8 +60,8 @@ def samples() -> dict[str, Outgoing]:
 
 def sendable(outgoing: Outgoing) -> bool:
     """The send step's check: an `Unsendable` for a message the transport could never carry."""
-    if not plainly_fine(outgoing, DEFAULT_LIMITS):
-        check(outgoing, DEFAULT_LIMITS)
+    if not plainly_sendable(outgoing, DEFAULT_LIMITS):
+        check_sendable(outgoing, DEFAULT_LIMITS)
     return True
 
 

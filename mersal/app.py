@@ -83,13 +83,12 @@ from mersal.transport import (
     BindingPruner,
     Consumer,
     Delivery,
-    Limits,
     Outgoing,
     Transport,
     declare_error_queue,
-    limits_of,
-    mask,
 )
+from mersal.transport.limits import Limits, limits_of
+from mersal.urls import mask
 from mersal.worker import Worker
 
 if TYPE_CHECKING:

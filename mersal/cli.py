@@ -32,7 +32,7 @@ from mersal.errors import ConfigurationError, MersalError
 from mersal.plugins import transport_from
 from mersal.runner import add_run_command
 from mersal.status import add_status_command
-from mersal.transport import mask
+from mersal.urls import mask
 
 DLQ_LIST_LIMIT = 100
 DLQ_SCAN_LIMIT = 1_000

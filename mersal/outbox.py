@@ -18,7 +18,8 @@ from mersal.messages import Header, describe
 from mersal.pipeline import StorageSteps
 from mersal.settle import Failure, run_to_end
 from mersal.transaction import Transaction
-from mersal.transport import Outgoing, Transport, mask
+from mersal.transport import Outgoing, Transport
+from mersal.urls import mask
 
 if TYPE_CHECKING:
     from mersal.app import App

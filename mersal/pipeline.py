@@ -17,7 +17,8 @@ from mersal.serialization import Codec
 from mersal.settle import ACK, Outcome
 from mersal.timeouts import HandlerClock, HandlerTimeout
 from mersal.transaction import Transaction
-from mersal.transport import Delivery, Outgoing, Transport, check, limits_of, plainly_fine
+from mersal.transport import Delivery, Outgoing, Transport
+from mersal.transport.limits import check_sendable, limits_of, plainly_sendable
 
 if TYPE_CHECKING:
     from mersal.app import App
@@ -450,8 +451,8 @@ def send_step(transport_now: Callable[[], Transport]) -> Step[OutgoingContext]:
         transport = transport_now()
         outgoing = Outgoing(context.address, context.envelope, context.publish)
         limits = limits_of(transport)  # known once the transport is connected
-        if not plainly_fine(outgoing, limits):
-            check(outgoing, limits)
+        if not plainly_sendable(outgoing, limits):
+            check_sendable(outgoing, limits)
         outgoing.checked = True
         if context.transaction is not None:
             context.transaction.enlist(outgoing)

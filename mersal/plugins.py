@@ -21,8 +21,9 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any
 
 from mersal.errors import ConfigurationError
-from mersal.transport import Transport, mask
+from mersal.transport import Transport
 from mersal.transport.memory import MemoryTransport
+from mersal.urls import mask
 
 if TYPE_CHECKING:
     from mersal.app import App

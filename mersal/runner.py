@@ -23,7 +23,7 @@ from mersal.commands import open_app, positive_int, seconds
 from mersal.health import MAX_RELAY_LAG
 from mersal.logs import JsonFormatter
 from mersal.probes import Metrics, probes, prometheus_metrics
-from mersal.transport import mask
+from mersal.urls import mask
 
 if TYPE_CHECKING:
     from mersal.app import App

@@ -28,8 +28,9 @@ from mersal.errors import ConfigurationError, MersalError
 from mersal.messages import shown
 from mersal.outbox import Storage, attach_storage
 from mersal.plugins import transport_from
-from mersal.transport import Transport, mask, partition_queue, split_urls
+from mersal.transport import Transport, partition_queue
 from mersal.transport.status import ERROR, INPUT, QUEUE, WAIT, QueueReport, QueueStatus
+from mersal.urls import mask, without_password
 
 DEFAULT_TIMEOUT = 10.0
 PROBE_APP = "mersal-status"
@@ -139,29 +140,6 @@ def _url_option(option: str, url: str | None, variable: str | None) -> tuple[str
         return f" {option} '{url}'", ""
     instead = f", or set {variable} to the URL and leave {option} out" if variable else ""
     return f" {option} '{shown}'", f" (its URL without the password: add the password{instead})"
-
-
-def without_password(url: str) -> str:
-    """The URL without any password (in its user info, or a query parameter), for commands."""
-    urls = split_urls(url)
-    if len(urls) > 1:
-        return ";".join(without_password(part) for part in urls)
-    masked = mask(url)
-    if masked == url and "***" not in url:  # a URL masked already still loses its "***"
-        return url
-    scheme, separator, rest = masked.partition("://")
-    user_info, at, host = rest.rpartition("@")
-    if at:
-        rest = f"{user_info.removesuffix(':***')}@{host}"
-    base, question, query = (scheme + separator + rest).partition("?")
-    query, hash_mark, fragment = query.partition("#")
-    kept = [
-        pair
-        for pair in query.split("&")
-        if not (pair.endswith("=***") and "password" in pair.partition("=")[0].lower())
-    ]
-    query = "&".join(pair for pair in kept if pair)
-    return f"{base}{question if query else ''}{query}{hash_mark}{fragment}"
 
 
 @dataclass

@@ -34,7 +34,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.connection import make_url
 
 from mersal.errors import ConfigurationError, MersalError, Unreachable
-from mersal.transport import mask, split_urls
+from mersal.urls import mask, split_urls
 from mersal_rabbitmq import patches
 from mersal_rabbitmq.urls import node_urls
 

@@ -44,7 +44,8 @@ from aio_pika.abc import AbstractChannel
 from mersal.app import App
 from mersal.commands import load_app
 from mersal.errors import ConfigurationError, MersalError
-from mersal.transport import mask, partition_queue
+from mersal.transport import partition_queue
+from mersal.urls import mask
 from mersal_rabbitmq.delays import retry_wait_queues, waiting_for
 from mersal_rabbitmq.management import Management, ManagementUnavailable
 from mersal_rabbitmq.topology import (

@@ -10,7 +10,7 @@ from __future__ import annotations
 from urllib.parse import unquote, urlsplit
 
 from mersal.errors import ConfigurationError
-from mersal.transport import mask, split_urls
+from mersal.urls import mask, split_urls
 
 SCHEMES = ("amqp", "amqps")
 

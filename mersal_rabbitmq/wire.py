@@ -16,7 +16,7 @@ from aio_pika.abc import AbstractConnection
 from aiormq.abc import DeliveredMessage
 
 from mersal.messages import Envelope, Header
-from mersal.transport import Limits
+from mersal.transport.limits import Limits
 from mersal_rabbitmq.delays import MAX_WAIT_MS
 
 PERSISTENT = int(aio_pika.DeliveryMode.PERSISTENT)

@@ -24,7 +24,7 @@ from mersal.commands import ProgressLine, align, positive_int
 from mersal.dead_letters import Progress, first_line, iso
 from mersal.errors import ConfigurationError, MersalError
 from mersal.messages import Header
-from mersal.transport import mask
+from mersal.urls import mask
 from mersal_sqlalchemy import migrating
 from mersal_sqlalchemy.database import DIALECTS, database_url, is_postgresql, make_engine, reason
 from mersal_sqlalchemy.migrating import alembic_config, upgrade

@@ -33,7 +33,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from mersal.errors import ConfigurationError, MersalError, Unreachable
 from mersal.timeouts import not_counted
-from mersal.transport import mask
+from mersal.urls import mask
 from mersal_sqlalchemy.tables import (
     COMPATIBLE_WITH,
     DEFAULT_INBOX,

@@ -29,7 +29,7 @@ from sqlalchemy import inspect
 from sqlalchemy.exc import SQLAlchemyError
 
 from mersal.errors import ConfigurationError, MersalError
-from mersal.transport import mask
+from mersal.urls import mask
 from mersal_sqlalchemy.database import (
     Record,
     Schema,

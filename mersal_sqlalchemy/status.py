@@ -13,7 +13,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from mersal.errors import ConfigurationError, MersalError
 from mersal.status import AppRows, StorageStatus
-from mersal.transport import mask
+from mersal.urls import mask
 from mersal_sqlalchemy.database import is_postgresql, read_schema, reason, upgrade_command
 from mersal_sqlalchemy.tables import Tables
 

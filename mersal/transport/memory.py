@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from mersal.errors import ConsumerClosed, MersalError, Unroutable, Unsendable
 from mersal.messages import Envelope
-from mersal.transport import DEFAULT_LIMITS, Limits, Outgoing, delay_of, first_failure, problem_of
+from mersal.transport import Outgoing, delay_of, first_failure
+from mersal.transport.limits import DEFAULT_LIMITS, Limits, problem_of
 from mersal.transport.status import QueueReport, QueueStatus
 
 

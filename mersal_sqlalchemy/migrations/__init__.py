@@ -16,7 +16,7 @@ from sqlalchemy import MetaData, Table, inspect
 from sqlalchemy.sql.schema import SchemaItem
 
 from mersal.errors import MersalError
-from mersal.transport import mask
+from mersal.urls import mask
 from mersal_sqlalchemy import database
 from mersal_sqlalchemy.database import foreign_columns, recorded_elsewhere
 from mersal_sqlalchemy.tables import (

@@ -49,6 +49,7 @@ DECODE_PATH = (
     "mersal/serialization.py",
     "mersal/retry.py",
     "mersal/transport/__init__.py",
+    "mersal/transport/limits.py",
     "mersal/transport/memory.py",
     "mersal_rabbitmq/transport.py",
     "mersal_rabbitmq/consuming.py",
