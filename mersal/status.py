@@ -20,81 +20,31 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from mersal.app import App
 from mersal.commands import align, load_app, positive_seconds
 from mersal.errors import ConfigurationError, MersalError
+from mersal.inspection import (
+    ERROR,
+    INPUT,
+    QUEUE,
+    WAIT,
+    QueueInspector,
+    QueueReport,
+    QueueStatus,
+    StorageInspector,
+    StorageStatus,
+)
 from mersal.messages import shown
 from mersal.outbox import Storage, attach_storage
 from mersal.plugins import transport_from
 from mersal.transport import Transport, partition_queue
-from mersal.transport.status import ERROR, INPUT, QUEUE, WAIT, QueueReport, QueueStatus
 from mersal.urls import mask, without_password
 
 DEFAULT_TIMEOUT = 10.0
 PROBE_APP = "mersal-status"
 """The app name of the storage probe made when no app is named (its name filters nothing)."""
-
-
-@dataclass(frozen=True)
-class AppRows:
-    """One app's rows in a shared outbox: the app that committed them (its `source`)."""
-
-    app: str
-    pending: int
-    parked: int
-    oldest_pending_age: float | None
-    """Seconds since its oldest pending row was committed; None when none is pending."""
-
-
-@dataclass(frozen=True)
-class StorageStatus:
-    """The outbox and inbox as the database counts them (one app's rows, or every app's)."""
-
-    pending: int
-    parked: int
-    oldest_pending_age: float | None
-    """Seconds since the oldest pending row was committed; None when none is pending."""
-    inbox: int
-    app: str | None = None
-    """Whose rows were counted; None for every app's."""
-    apps: tuple[AppRows, ...] = ()
-    """Every app's outbox rows in the database, by app name (send-only apps' too)."""
-
-    @property
-    def others(self) -> bool:
-        """Whether the outbox holds rows of an app other than the one counted."""
-        return any(rows.app != self.app for rows in self.apps)
-
-
-@runtime_checkable
-class QueueInspector(Protocol):
-    """A transport that can count the messages in its queues without changing anything."""
-
-    async def queue_status(
-        self,
-        names: Sequence[str],
-        *,
-        waits_of: Sequence[str] = (),
-        delays: Sequence[float] = (),
-        management: str | None = None,
-    ) -> QueueReport:
-        """Each named queue's counts, then the existing wait queues of the `waits_of` queues.
-
-        `delays` (seconds) are the delayed retries, whose wait queues are looked for by name;
-        `management` is the broker's monitoring API, for a transport that has one.
-        """
-        ...
-
-
-@runtime_checkable
-class StorageInspector(Protocol):
-    """A storage that can count its outbox and inbox rows without changing anything."""
-
-    async def status(self, *, every_app: bool = False) -> StorageStatus:
-        """The app's outbox and inbox counts (every app's with `every_app`)."""
-        ...
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,8 @@ import aiormq
 from aio_pika.abc import AbstractChannel
 
 from mersal.errors import ConfigurationError, MersalError, Unreachable, Unroutable
+from mersal.inspection import QueueStatus
 from mersal.transport import partition_queue
-from mersal.transport.status import QueueStatus
 from mersal.urls import mask
 from mersal_rabbitmq.connection import Connection, close_quietly, closed_under, why
 from mersal_rabbitmq.delays import wait_queue_name

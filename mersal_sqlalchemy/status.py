@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
 
 from mersal.errors import ConfigurationError, MersalError
-from mersal.status import AppRows, StorageStatus
+from mersal.inspection import AppRows, StorageStatus
 from mersal.urls import mask
 from mersal_sqlalchemy.database import is_postgresql, read_schema, reason, upgrade_command
 from mersal_sqlalchemy.tables import Tables

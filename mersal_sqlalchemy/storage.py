@@ -16,11 +16,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, SessionTransaction
 
 from mersal.errors import ConfigurationError, MersalError
+from mersal.inspection import StorageStatus
 from mersal.messages import describe
 from mersal.outbox import Relay
 from mersal.pipeline import MessageContext, Next
 from mersal.settle import ACK, run_to_end
-from mersal.status import Naming, StorageStatus
+from mersal.status import Naming
 from mersal.transaction import Commit, Hook, Transaction
 from mersal.transport import Outgoing
 from mersal_sqlalchemy.database import (

@@ -26,8 +26,9 @@ from sqlalchemy import insert, inspect
 
 from mersal import App, RetryPolicy
 from mersal.commands import load_app
+from mersal.inspection import AppRows, StorageStatus
 from mersal.messages import Envelope
-from mersal.status import AppRows, Naming, StorageStatus, app_status
+from mersal.status import Naming, app_status
 from mersal.status import Status as Seen
 from mersal.transport import Outgoing
 from mersal_sqlalchemy.cli import upgrade
