@@ -21,6 +21,7 @@ from typing import TypeVar
 from mersal.errors import ConfigurationError, MersalError, Unroutable
 from mersal.messages import Envelope, Header
 from mersal.settle import ERROR_HEADERS
+from mersal.text import first_line, iso
 from mersal.transport import Delivery, Outgoing, Transport
 
 log = logging.getLogger("mersal.dead_letters")
@@ -113,24 +114,6 @@ def epoch_time(value: str | None) -> datetime | None:
         return datetime.fromtimestamp(float(value), tz=UTC)
     except (ValueError, OverflowError, OSError):
         return None
-
-
-def iso(moment: datetime | None) -> str:
-    """`moment` as an ISO 8601 UTC time to the second, or '-'."""
-    if moment is None:
-        return "-"
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def first_line(text: str | None, width: int = 80) -> str:
-    """The first non-blank line of `text`, cut to `width` characters; '-' for none."""
-    line = next((line.strip() for line in (text or "").splitlines() if line.strip()), "")
-    if not line:
-        return "-"
-    line = " ".join(line.split())
-    return line if len(line) <= width else f"{line[: width - 3]}..."
 
 
 def summary(letter: DeadLetter) -> tuple[str, ...]:

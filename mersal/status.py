@@ -1,30 +1,21 @@
-"""`mersal status`: an app's queues, error queue, outbox and inbox in one view, for operators.
+"""An app's status for operators: its queues, error queue, outbox and inbox in one view.
 
 It only looks: nothing is declared, consumed or created, and the app is not started. The
 broker is asked through the transport's `queue_status` (`QueueInspector`), the database through
 the storage's `status` (`StorageInspector`); an adapter without them is named as such.
-
-Exit status: 0 all is well; 1 something needs an operator (messages in the error queue, parked
-outbox rows); 2 it could not look (bad arguments, broker or database unreachable, tables or a
-queue missing).
+`mersal status` (`mersal.cli.status`) shows it; `app_status(app)` gives it in the app's process.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
-import logging
 import os
-import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mersal.app import App
-from mersal.commands import align, load_app, positive_seconds
-from mersal.errors import ConfigurationError, MersalError
+from mersal.errors import ConfigurationError
 from mersal.inspection import (
     ERROR,
     INPUT,
@@ -38,11 +29,10 @@ from mersal.inspection import (
 )
 from mersal.messages import shown
 from mersal.outbox import Storage, attach_storage
-from mersal.plugins import transport_from
+from mersal.text import align
 from mersal.transport import Transport, partition_queue
 from mersal.urls import mask, without_password
 
-DEFAULT_TIMEOUT = 10.0
 PROBE_APP = "mersal-status"
 """The app name of the storage probe made when no app is named (its name filters nothing)."""
 
@@ -276,9 +266,6 @@ def _pending(storage: StorageStatus) -> str:
     return f"{storage.pending} pending{oldest}"
 
 
-# Looking.
-
-
 async def look(plan: Plan) -> Status:
     """Count the plan's queues and its database's outbox and inbox rows; change nothing."""
     status = Status(app=plan.app.name if plan.app is not None else None, naming=plan.naming)
@@ -373,7 +360,7 @@ def plan_for(
     return Plan(
         app=app,
         transport=transport,
-        queues=_distinct(named),
+        queues=distinct_queues(named),
         waits_of=[name for name, role in named if role in (INPUT, QUEUE)],
         delays=tuple(app.retry.delayed),
         database=database,
@@ -382,157 +369,9 @@ def plan_for(
     )
 
 
-def _distinct(queues: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def distinct_queues(queues: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Each queue once, with the role it was first named with."""
     seen: dict[str, str] = {}
     for name, role in queues:
         seen.setdefault(name, role)
     return list(seen.items())
-
-
-# The command.
-
-
-def add_status_command(commands: argparse._SubParsersAction[Any]) -> None:
-    """Add `status` to the `mersal` command's subcommands."""
-    status = commands.add_parser(
-        "status",
-        help="an app's queues, error queue, outbox and inbox; exits 1 when something needs an "
-        "operator, 2 when it could not look",
-    )
-    status.add_argument(
-        "--app", default=None, metavar="MODULE:APP", help="the app (its queues and database)"
-    )
-    status.add_argument("--json", action="store_true", help="print one JSON object")
-    status.add_argument(
-        "--transport",
-        default=None,
-        metavar="URL",
-        help="the broker URL (default: the app's, else $MERSAL_TRANSPORT)",
-    )
-    status.add_argument(
-        "--database",
-        default=None,
-        metavar="URL",
-        help="the database URL (default: the app's, else $MERSAL_DATABASE)",
-    )
-    status.add_argument(
-        "--queue",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="a queue to count too (repeatable); its wait queues are counted with it",
-    )
-    status.add_argument(
-        "--error-queue",
-        default=None,
-        metavar="NAME",
-        help="the error queue (default: the app's)",
-    )
-    status.add_argument(
-        "--management",
-        default=None,
-        metavar="URL",
-        help="the RabbitMQ management API, for unacked counts "
-        "(default: http://<broker host>:15672 with the broker's user and password)",
-    )
-    status.add_argument(
-        "--timeout",
-        type=positive_seconds,
-        default=DEFAULT_TIMEOUT,
-        metavar="SECONDS",
-        help=f"give up on a broker or database that does not answer ({DEFAULT_TIMEOUT:g})",
-    )
-    status.set_defaults(handler=run_status)
-
-
-def run_status(args: argparse.Namespace) -> int:
-    """Carry out `mersal status` as parsed by `add_status_command`."""
-    plan = plan_from(args)
-    # Adapters' libraries log their failures (aiormq: "error when creating transport"); those
-    # reach the user as the one `mersal: ...` line, so unless logging is set up, they go nowhere.
-    logging.basicConfig(handlers=[logging.NullHandler()])
-    status = asyncio.run(within(args.timeout, plan))
-    if args.json:
-        print(json.dumps(status.as_json(), indent=2))
-    else:
-        for line in status.lines():
-            print(line)
-    for reason in status.reasons():
-        print(f"mersal: {reason}", file=sys.stderr)
-    return status.exit_code
-
-
-async def within(seconds: float, plan: Plan) -> Status:
-    """`look(plan)`, or a MersalError after `seconds` without an answer."""
-    try:
-        async with asyncio.timeout(seconds):
-            return await look(plan)
-    except TimeoutError:
-        where = [mask(plan.transport.address)] if plan.transport is not None else []
-        where += [mask(plan.database)] if plan.database is not None else []
-        raise MersalError(
-            f"no answer within {seconds:g}s from {' or '.join(where)}: is it up? "
-            "(--timeout SECONDS to wait longer)"
-        ) from None
-
-
-def plan_from(args: argparse.Namespace) -> Plan:
-    """The plan the command line asks for; a ConfigurationError when it names nothing to see."""
-    transport_url = args.transport
-    if args.app is not None:
-        app = load_app(args.app)
-        transport = transport_from(transport_url) if transport_url else app.transport
-        plan = plan_for(
-            app,
-            transport=transport,
-            database=args.database,
-            error_queue=args.error_queue,
-            queues=args.queue,
-            management=args.management,
-        )
-        own = plan.transport is app.transport  # `mersal dlq --app` uses the app's broker
-        own_broker = None if own or plan.transport is None else plan.transport.address
-        plan.naming = replace(plan.naming, app=args.app, transport=own_broker)
-    else:
-        plan = plain_plan(args)
-    if plan.transport is not None:
-        refuse_memory(plan.transport)
-    return plan
-
-
-def plain_plan(args: argparse.Namespace) -> Plan:
-    """The plan without an app: the URLs and queues given, or from the environment."""
-    transport_url = args.transport or os.environ.get("MERSAL_TRANSPORT") or None
-    database = args.database or os.environ.get("MERSAL_DATABASE") or None
-    if transport_url is None and database is None:
-        raise ConfigurationError(
-            "mersal status needs --app module:app, or --transport URL (with --queue NAME, "
-            "--error-queue NAME) and/or --database URL (or MERSAL_TRANSPORT / MERSAL_DATABASE)"
-        )
-    named = [(name, QUEUE) for name in args.queue]
-    if args.error_queue is not None:
-        named.append((args.error_queue, ERROR))
-    if transport_url is not None and not named:
-        raise ConfigurationError(
-            f"mersal status --transport {mask(transport_url)!r} needs the queues to count: "
-            "--queue NAME (repeatable), --error-queue NAME, or --app module:app"
-        )
-    return Plan(
-        transport=transport_from(transport_url) if transport_url is not None else None,
-        queues=_distinct(named),
-        waits_of=list(args.queue),
-        database=database,
-        management=args.management,
-        naming=Naming(transport=transport_url, database=database),
-    )
-
-
-def refuse_memory(transport: Transport) -> None:
-    """A `memory://` broker lives in the process that made it: another cannot see it."""
-    if transport.address.partition("://")[0].lower() == "memory":
-        raise ConfigurationError(
-            f"{mask(transport.address)} is an in-process broker that only its own process sees: "
-            "give the broker's URL (--transport amqp://user:password@host/vhost), or call "
-            "mersal.status.app_status(app) in that process"
-        )

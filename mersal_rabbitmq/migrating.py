@@ -42,7 +42,7 @@ import aiormq
 from aio_pika.abc import AbstractChannel
 
 from mersal.app import App
-from mersal.commands import load_app
+from mersal.cli import load_app
 from mersal.errors import ConfigurationError, MersalError
 from mersal.transport import partition_queue
 from mersal.urls import mask

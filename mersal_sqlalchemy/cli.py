@@ -20,10 +20,11 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
 
-from mersal.commands import ProgressLine, align, positive_int
-from mersal.dead_letters import Progress, first_line, iso
+from mersal.cli import ProgressLine, align, positive_int
+from mersal.dead_letters import Progress
 from mersal.errors import ConfigurationError, MersalError
 from mersal.messages import Header
+from mersal.text import first_line, iso
 from mersal.urls import mask
 from mersal_sqlalchemy import migrating
 from mersal_sqlalchemy.database import DIALECTS, database_url, is_postgresql, make_engine, reason

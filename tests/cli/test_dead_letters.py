@@ -15,12 +15,12 @@ from mersal.dead_letters import (
     MissingQueue,
     body_text,
     describe,
-    first_line,
     replayable,
     summary,
 )
 from mersal.errors import ConfigurationError
 from mersal.messages import Envelope
+from mersal.text import first_line
 from mersal.transport import Outgoing
 from mersal.transport.memory import MemoryQueue, MemoryTransport
 from tests.support import eventually

@@ -25,7 +25,7 @@ import pytest
 from sqlalchemy import insert, inspect
 
 from mersal import App, RetryPolicy
-from mersal.commands import load_app
+from mersal.cli import load_app
 from mersal.inspection import AppRows, StorageStatus
 from mersal.messages import Envelope
 from mersal.status import Naming, app_status

@@ -5,7 +5,7 @@ logged), then runs until SIGINT or SIGTERM and stops gracefully. Every configura
 connection error ends it with one `mersal: ...` line and exit status 2; an app that stops
 working on its own (its worker or outbox relay ended) ends it with status 1, so that a
 supervisor restarts it. Logs are text or JSON lines (`--log-format json`); `--log-messages`
-adds an INFO line per handled message; `--health-port` serves `mersal.probes`.
+adds an INFO line per handled message; `--health-port` serves `mersal.cli.probes`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
 from mersal import loop, starting
-from mersal.commands import open_app, positive_int, seconds
+from mersal.cli.helpers import open_app, port, positive_int, seconds
+from mersal.cli.probes import Metrics, probes, prometheus_metrics
 from mersal.health import MAX_RELAY_LAG
 from mersal.logs import JsonFormatter
-from mersal.probes import Metrics, probes, prometheus_metrics
 from mersal.urls import mask
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ def add_run_command(commands: argparse._SubParsersAction[Any]) -> None:
     )
     run.add_argument(
         "--health-port",
-        type=_port,
+        type=port,
         metavar="PORT",
         help="serve /livez, /readyz (and /metrics with mersal-bus[prometheus]) on this port",
     )
@@ -215,13 +215,3 @@ async def watch(app: App, stopping: asyncio.Event) -> int:
             )
             return 1
     return 0
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535)")
-    return value

@@ -1,12 +1,8 @@
-"""The `mersal` command: run an app's worker; look at and replay an error queue; adapters' tools.
+"""`mersal dlq list|show|replay|drop`: an error queue, looked at and repaired through the transport.
 
-`mersal run module:app` runs until SIGINT or SIGTERM; `mersal dlq list|show|replay` works on an
-error queue through the transport; installed adapters add theirs (`mersal db ...` and
-`mersal outbox ...` come with the SQL adapter) through the `mersal.commands` entry points.
+The messages are taken and given back as `mersal.dead_letters.DeadLetters` does it: listing and
+showing leave every message in the queue; replaying and dropping ask first where they must.
 """
-
-# For adapters' commands: `load_app`, `positive_int`, `align` and `ProgressLine` (from
-# mersal.commands) are documented helpers.
 
 from __future__ import annotations
 
@@ -17,9 +13,8 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from mersal import plugins
 from mersal.app import App
-from mersal.commands import ProgressLine, align, in_daemon_thread, load_app, positive_int
+from mersal.cli.helpers import ProgressLine, load_app, positive_int
 from mersal.dead_letters import (
     SUMMARY_COLUMNS,
     DeadLetter,
@@ -28,33 +23,14 @@ from mersal.dead_letters import (
     describe,
     summary,
 )
-from mersal.errors import ConfigurationError, MersalError
+from mersal.errors import ConfigurationError
+from mersal.loop import in_daemon_thread
 from mersal.plugins import transport_from
-from mersal.runner import add_run_command
-from mersal.status import add_status_command
+from mersal.text import align
 from mersal.urls import mask
 
 DLQ_LIST_LIMIT = 100
 DLQ_SCAN_LIMIT = 1_000
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the command line and run the chosen command."""
-    parser = argparse.ArgumentParser(prog="mersal", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    add_run_command(commands)
-    add_dlq_commands(commands)
-    add_status_command(commands)
-    plugins.add_commands(commands)
-    args = parser.parse_args(argv)
-    try:
-        return int(args.handler(args))
-    except MersalError as error:
-        print(f"mersal: {error}", file=sys.stderr)
-        return 2
-
-
-# mersal dlq list|show|replay|drop
 
 
 def add_dlq_commands(commands: argparse._SubParsersAction[Any]) -> None:
@@ -344,7 +320,3 @@ def missing_queue(error: MissingQueue, url: str, args: argparse.Namespace, app: 
         f"no queue named {error.queue!r} ({origin}) on {mask(url)}: name the error queue "
         "with --queue NAME, or the app whose error queue to read with --app module:app"
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())
