@@ -130,7 +130,7 @@ def summary(letter: DeadLetter) -> tuple[str, ...]:
     )
 
 
-def describe(letter: DeadLetter) -> str:
+def details(letter: DeadLetter) -> str:
     """Every header and the body of a dead letter, as text for an operator."""
     lines = ["headers:"]
     for name in sorted(letter.headers):

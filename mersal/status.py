@@ -83,8 +83,8 @@ def _url_option(option: str, url: str | None, variable: str | None) -> tuple[str
 
 
 @dataclass
-class Plan:
-    """What `mersal status` looks at."""
+class StatusQuery:
+    """What a status is counted from: the transport and the queues to count, the database."""
 
     app: App | None = None
     transport: Transport | None = None
@@ -266,64 +266,64 @@ def _pending(storage: StorageStatus) -> str:
     return f"{storage.pending} pending{oldest}"
 
 
-async def look(plan: Plan) -> Status:
-    """Count the plan's queues and its database's outbox and inbox rows; change nothing."""
-    status = Status(app=plan.app.name if plan.app is not None else None, naming=plan.naming)
-    if plan.transport is not None:
-        status.broker = mask(plan.transport.address)
-        report = await queue_report(plan)
-        roles = dict(plan.queues)
+async def look(query: StatusQuery) -> Status:
+    """Count the query's queues and its database's outbox and inbox rows; change nothing."""
+    status = Status(app=query.app.name if query.app is not None else None, naming=query.naming)
+    if query.transport is not None:
+        status.broker = mask(query.transport.address)
+        report = await queue_report(query)
+        roles = dict(query.queues)
         status.queues = [
             queue if queue.role == WAIT else replace(queue, role=roles.get(queue.name, QUEUE))
             for queue in report.queues
         ]
         status.unacked_note = report.note
-    if plan.database is not None:
-        status.database = mask(plan.database)
-        status.storage = await storage_status(plan)
+    if query.database is not None:
+        status.database = mask(query.database)
+        status.storage = await storage_status(query)
     return status
 
 
-async def queue_report(plan: Plan) -> QueueReport:
-    """The transport's counts of the plan's queues (and their wait queues)."""
-    transport = plan.transport
+async def queue_report(query: StatusQuery) -> QueueReport:
+    """The transport's counts of the query's queues (and their wait queues)."""
+    transport = query.transport
     if not isinstance(transport, QueueInspector):
         raise ConfigurationError(
             f"the transport {type(transport).__name__} ({mask(getattr(transport, 'address', '?'))})"
             " cannot count its queues: it has no queue_status() method"
         )
     return await transport.queue_status(
-        [name for name, _ in plan.queues],
-        waits_of=plan.waits_of,
-        delays=plan.delays,
-        management=plan.management,
+        [name for name, _ in query.queues],
+        waits_of=query.waits_of,
+        delays=query.delays,
+        management=query.management,
     )
 
 
-async def storage_status(plan: Plan) -> StorageStatus:
+async def storage_status(query: StatusQuery) -> StorageStatus:
     """The storage's counts of the outbox and inbox rows (the app's, or every app's)."""
-    async with storage_of(plan) as storage:
+    async with storage_of(query) as storage:
         if not isinstance(storage, StorageInspector):
             raise ConfigurationError(
-                f"the storage {type(storage).__name__} for {mask(plan.database or '')} cannot "
+                f"the storage {type(storage).__name__} for {mask(query.database or '')} cannot "
                 "count its outbox and inbox rows: it has no status() method"
             )
-        return await storage.status(every_app=plan.app is None)
+        return await storage.status(every_app=query.app is None)
 
 
 @asynccontextmanager
-async def storage_of(plan: Plan) -> AsyncIterator[Storage]:
-    """The storage the app has, or a new one for `plan.database`; stopped after, unless running.
+async def storage_of(query: StatusQuery) -> AsyncIterator[Storage]:
+    """The storage the app has, or a new one for `query.database`; stopped after, unless running.
 
     An app without a storage is left without one: the new one belongs to a probe app of the
     same name.
     """
-    app = plan.app
-    if app is not None and app.storage is not None and plan.database == app.database:
+    app = query.app
+    if app is not None and app.storage is not None and query.database == app.database:
         storage, owned = app.storage, not app.running
     else:
         name = app.name if app is not None else PROBE_APP
-        storage = attach_storage(App(name, transport="memory://", database=plan.database))
+        storage = attach_storage(App(name, transport="memory://", database=query.database))
         owned = True
     try:
         yield storage
@@ -334,10 +334,10 @@ async def storage_of(plan: Plan) -> AsyncIterator[Storage]:
 
 async def app_status(app: App, *, management: str | None = None) -> Status:
     """The status of `app` (running or not) in this process: its queues, outbox and inbox."""
-    return await look(plan_for(app, management=management))
+    return await look(query_for(app, management=management))
 
 
-def plan_for(
+def query_for(
     app: App,
     *,
     transport: Transport | None = None,
@@ -345,7 +345,7 @@ def plan_for(
     error_queue: str | None = None,
     queues: Sequence[str] = (),
     management: str | None = None,
-) -> Plan:
+) -> StatusQuery:
     """What to look at for `app`: its transport, database, input, error and wait queues."""
     named: list[tuple[str, str]] = []
     if getattr(app, "consume", True) is not False:  # a send-only app declares neither queue
@@ -357,7 +357,7 @@ def plan_for(
     named += [(name, QUEUE) for name in queues]
     transport = transport or app.transport
     database = database or app.database
-    return Plan(
+    return StatusQuery(
         app=app,
         transport=transport,
         queues=distinct_queues(named),

@@ -222,7 +222,7 @@ def current(
     return f"no revision recorded; the table(s) {', '.join(schema.missing_tables)} do not exist"
 
 
-def check(
+def tables_problem(
     database: str | None, *, outbox_table: str = DEFAULT_OUTBOX, inbox_table: str = DEFAULT_INBOX
 ) -> str | None:
     """What keeps an app from using the tables, with the fix; None when it can use them."""

@@ -20,7 +20,7 @@ from mersal.dead_letters import (
     DeadLetter,
     DeadLetters,
     MissingQueue,
-    describe,
+    details,
     summary,
 )
 from mersal.errors import ConfigurationError
@@ -182,7 +182,7 @@ async def dlq_show(dead_letters: DeadLetters, args: argparse.Namespace) -> int:
         if number:
             print()
         print(f"message {args.message_id} in {queue!r}:")
-        print(describe(letter))
+        print(details(letter))
     return 0
 
 

@@ -20,7 +20,7 @@ from mersal.cli.helpers import load_app, positive_seconds
 from mersal.errors import ConfigurationError, MersalError
 from mersal.inspection import ERROR, QUEUE
 from mersal.plugins import transport_from
-from mersal.status import Naming, Plan, Status, distinct_queues, look, plan_for
+from mersal.status import Naming, Status, StatusQuery, distinct_queues, look, query_for
 from mersal.transport import Transport
 from mersal.urls import mask
 
@@ -82,11 +82,11 @@ def add_status_command(commands: argparse._SubParsersAction[Any]) -> None:
 
 def run_status(args: argparse.Namespace) -> int:
     """Carry out `mersal status` as parsed by `add_status_command`."""
-    plan = plan_from(args)
+    query = query_from(args)
     # Adapters' libraries log their failures (aiormq: "error when creating transport"); those
     # reach the user as the one `mersal: ...` line, so unless logging is set up, they go nowhere.
     logging.basicConfig(handlers=[logging.NullHandler()])
-    status = asyncio.run(within(args.timeout, plan))
+    status = asyncio.run(within(args.timeout, query))
     if args.json:
         print(json.dumps(status.as_json(), indent=2))
     else:
@@ -97,27 +97,27 @@ def run_status(args: argparse.Namespace) -> int:
     return status.exit_code
 
 
-async def within(seconds: float, plan: Plan) -> Status:
-    """`look(plan)`, or a MersalError after `seconds` without an answer."""
+async def within(seconds: float, query: StatusQuery) -> Status:
+    """`look(query)`, or a MersalError after `seconds` without an answer."""
     try:
         async with asyncio.timeout(seconds):
-            return await look(plan)
+            return await look(query)
     except TimeoutError:
-        where = [mask(plan.transport.address)] if plan.transport is not None else []
-        where += [mask(plan.database)] if plan.database is not None else []
+        where = [mask(query.transport.address)] if query.transport is not None else []
+        where += [mask(query.database)] if query.database is not None else []
         raise MersalError(
             f"no answer within {seconds:g}s from {' or '.join(where)}: is it up? "
             "(--timeout SECONDS to wait longer)"
         ) from None
 
 
-def plan_from(args: argparse.Namespace) -> Plan:
-    """The plan the command line asks for; a ConfigurationError when it names nothing to see."""
+def query_from(args: argparse.Namespace) -> StatusQuery:
+    """The query the command line asks for; a ConfigurationError when it names nothing to see."""
     transport_url = args.transport
     if args.app is not None:
         app = load_app(args.app)
         transport = transport_from(transport_url) if transport_url else app.transport
-        plan = plan_for(
+        query = query_for(
             app,
             transport=transport,
             database=args.database,
@@ -125,18 +125,18 @@ def plan_from(args: argparse.Namespace) -> Plan:
             queues=args.queue,
             management=args.management,
         )
-        own = plan.transport is app.transport  # `mersal dlq --app` uses the app's broker
-        own_broker = None if own or plan.transport is None else plan.transport.address
-        plan.naming = replace(plan.naming, app=args.app, transport=own_broker)
+        own = query.transport is app.transport  # `mersal dlq --app` uses the app's broker
+        own_broker = None if own or query.transport is None else query.transport.address
+        query.naming = replace(query.naming, app=args.app, transport=own_broker)
     else:
-        plan = plain_plan(args)
-    if plan.transport is not None:
-        refuse_memory(plan.transport)
-    return plan
+        query = plain_query(args)
+    if query.transport is not None:
+        refuse_memory(query.transport)
+    return query
 
 
-def plain_plan(args: argparse.Namespace) -> Plan:
-    """The plan without an app: the URLs and queues given, or from the environment."""
+def plain_query(args: argparse.Namespace) -> StatusQuery:
+    """The query without an app: the URLs and queues given, or from the environment."""
     transport_url = args.transport or os.environ.get("MERSAL_TRANSPORT") or None
     database = args.database or os.environ.get("MERSAL_DATABASE") or None
     if transport_url is None and database is None:
@@ -152,7 +152,7 @@ def plain_plan(args: argparse.Namespace) -> Plan:
             f"mersal status --transport {mask(transport_url)!r} needs the queues to count: "
             "--queue NAME (repeatable), --error-queue NAME, or --app module:app"
         )
-    return Plan(
+    return StatusQuery(
         transport=transport_from(transport_url) if transport_url is not None else None,
         queues=distinct_queues(named),
         waits_of=list(args.queue),

@@ -14,7 +14,7 @@ from mersal.dead_letters import (
     DeadLetters,
     MissingQueue,
     body_text,
-    describe,
+    details,
     replayable,
     summary,
 )
@@ -137,7 +137,7 @@ async def test_find_and_describe_show_every_header_and_the_body(
 
     [letter] = await DeadLetters(transport, idle=IDLE).find({ids[1]})
 
-    text = describe(letter)
+    text = details(letter)
     assert f"  {Header.MESSAGE_ID}: {ids[1]}" in text
     assert f"  {Header.ERROR_TYPE}: {__name__}.CardDeclined" in text
     assert f"  {Header.ERROR_MESSAGE}: card declined for o-2\n      second line" in text
