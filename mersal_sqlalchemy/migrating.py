@@ -30,19 +30,17 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from mersal.errors import ConfigurationError, MersalError
 from mersal.urls import mask
-from mersal_sqlalchemy.database import (
+from mersal_sqlalchemy.engines import database_url, make_engine, reason
+from mersal_sqlalchemy.migrations import SCRIPTS
+from mersal_sqlalchemy.schema import (
     Record,
     Schema,
     count_rows,
-    database_url,
     db_command,
     foreign_columns,
-    make_engine,
     read_schema,
-    reason,
     recorded_elsewhere,
 )
-from mersal_sqlalchemy.migrations import SCRIPTS
 from mersal_sqlalchemy.tables import (
     DEFAULT_INBOX,
     DEFAULT_OUTBOX,

@@ -24,20 +24,20 @@ from mersal.settle import ACK, run_to_end
 from mersal.status import Naming
 from mersal.transaction import Commit, Hook, Transaction
 from mersal.transport import Outgoing
-from mersal_sqlalchemy.database import (
+from mersal_sqlalchemy.counts import outbox_counts, storage_status
+from mersal_sqlalchemy.engines import (
     ENDING,
     autocommits,
     database_url,
     is_postgresql,
     is_sqlite,
     make_engine,
-    prepare_schema,
 )
 from mersal_sqlalchemy.inbox import Inbox
 from mersal_sqlalchemy.listener import Listener
 from mersal_sqlalchemy.outbox import Executor, SqlOutboxStore, write_outbox
 from mersal_sqlalchemy.sagas import SqlSagaStore
-from mersal_sqlalchemy.status import outbox_counts, storage_status
+from mersal_sqlalchemy.schema import prepare_schema
 from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, Tables, make_tables
 
 if TYPE_CHECKING:

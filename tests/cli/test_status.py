@@ -32,7 +32,7 @@ from mersal.status import Naming, app_status
 from mersal.status import Status as Seen
 from mersal.transport import Outgoing
 from mersal_sqlalchemy.cli import upgrade
-from mersal_sqlalchemy.database import make_engine, sql_time
+from mersal_sqlalchemy.engines import make_engine, sql_time
 from mersal_sqlalchemy.tables import make_tables
 from tests.cli.conftest import RABBITMQ_HOST, mersal
 from tests.sql.conftest import BACKENDS, postgres_database, sqlite_file
