@@ -36,8 +36,10 @@ RETRY_HEADERS = (Header.ATTEMPT, Header.DELIVER_AT)
 """The headers of a delayed retry: the attempts made so far and when to deliver."""
 
 TIME_HEADERS = frozenset({Header.SENT_AT, Header.FAILED_AT, Header.DELIVER_AT})
+"""The headers holding a time in epoch seconds, shown also as ISO times."""
 
 SUMMARY_COLUMNS = ("MESSAGE-ID", "TYPE", "ERROR", "ATTEMPTS", "SOURCE", "FAILED-AT", "MESSAGE")
+"""The columns of `summary`, as `mersal dlq list` heads them."""
 
 
 class MissingQueue(Unroutable):

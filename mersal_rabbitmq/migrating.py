@@ -75,6 +75,7 @@ ROUNDS = 50
 """Rounds of moving (each of the messages counted at its start) before messages that keep
 arriving stop the run."""
 HOLDING = ".migrating"
+"""The suffix of the holding queue a queue's messages wait in while it is declared again."""
 
 
 @dataclass

@@ -224,8 +224,11 @@ def _done(report: str) -> int:
 # mersal outbox list|retry|purge
 
 LIST_COLUMNS = ("ID", "APP", "KIND", "ADDRESS", "TYPE", "MESSAGE-ID", "ATTEMPTS", "CREATED")
+"""The columns of `mersal outbox list`."""
 PARKED_COLUMNS = ("PARKED", "REASON")
+"""The columns `mersal outbox list` adds when a listed row is parked."""
 REASON_WIDTH = 200
+"""The characters of a parked row's reason shown."""
 
 
 def add_outbox_commands(commands: argparse._SubParsersAction[Any]) -> None:
@@ -273,6 +276,7 @@ def add_outbox_commands(commands: argparse._SubParsersAction[Any]) -> None:
 
 
 OutboxAction = Callable[[AsyncEngine, Table, argparse.Namespace], Awaitable[int]]
+"""What a `mersal outbox` command does with the outbox table: its exit status."""
 
 
 def outbox_command(action: OutboxAction) -> Callable[[argparse.Namespace], int]:

@@ -34,6 +34,7 @@ DRIVERS = {
     "sqlite": "sqlite+aiosqlite",
     "sqlite+aiosqlite": "sqlite+aiosqlite",
 }
+"""The async driver Mersal uses for each driver name a URL may give."""
 
 DIALECTS = ("postgresql", "sqlite")
 """The SQL dialects Mersal supports."""
@@ -41,7 +42,9 @@ DIALECTS = ("postgresql", "sqlite")
 ENDING = "mersal.ending"
 """Set in a message session's `info` once it is ending: nothing more goes through it."""
 SQLITE_BUSY_TIMEOUT_MS = 30_000
-SQLITE_MIN_VERSION = (3, 35, 0)  # UPDATE ... RETURNING
+"""How long a SQLite writer waits for the write lock before it gives up."""
+SQLITE_MIN_VERSION = (3, 35, 0)
+"""The oldest SQLite the outbox runs on (UPDATE ... RETURNING)."""
 
 
 def database_url(database: str) -> URL:

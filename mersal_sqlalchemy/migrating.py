@@ -57,9 +57,11 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 NO_CREATE_RIGHTS = "permission denied for schema"
+"""PostgreSQL's words when the user may not create tables."""
 CREATE_RIGHTS_HINT = (
     "grant CREATE on the schema to this user, or have a DBA apply `mersal db upgrade --sql`"
 )
+"""What to do when the user may not create tables."""
 
 
 def alembic_config(

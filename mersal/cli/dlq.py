@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from mersal.app import App
-from mersal.cli.helpers import ProgressLine, load_app, positive_int
+from mersal.cli.helpers import ProgressLine, in_process, load_app, positive_int
 from mersal.dead_letters import (
     SUMMARY_COLUMNS,
     DeadLetter,
@@ -30,7 +30,9 @@ from mersal.text import align
 from mersal.urls import mask
 
 DLQ_LIST_LIMIT = 100
+"""The messages `mersal dlq list` looks at, by default."""
 DLQ_SCAN_LIMIT = 1_000
+"""The messages `mersal dlq show|replay|drop` look among, by default."""
 
 
 def add_dlq_commands(commands: argparse._SubParsersAction[Any]) -> None:
@@ -118,6 +120,7 @@ def add_dlq_commands(commands: argparse._SubParsersAction[Any]) -> None:
 
 
 DeadLettersAction = Callable[[DeadLetters, argparse.Namespace], Awaitable[int]]
+"""What a `mersal dlq` command does with the error queue: its exit status."""
 
 
 def dead_letters_command(action: DeadLettersAction) -> Callable[[argparse.Namespace], int]:
@@ -299,7 +302,7 @@ def dlq_url(args: argparse.Namespace, app: App | None) -> str:
             f"mersal dlq {args.dlq_command} needs --transport URL or MERSAL_TRANSPORT "
             "(or --app module:app, for the app's broker)"
         )
-    if url.partition("://")[0].lower() == "memory":
+    if in_process(url):
         where = f"app {app.name!r} is on {mask(url)}," if app and from_app else f"{mask(url)} is"
         raise ConfigurationError(
             f"{where} an in-process broker that only its own process sees: "

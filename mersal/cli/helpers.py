@@ -117,6 +117,11 @@ def checked_app(target: str, found: object, called: bool) -> App:
     )
 
 
+def in_process(url: str) -> bool:
+    """Whether `url` is a `memory://` broker's, which lives in the process that made it."""
+    return url.partition("://")[0].lower() == "memory"
+
+
 def positive_int(text: str) -> int:
     """An argparse type: a whole number >= 1."""
     try:

@@ -19,7 +19,7 @@ from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
 from mersal import loop, starting
-from mersal.cli.helpers import open_app, port, positive_int, seconds
+from mersal.cli.helpers import in_process, open_app, port, positive_int, seconds
 from mersal.cli.probes import Metrics, probes, prometheus_metrics
 from mersal.health import MAX_RELAY_LAG
 from mersal.logs import JsonFormatter
@@ -35,10 +35,13 @@ WAIT = 30.0
 STOP_MARGIN = 10.0
 """Seconds beyond the app's grace period that a stop may take before it is abandoned."""
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""The signals that stop `mersal run` gracefully (a second one at once)."""
 WATCH_INTERVAL = 1.0
 """Seconds between looks at whether the app still works."""
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""The log line of `--log-format text`."""
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""The choices of `--log-level`."""
 
 
 def add_run_command(commands: argparse._SubParsersAction[Any]) -> None:
@@ -115,7 +118,7 @@ async def serve_target(args: argparse.Namespace) -> int:
 def warn_if_in_process(app: App) -> None:
     """Warn that an app on `memory://` has a broker no other process reaches."""
     address = app.transport.address
-    if address.partition("://")[0].lower() == "memory":
+    if in_process(address):
         log.warning(
             "app %r runs on %s, a broker inside this process: no other process reaches it (a "
             "second `mersal run`, a web server or a script on the same URL gets an empty broker "

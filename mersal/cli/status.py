@@ -16,7 +16,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from mersal.cli.helpers import load_app, positive_seconds
+from mersal.cli.helpers import in_process, load_app, positive_seconds
 from mersal.errors import ConfigurationError, MersalError
 from mersal.inspection import ERROR, QUEUE
 from mersal.plugins import transport_from
@@ -25,6 +25,7 @@ from mersal.transport import Transport
 from mersal.urls import mask
 
 DEFAULT_TIMEOUT = 10.0
+"""Seconds `mersal status` waits for the broker and the database to answer, by default."""
 
 
 def add_status_command(commands: argparse._SubParsersAction[Any]) -> None:
@@ -164,7 +165,7 @@ def plain_query(args: argparse.Namespace) -> StatusQuery:
 
 def refuse_memory(transport: Transport) -> None:
     """A `memory://` broker lives in the process that made it: another cannot see it."""
-    if transport.address.partition("://")[0].lower() == "memory":
+    if in_process(transport.address):
         raise ConfigurationError(
             f"{mask(transport.address)} is an in-process broker that only its own process sees: "
             "give the broker's URL (--transport amqp://user:password@host/vhost), or call "

@@ -64,6 +64,7 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+"""RabbitMQ's limits, for a transport that declares none."""
 
 
 def limits_of(transport: object) -> Limits:
