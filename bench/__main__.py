@@ -23,6 +23,7 @@ Run = Callable[[], Coroutine[Any, Any, Figures]]
 BENCHMARKS: dict[str, str] = {
     "inmemory": "bench.inmemory",
     "codec": "bench.codec",
+    "limits": "bench.limits",
     "rabbitmq": "bench.rabbitmq",
     "outbox": "bench.outbox",
     "sqlite": "bench.sqlite",

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from bench.support import per_call_us
 from mersal.serialization import JsonCodec
 
 ROUNDTRIPS = 50_000
@@ -75,7 +76,7 @@ def send_encoding_costs() -> dict[str, float]:
             codec.validate(message, codec.encode(message))
 
         for how, call in (("raw", bare.encode), ("codec", codec.encode), ("checked", checked)):
-            figures[f"encode_{kind}_{how}_us"] = per_call_us(call, message)
+            figures[f"encode_{kind}_{how}_us"] = per_call_us(call, message, ENCODES)
         figures[f"encode_{kind}_check_us"] = (
             figures[f"encode_{kind}_checked_us"] - figures[f"encode_{kind}_codec_us"]
         )
@@ -102,19 +103,6 @@ def samples() -> dict[str, object]:
 
         found["pydantic"] = QuoteModel(**dataclasses.asdict(SAMPLE))
     return found
-
-
-def per_call_us(call: Callable[[Any], object], message: object) -> float:
-    """CPU µs per call of `call(message)` over ENCODES calls, after a short warm-up.
-
-    CPU time, not wall time: other work on the machine does not count against the call.
-    """
-    for _ in range(ENCODES // 50):
-        call(message)
-    started = time.process_time()
-    for _ in range(ENCODES):
-        call(message)
-    return (time.process_time() - started) / ENCODES * 1e6
 
 
 def timed(roundtrip: Roundtrip, count: int) -> float:

@@ -1,4 +1,4 @@
-"""What several benchmarks share: a private RabbitMQ vhost, phase tallies, percentiles."""
+"""What several benchmarks share: a private RabbitMQ vhost, phase tallies, percentiles, CPU µs."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 RABBITMQ_HOST = os.environ.get("MERSAL_BENCH_RABBITMQ_HOST", "127.0.0.1")
 SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
@@ -107,3 +108,16 @@ class Tally:
             latencies=self.latencies,
             cpu_seconds=(self.cpu_at_finish - cpu) / self.expected,
         )
+
+
+def per_call_us(call: Callable[[Any], object], argument: object, calls: int) -> float:
+    """CPU µs per call of `call(argument)` over `calls` calls, after a short warm-up.
+
+    CPU time, not wall time: other work on the machine does not count against the call.
+    """
+    for _ in range(calls // 50):
+        call(argument)
+    started = time.process_time()
+    for _ in range(calls):
+        call(argument)
+    return (time.process_time() - started) / calls * 1e6

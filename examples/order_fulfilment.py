@@ -38,7 +38,7 @@ from lagom import Container
 
 from mersal import App, MersalError, RetryPolicy, message
 from mersal.sagas import Saga
-from mersal.transport import mask
+from mersal.urls import mask
 
 SHOP = "shop"
 WAREHOUSE = "warehouse"

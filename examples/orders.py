@@ -36,7 +36,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from mersal import App, Header, MersalError, MessageContext, OutgoingContext, RetryPolicy, message
 from mersal.pipeline import Next, Step
-from mersal.transport import mask
+from mersal.urls import mask
 
 ERROR_QUEUE = "orders.error"
 

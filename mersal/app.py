@@ -44,9 +44,9 @@ from mersal.transport import (
     BindingPruner,
     Transport,
     declare_error_queue,
-    limits_of,
-    mask,
 )
+from mersal.transport.limits import limits_of
+from mersal.urls import mask
 from mersal.worker import Worker
 
 R = TypeVar("R")

@@ -21,6 +21,7 @@ from typing import TypeVar
 from mersal.errors import ConfigurationError, MersalError, Unroutable
 from mersal.messages import Envelope, Header
 from mersal.settle import ERROR_HEADERS
+from mersal.text import first_line, iso
 from mersal.transport import Delivery, Outgoing, Transport
 
 log = logging.getLogger("mersal.dead_letters")
@@ -35,8 +36,10 @@ RETRY_HEADERS = (Header.ATTEMPT, Header.DELIVER_AT)
 """The headers of a delayed retry: the attempts made so far and when to deliver."""
 
 TIME_HEADERS = frozenset({Header.SENT_AT, Header.FAILED_AT, Header.DELIVER_AT})
+"""The headers holding a time in epoch seconds, shown also as ISO times."""
 
 SUMMARY_COLUMNS = ("MESSAGE-ID", "TYPE", "ERROR", "ATTEMPTS", "SOURCE", "FAILED-AT", "MESSAGE")
+"""The columns of `summary`, as `mersal dlq list` heads them."""
 
 
 class MissingQueue(Unroutable):
@@ -115,24 +118,6 @@ def epoch_time(value: str | None) -> datetime | None:
         return None
 
 
-def iso(moment: datetime | None) -> str:
-    """`moment` as an ISO 8601 UTC time to the second, or '-'."""
-    if moment is None:
-        return "-"
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def first_line(text: str | None, width: int = 80) -> str:
-    """The first non-blank line of `text`, cut to `width` characters; '-' for none."""
-    line = next((line.strip() for line in (text or "").splitlines() if line.strip()), "")
-    if not line:
-        return "-"
-    line = " ".join(line.split())
-    return line if len(line) <= width else f"{line[: width - 3]}..."
-
-
 def summary(letter: DeadLetter) -> tuple[str, ...]:
     """The cells of `letter`'s line in `mersal dlq list` (see SUMMARY_COLUMNS)."""
     attempts = letter.attempts
@@ -147,7 +132,7 @@ def summary(letter: DeadLetter) -> tuple[str, ...]:
     )
 
 
-def describe(letter: DeadLetter) -> str:
+def details(letter: DeadLetter) -> str:
     """Every header and the body of a dead letter, as text for an operator."""
     lines = ["headers:"]
     for name in sorted(letter.headers):

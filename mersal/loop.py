@@ -1,13 +1,16 @@
 """The event loop Mersal's commands run on: uvloop if there (`mersal-bus[fast]`), else asyncio's.
 
 `MERSAL_LOOP` (or `mersal run --loop`) chooses: `auto` (the default: uvloop if it imports),
-`uvloop`, or `asyncio`.
+`uvloop`, or `asyncio`. A blocking call that may never return runs off it, `in_daemon_thread`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import os
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -58,3 +61,29 @@ def run(main: Coroutine[Any, Any, T], choice: str | None = None) -> T:
         raise
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(main)
+
+
+async def in_daemon_thread(function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` in a daemon thread: a caller that stops waiting does not wait for it.
+
+    (`asyncio.to_thread` cannot be abandoned: `asyncio.run` waits for its threads at the end.)
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not done.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = function(*args)
+        except BaseException as error:  # handed to the caller, who raises it
+            answer: Callable[[], None] = functools.partial(done.set_exception, error)
+        else:
+            answer = functools.partial(done.set_result, result)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, answer)
+
+    threading.Thread(target=run, name="mersal-command", daemon=True).start()
+    return await done

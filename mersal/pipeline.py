@@ -14,7 +14,8 @@ from mersal.handlers import Handlers
 from mersal.messages import Envelope, Header, TypeRegistry, new_id
 from mersal.serialization import Codec
 from mersal.timeouts import HandlerClock, HandlerTimeout
-from mersal.transport import Outgoing, Transport, check, limits_of, plainly_fine
+from mersal.transport import Outgoing, Transport
+from mersal.transport.limits import check_sendable, limits_of, plainly_sendable
 
 log = logging.getLogger("mersal.pipeline")
 
@@ -363,8 +364,8 @@ def send_step(transport_now: Callable[[], Transport]) -> Step[OutgoingContext]:
         transport = transport_now()
         outgoing = Outgoing(context.address, context.envelope, context.publish)
         limits = limits_of(transport)  # known once the transport is connected
-        if not plainly_fine(outgoing, limits):
-            check(outgoing, limits)
+        if not plainly_sendable(outgoing, limits):
+            check_sendable(outgoing, limits)
         outgoing.checked = True
         if context.transaction is not None:
             context.transaction.enlist(outgoing)

@@ -22,8 +22,9 @@ from typing import Any
 
 from mersal.errors import ConfigurationError
 from mersal.outbox import Storage
-from mersal.transport import Transport, mask
+from mersal.transport import Transport
 from mersal.transport.memory import MemoryTransport
+from mersal.urls import mask
 
 TRANSPORTS = "mersal.transports"
 STORAGES = "mersal.storages"

@@ -23,7 +23,8 @@ from mersal.pipeline import Pipeline, check_headers, partition_key_text
 from mersal.settings import Settings, check_queue_name
 from mersal.settle import Failure
 from mersal.transaction import Commit, Transaction, TransactionClosed, current_transaction
-from mersal.transport import Transport, limits_of
+from mersal.transport import Transport
+from mersal.transport.limits import limits_of
 
 
 class Routes:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, replace
 from mersal.errors import ConfigurationError
 from mersal.retry import RetryPolicy
 from mersal.serialization import Codec, JsonCodec
-from mersal.transport import Limits, mask
+from mersal.transport.limits import Limits
+from mersal.urls import mask
 
 log = logging.getLogger("mersal.app")
 

@@ -19,14 +19,8 @@ from typing import Any, TypeVar
 
 from mersal.errors import Unroutable, Unsendable
 from mersal.messages import Envelope, Header, describe
-from mersal.transport import (
-    Delivery,
-    Outgoing,
-    Transport,
-    declare_error_queue,
-    fit,
-    limits_of,
-)
+from mersal.transport import Delivery, Outgoing, Transport, declare_error_queue
+from mersal.transport.limits import fit, limits_of
 
 log = logging.getLogger("mersal.settle")
 

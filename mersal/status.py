@@ -1,99 +1,41 @@
-"""`mersal status`: an app's queues, error queue, outbox and inbox in one view, for operators.
+"""An app's status for operators: its queues, error queue, outbox and inbox in one view.
 
 It only looks: nothing is declared, consumed or created, and the app is not started. The
 broker is asked through the transport's `queue_status` (`QueueInspector`), the database through
 the storage's `status` (`StorageInspector`); an adapter without them is named as such.
-
-Exit status: 0 all is well; 1 something needs an operator (messages in the error queue, parked
-outbox rows); 2 it could not look (bad arguments, broker or database unreachable, tables or a
-queue missing).
+`mersal status` (`mersal.cli.status`) shows it; `app_status(app)` gives it in the app's process.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
-import logging
 import os
-import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from mersal.app import App
-from mersal.commands import align, load_app, positive_seconds
-from mersal.errors import ConfigurationError, MersalError
+from mersal.errors import ConfigurationError
+from mersal.inspection import (
+    ERROR,
+    INPUT,
+    QUEUE,
+    WAIT,
+    QueueInspector,
+    QueueReport,
+    QueueStatus,
+    StorageInspector,
+    StorageStatus,
+)
 from mersal.messages import shown
 from mersal.outbox import Storage
-from mersal.plugins import storage_for, transport_from
-from mersal.transport import Transport, mask, partition_queue, split_urls
-from mersal.transport.status import ERROR, INPUT, QUEUE, WAIT, QueueReport, QueueStatus
+from mersal.plugins import storage_for
+from mersal.text import align
+from mersal.transport import Transport, partition_queue
+from mersal.urls import mask, without_password
 
-DEFAULT_TIMEOUT = 10.0
 PROBE_APP = "mersal-status"
 """The app name of the storage probe made when no app is named (its name filters nothing)."""
-
-
-@dataclass(frozen=True)
-class AppRows:
-    """One app's rows in a shared outbox: the app that committed them (its `source`)."""
-
-    app: str
-    pending: int
-    parked: int
-    oldest_pending_age: float | None
-    """Seconds since its oldest pending row was committed; None when none is pending."""
-
-
-@dataclass(frozen=True)
-class StorageStatus:
-    """The outbox and inbox as the database counts them (one app's rows, or every app's)."""
-
-    pending: int
-    parked: int
-    oldest_pending_age: float | None
-    """Seconds since the oldest pending row was committed; None when none is pending."""
-    inbox: int
-    app: str | None = None
-    """Whose rows were counted; None for every app's."""
-    apps: tuple[AppRows, ...] = ()
-    """Every app's outbox rows in the database, by app name (send-only apps' too)."""
-
-    @property
-    def others(self) -> bool:
-        """Whether the outbox holds rows of an app other than the one counted."""
-        return any(rows.app != self.app for rows in self.apps)
-
-
-@runtime_checkable
-class QueueInspector(Protocol):
-    """A transport that can count the messages in its queues without changing anything."""
-
-    async def queue_status(
-        self,
-        names: Sequence[str],
-        *,
-        waits_of: Sequence[str] = (),
-        delays: Sequence[float] = (),
-        management: str | None = None,
-    ) -> QueueReport:
-        """Each named queue's counts, then the existing wait queues of the `waits_of` queues.
-
-        `delays` (seconds) are the delayed retries, whose wait queues are looked for by name;
-        `management` is the broker's monitoring API, for a transport that has one.
-        """
-        ...
-
-
-@runtime_checkable
-class StorageInspector(Protocol):
-    """A storage that can count its outbox and inbox rows without changing anything."""
-
-    async def status(self, *, every_app: bool = False) -> StorageStatus:
-        """The app's outbox and inbox counts (every app's with `every_app`)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -141,32 +83,9 @@ def _url_option(option: str, url: str | None, variable: str | None) -> tuple[str
     return f" {option} '{shown}'", f" (its URL without the password: add the password{instead})"
 
 
-def without_password(url: str) -> str:
-    """The URL without any password (in its user info, or a query parameter), for commands."""
-    urls = split_urls(url)
-    if len(urls) > 1:
-        return ";".join(without_password(part) for part in urls)
-    masked = mask(url)
-    if masked == url and "***" not in url:  # a URL masked already still loses its "***"
-        return url
-    scheme, separator, rest = masked.partition("://")
-    user_info, at, host = rest.rpartition("@")
-    if at:
-        rest = f"{user_info.removesuffix(':***')}@{host}"
-    base, question, query = (scheme + separator + rest).partition("?")
-    query, hash_mark, fragment = query.partition("#")
-    kept = [
-        pair
-        for pair in query.split("&")
-        if not (pair.endswith("=***") and "password" in pair.partition("=")[0].lower())
-    ]
-    query = "&".join(pair for pair in kept if pair)
-    return f"{base}{question if query else ''}{query}{hash_mark}{fragment}"
-
-
 @dataclass
-class Plan:
-    """What `mersal status` looks at."""
+class StatusQuery:
+    """What a status is counted from: the transport and the queues to count, the database."""
 
     app: App | None = None
     transport: Transport | None = None
@@ -348,67 +267,64 @@ def _pending(storage: StorageStatus) -> str:
     return f"{storage.pending} pending{oldest}"
 
 
-# Looking.
-
-
-async def look(plan: Plan) -> Status:
-    """Count the plan's queues and its database's outbox and inbox rows; change nothing."""
-    status = Status(app=plan.app.name if plan.app is not None else None, naming=plan.naming)
-    if plan.transport is not None:
-        status.broker = mask(plan.transport.address)
-        report = await queue_report(plan)
-        roles = dict(plan.queues)
+async def look(query: StatusQuery) -> Status:
+    """Count the query's queues and its database's outbox and inbox rows; change nothing."""
+    status = Status(app=query.app.name if query.app is not None else None, naming=query.naming)
+    if query.transport is not None:
+        status.broker = mask(query.transport.address)
+        report = await queue_report(query)
+        roles = dict(query.queues)
         status.queues = [
             queue if queue.role == WAIT else replace(queue, role=roles.get(queue.name, QUEUE))
             for queue in report.queues
         ]
         status.unacked_note = report.note
-    if plan.database is not None:
-        status.database = mask(plan.database)
-        status.storage = await storage_status(plan)
+    if query.database is not None:
+        status.database = mask(query.database)
+        status.storage = await storage_status(query)
     return status
 
 
-async def queue_report(plan: Plan) -> QueueReport:
-    """The transport's counts of the plan's queues (and their wait queues)."""
-    transport = plan.transport
+async def queue_report(query: StatusQuery) -> QueueReport:
+    """The transport's counts of the query's queues (and their wait queues)."""
+    transport = query.transport
     if not isinstance(transport, QueueInspector):
         raise ConfigurationError(
             f"the transport {type(transport).__name__} ({mask(getattr(transport, 'address', '?'))})"
             " cannot count its queues: it has no queue_status() method"
         )
     return await transport.queue_status(
-        [name for name, _ in plan.queues],
-        waits_of=plan.waits_of,
-        delays=plan.delays,
-        management=plan.management,
+        [name for name, _ in query.queues],
+        waits_of=query.waits_of,
+        delays=query.delays,
+        management=query.management,
     )
 
 
-async def storage_status(plan: Plan) -> StorageStatus:
+async def storage_status(query: StatusQuery) -> StorageStatus:
     """The storage's counts of the outbox and inbox rows (the app's, or every app's)."""
-    async with storage_of(plan) as storage:
+    async with storage_of(query) as storage:
         if not isinstance(storage, StorageInspector):
             raise ConfigurationError(
-                f"the storage {type(storage).__name__} for {mask(plan.database or '')} cannot "
+                f"the storage {type(storage).__name__} for {mask(query.database or '')} cannot "
                 "count its outbox and inbox rows: it has no status() method"
             )
-        return await storage.status(every_app=plan.app is None)
+        return await storage.status(every_app=query.app is None)
 
 
 @asynccontextmanager
-async def storage_of(plan: Plan) -> AsyncIterator[Storage]:
-    """The storage the app has, or a new one for `plan.database`; stopped after, unless running.
+async def storage_of(query: StatusQuery) -> AsyncIterator[Storage]:
+    """The storage the app has, or a new one for `query.database`; stopped after, unless running.
 
     An app without a storage is left without one: the new one belongs to a probe app of the
     same name.
     """
-    app = plan.app
-    if app is not None and app.storage is not None and plan.database == app.settings.database:
+    app = query.app
+    if app is not None and app.storage is not None and query.database == app.settings.database:
         storage, owned = app.storage, not app.running
     else:
         name = app.name if app is not None else PROBE_APP
-        database = plan.database or ""
+        database = query.database or ""
         storage = storage_for(App(name, transport="memory://", database=database), database)
         owned = True
     try:
@@ -420,10 +336,10 @@ async def storage_of(plan: Plan) -> AsyncIterator[Storage]:
 
 async def app_status(app: App, *, management: str | None = None) -> Status:
     """The status of `app` (running or not) in this process: its queues, outbox and inbox."""
-    return await look(plan_for(app, management=management))
+    return await look(query_for(app, management=management))
 
 
-def plan_for(
+def query_for(
     app: App,
     *,
     transport: Transport | None = None,
@@ -431,7 +347,7 @@ def plan_for(
     error_queue: str | None = None,
     queues: Sequence[str] = (),
     management: str | None = None,
-) -> Plan:
+) -> StatusQuery:
     """What to look at for `app`: its transport, database, input, error and wait queues."""
     named: list[tuple[str, str]] = []
     if app.settings.consume:  # a send-only app declares neither queue
@@ -443,10 +359,10 @@ def plan_for(
     named += [(name, QUEUE) for name in queues]
     transport = transport or app.transport
     database = database or app.settings.database
-    return Plan(
+    return StatusQuery(
         app=app,
         transport=transport,
-        queues=_distinct(named),
+        queues=distinct_queues(named),
         waits_of=[name for name, role in named if role in (INPUT, QUEUE)],
         delays=tuple(app.retry.delayed),
         database=database,
@@ -455,157 +371,9 @@ def plan_for(
     )
 
 
-def _distinct(queues: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def distinct_queues(queues: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Each queue once, with the role it was first named with."""
     seen: dict[str, str] = {}
     for name, role in queues:
         seen.setdefault(name, role)
     return list(seen.items())
-
-
-# The command.
-
-
-def add_status_command(commands: argparse._SubParsersAction[Any]) -> None:
-    """Add `status` to the `mersal` command's subcommands."""
-    status = commands.add_parser(
-        "status",
-        help="an app's queues, error queue, outbox and inbox; exits 1 when something needs an "
-        "operator, 2 when it could not look",
-    )
-    status.add_argument(
-        "--app", default=None, metavar="MODULE:APP", help="the app (its queues and database)"
-    )
-    status.add_argument("--json", action="store_true", help="print one JSON object")
-    status.add_argument(
-        "--transport",
-        default=None,
-        metavar="URL",
-        help="the broker URL (default: the app's, else $MERSAL_TRANSPORT)",
-    )
-    status.add_argument(
-        "--database",
-        default=None,
-        metavar="URL",
-        help="the database URL (default: the app's, else $MERSAL_DATABASE)",
-    )
-    status.add_argument(
-        "--queue",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="a queue to count too (repeatable); its wait queues are counted with it",
-    )
-    status.add_argument(
-        "--error-queue",
-        default=None,
-        metavar="NAME",
-        help="the error queue (default: the app's)",
-    )
-    status.add_argument(
-        "--management",
-        default=None,
-        metavar="URL",
-        help="the RabbitMQ management API, for unacked counts "
-        "(default: http://<broker host>:15672 with the broker's user and password)",
-    )
-    status.add_argument(
-        "--timeout",
-        type=positive_seconds,
-        default=DEFAULT_TIMEOUT,
-        metavar="SECONDS",
-        help=f"give up on a broker or database that does not answer ({DEFAULT_TIMEOUT:g})",
-    )
-    status.set_defaults(handler=run_status)
-
-
-def run_status(args: argparse.Namespace) -> int:
-    """Carry out `mersal status` as parsed by `add_status_command`."""
-    plan = plan_from(args)
-    # Adapters' libraries log their failures (aiormq: "error when creating transport"); those
-    # reach the user as the one `mersal: ...` line, so unless logging is set up, they go nowhere.
-    logging.basicConfig(handlers=[logging.NullHandler()])
-    status = asyncio.run(within(args.timeout, plan))
-    if args.json:
-        print(json.dumps(status.as_json(), indent=2))
-    else:
-        for line in status.lines():
-            print(line)
-    for reason in status.reasons():
-        print(f"mersal: {reason}", file=sys.stderr)
-    return status.exit_code
-
-
-async def within(seconds: float, plan: Plan) -> Status:
-    """`look(plan)`, or a MersalError after `seconds` without an answer."""
-    try:
-        async with asyncio.timeout(seconds):
-            return await look(plan)
-    except TimeoutError:
-        where = [mask(plan.transport.address)] if plan.transport is not None else []
-        where += [mask(plan.database)] if plan.database is not None else []
-        raise MersalError(
-            f"no answer within {seconds:g}s from {' or '.join(where)}: is it up? "
-            "(--timeout SECONDS to wait longer)"
-        ) from None
-
-
-def plan_from(args: argparse.Namespace) -> Plan:
-    """The plan the command line asks for; a ConfigurationError when it names nothing to see."""
-    transport_url = args.transport
-    if args.app is not None:
-        app = load_app(args.app)
-        transport = transport_from(transport_url) if transport_url else app.transport
-        plan = plan_for(
-            app,
-            transport=transport,
-            database=args.database,
-            error_queue=args.error_queue,
-            queues=args.queue,
-            management=args.management,
-        )
-        own = plan.transport is app.transport  # `mersal dlq --app` uses the app's broker
-        own_broker = None if own or plan.transport is None else plan.transport.address
-        plan.naming = replace(plan.naming, app=args.app, transport=own_broker)
-    else:
-        plan = plain_plan(args)
-    if plan.transport is not None:
-        refuse_memory(plan.transport)
-    return plan
-
-
-def plain_plan(args: argparse.Namespace) -> Plan:
-    """The plan without an app: the URLs and queues given, or from the environment."""
-    transport_url = args.transport or os.environ.get("MERSAL_TRANSPORT") or None
-    database = args.database or os.environ.get("MERSAL_DATABASE") or None
-    if transport_url is None and database is None:
-        raise ConfigurationError(
-            "mersal status needs --app module:app, or --transport URL (with --queue NAME, "
-            "--error-queue NAME) and/or --database URL (or MERSAL_TRANSPORT / MERSAL_DATABASE)"
-        )
-    named = [(name, QUEUE) for name in args.queue]
-    if args.error_queue is not None:
-        named.append((args.error_queue, ERROR))
-    if transport_url is not None and not named:
-        raise ConfigurationError(
-            f"mersal status --transport {mask(transport_url)!r} needs the queues to count: "
-            "--queue NAME (repeatable), --error-queue NAME, or --app module:app"
-        )
-    return Plan(
-        transport=transport_from(transport_url) if transport_url is not None else None,
-        queues=_distinct(named),
-        waits_of=list(args.queue),
-        database=database,
-        management=args.management,
-        naming=Naming(transport=transport_url, database=database),
-    )
-
-
-def refuse_memory(transport: Transport) -> None:
-    """A `memory://` broker lives in the process that made it: another cannot see it."""
-    if transport.address.partition("://")[0].lower() == "memory":
-        raise ConfigurationError(
-            f"{mask(transport.address)} is an in-process broker that only its own process sees: "
-            "give the broker's URL (--transport amqp://user:password@host/vhost), or call "
-            "mersal.status.app_status(app) in that process"
-        )

@@ -31,7 +31,7 @@ from aio_pika.connection import make_url
 from yarl import URL
 
 from mersal.errors import ConfigurationError, MersalError
-from mersal.transport import mask
+from mersal.urls import mask
 from mersal_rabbitmq import patches
 from mersal_rabbitmq.channels import Cancelled, RestoredChannel
 from mersal_rabbitmq.failures import closed_under, connect_failure, why, worst

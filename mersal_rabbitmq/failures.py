@@ -16,7 +16,7 @@ import aiormq
 from aio_pika.connection import make_url
 
 from mersal.errors import ConfigurationError, MersalError, Unreachable
-from mersal.transport import mask
+from mersal.urls import mask
 
 CHANNEL_ERRORS = (
     aiormq.exceptions.AMQPError,

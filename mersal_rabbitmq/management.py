@@ -21,8 +21,8 @@ from urllib.error import HTTPError, URLError
 from urllib.parse import quote, unquote, urlencode, urlsplit
 from urllib.request import HTTPHandler, HTTPSHandler, OpenerDirector, Request, build_opener
 
-from mersal.commands import in_daemon_thread
-from mersal.transport import split_urls
+from mersal.loop import in_daemon_thread
+from mersal.urls import split_urls
 
 PORT = 15672
 TLS_PORT = 15671

@@ -42,9 +42,10 @@ import aiormq
 from aio_pika.abc import AbstractChannel
 
 from mersal.app import App
-from mersal.commands import load_app
+from mersal.cli import load_app
 from mersal.errors import ConfigurationError, MersalError
-from mersal.transport import mask, partition_queue
+from mersal.transport import partition_queue
+from mersal.urls import mask
 from mersal_rabbitmq.delays import retry_wait_queues, waiting_for
 from mersal_rabbitmq.management import Management, ManagementUnavailable
 from mersal_rabbitmq.topology import (
@@ -74,10 +75,11 @@ ROUNDS = 50
 """Rounds of moving (each of the messages counted at its start) before messages that keep
 arriving stop the run."""
 HOLDING = ".migrating"
+"""The suffix of the holding queue a queue's messages wait in while it is declared again."""
 
 
 @dataclass
-class Plan:
+class Migration:
     """One queue to migrate: its new shape and its bindings (exchange, routing key)."""
 
     name: str
@@ -152,7 +154,7 @@ async def migrate_all(
                 continue
             kind = "classic" if app is not None and name == _error_queue_of(app) else target
             bindings = _unpaused(name, await _bindings(transport, api, app, name), paused)
-            moved = await migrate(transport, Plan(name, shape_for(name, kind), bindings))
+            moved = await migrate(transport, Migration(name, shape_for(name, kind), bindings))
             if moved is None:
                 print(f"{name}: already {kind}")
             else:
@@ -311,26 +313,27 @@ def shape_for(name: str, queue_type: str) -> QueueShape:
     return durable_shape(queue_type)
 
 
-async def migrate(transport: RabbitMQTransport, plan: Plan) -> int | None:
+async def migrate(transport: RabbitMQTransport, migration: Migration) -> int | None:
     """Move one queue to its new shape; the messages it got back, or None if it had it."""
-    holding = plan.name + HOLDING
+    holding = migration.name + HOLDING
     resuming = await _exists(transport, holding)
-    if not resuming and await _declares(transport, plan.name, plan.shape):
+    if not resuming and await _declares(transport, migration.name, migration.shape):
         return None
-    looked = await _look(transport, plan.name)  # None: deleted by a run that stopped halfway
+    looked = await _look(transport, migration.name)  # None: deleted by a run that stopped halfway
     if looked is not None and looked.consumers:
         raise MersalError(
-            f"queue {plan.name!r} has consumers: stop the apps that consume it, then run this again"
+            f"queue {migration.name!r} has consumers: stop the apps that consume it, then run "
+            "this again"
         )
-    await _declare(transport, holding, durable_shape(plan.shape.arguments["x-queue-type"]))
-    for exchange, key in plan.bindings:
+    await _declare(transport, holding, durable_shape(migration.shape.arguments["x-queue-type"]))
+    for exchange, key in migration.bindings:
         await _bind(transport, holding, exchange, key)
-    if not await _declares(transport, plan.name, plan.shape):
-        await _drain_and_delete(transport, plan.name, holding, plan.shape)
-        await _declare(transport, plan.name, plan.shape)
-    for exchange, key in plan.bindings:  # again after a run that stopped before binding it
-        await _bind(transport, plan.name, exchange, key)
-    return await _delete_holding(transport, holding, plan)
+    if not await _declares(transport, migration.name, migration.shape):
+        await _drain_and_delete(transport, migration.name, holding, migration.shape)
+        await _declare(transport, migration.name, migration.shape)
+    for exchange, key in migration.bindings:  # again after a run that stopped before binding it
+        await _bind(transport, migration.name, exchange, key)
+    return await _delete_holding(transport, holding, migration)
 
 
 async def _drain_and_delete(
@@ -351,17 +354,17 @@ async def _drain_and_delete(
     raise _still_arriving(name, holding)
 
 
-async def _delete_holding(transport: RabbitMQTransport, holding: str, plan: Plan) -> int:
+async def _delete_holding(transport: RabbitMQTransport, holding: str, migration: Migration) -> int:
     """Unbind the holding queue, move what it holds to the queue, and delete it once empty.
 
     Unbound, nothing reaches it any more: the count the broker gives is final.
     """
-    for exchange, key in plan.bindings:
+    for exchange, key in migration.bindings:
         await _unbind(transport, holding, exchange, key)
-    classic = plan.shape.arguments["x-queue-type"] == "classic"
+    classic = migration.shape.arguments["x-queue-type"] == "classic"
     moved = 0
     for _ in range(ROUNDS):
-        moved += await _empty(transport, holding, plan.name)
+        moved += await _empty(transport, holding, migration.name)
         try:
             async with _channel(transport) as channel:
                 looked = await _look(transport, holding)
@@ -373,7 +376,7 @@ async def _delete_holding(transport: RabbitMQTransport, holding: str, plan: Plan
                     return moved
         except aiormq.exceptions.ChannelPreconditionFailed:
             continue
-    raise _still_arriving(holding, plan.name)
+    raise _still_arriving(holding, migration.name)
 
 
 async def _empty(transport: RabbitMQTransport, source: str, target: str) -> int:

@@ -21,7 +21,9 @@ from aio_pika.abc import AbstractChannel
 
 from mersal.errors import ConfigurationError, MersalError, OutcomeUnknown, Unroutable, Unsendable
 from mersal.messages import Envelope, describe
-from mersal.transport import Limits, Outgoing, mask, problem_of
+from mersal.transport import Outgoing
+from mersal.transport.limits import Limits, problem_of
+from mersal.urls import mask
 from mersal_rabbitmq.channels import close_quietly
 from mersal_rabbitmq.connection import Connection
 from mersal_rabbitmq.delays import MAX_WAIT_MS, wait_milliseconds

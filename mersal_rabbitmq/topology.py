@@ -63,8 +63,9 @@ import aiormq
 from aio_pika.abc import AbstractChannel
 
 from mersal.errors import ConfigurationError, MersalError, Unreachable, Unroutable
-from mersal.transport import mask, partition_queue
-from mersal.transport.status import QueueStatus
+from mersal.inspection import QueueStatus
+from mersal.transport import partition_queue
+from mersal.urls import mask
 from mersal_rabbitmq.channels import close_quietly
 from mersal_rabbitmq.connection import Connection
 from mersal_rabbitmq.delays import wait_queue_name

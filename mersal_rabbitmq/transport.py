@@ -24,9 +24,11 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from mersal.dead_letters import LookingWouldLose
 from mersal.errors import ConfigurationError, MersalError
+from mersal.inspection import WAIT, QueueReport, QueueStatus
 from mersal.messages import check_type_name
-from mersal.transport import Limits, Outgoing, first_failure, mask
-from mersal.transport.status import WAIT, QueueReport, QueueStatus
+from mersal.transport import Outgoing, first_failure
+from mersal.transport.limits import Limits
+from mersal.urls import mask
 from mersal_rabbitmq.connection import Connection
 from mersal_rabbitmq.consuming import ACK_MODES, RESUBSCRIBE_DELAYS, Consumers, RabbitMQConsumer
 from mersal_rabbitmq.delays import MAX_WAIT_MS, retry_wait_queues, waiting_for

@@ -12,7 +12,7 @@ from __future__ import annotations
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from mersal.errors import ConfigurationError
-from mersal.transport import mask, split_urls
+from mersal.urls import mask, split_urls
 
 SCHEMES = ("amqp", "amqps")
 MAX_OPTION_SECONDS = 3600.0

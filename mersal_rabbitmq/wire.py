@@ -15,7 +15,7 @@ import aiormq
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage
 
 from mersal.messages import Envelope, Header
-from mersal.transport import Limits
+from mersal.transport.limits import Limits
 from mersal_rabbitmq.delays import MAX_WAIT_MS
 
 PERSISTENT = int(aio_pika.DeliveryMode.PERSISTENT)

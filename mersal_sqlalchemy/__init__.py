@@ -1,6 +1,6 @@
 """SQL outbox and inbox storage for Mersal (SQLAlchemy): `App(database=...)` uses it."""
 
-from mersal_sqlalchemy.database import make_engine
+from mersal_sqlalchemy.engines import make_engine
 from mersal_sqlalchemy.outbox import SqlOutboxStore
 from mersal_sqlalchemy.storage import SESSION, SqlStorage, attach
 from mersal_sqlalchemy.tables import (

@@ -1,4 +1,4 @@
-"""The `mersal db ...` commands (migrations) and `mersal outbox list|retry|purge` (repairs)."""
+"""`mersal db ...` (migrating.py) and `mersal outbox list|retry|purge` (repairs.py), as commands."""
 
 from __future__ import annotations
 
@@ -7,29 +7,39 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
-from sqlalchemy import MetaData, Table, delete, func, inspect, select, update
+from sqlalchemy import MetaData, Table, inspect
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.sql.elements import ColumnElement
 
-from mersal.commands import ProgressLine, align, positive_int
-from mersal.dead_letters import Progress, first_line, iso
+from mersal.cli import ProgressLine, align, positive_int
 from mersal.errors import ConfigurationError, MersalError
-from mersal.messages import Header
-from mersal.transport import mask
+from mersal.text import first_line, iso
+from mersal.urls import mask
 from mersal_sqlalchemy import migrating
-from mersal_sqlalchemy.database import DIALECTS, database_url, is_postgresql, make_engine, reason
+from mersal_sqlalchemy.engines import DIALECTS, database_url, make_engine, reason
 from mersal_sqlalchemy.migrating import alembic_config, upgrade
 from mersal_sqlalchemy.migrations import SCRIPTS
-from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, DEFAULT_SAGAS, outbox_table
+from mersal_sqlalchemy.repairs import (
+    LIST_LIMIT,
+    ListedRow,
+    id_list,
+    list_rows,
+    purge_rows,
+    retry_rows,
+)
+from mersal_sqlalchemy.schema import upgrade_command
+from mersal_sqlalchemy.tables import (
+    DEFAULT_INBOX,
+    DEFAULT_OUTBOX,
+    DEFAULT_SAGAS,
+    make_tables,
+    outbox_table,
+)
 
 __all__ = ["MIGRATIONS", "add_db_commands", "add_outbox_commands", "alembic_config", "upgrade"]
 
@@ -213,14 +223,12 @@ def _done(report: str) -> int:
 
 # mersal outbox list|retry|purge
 
-LIST_LIMIT = 100
 LIST_COLUMNS = ("ID", "APP", "KIND", "ADDRESS", "TYPE", "MESSAGE-ID", "ATTEMPTS", "CREATED")
+"""The columns of `mersal outbox list`."""
 PARKED_COLUMNS = ("PARKED", "REASON")
+"""The columns `mersal outbox list` adds when a listed row is parked."""
 REASON_WIDTH = 200
-PURGE_BATCH = 100
-"""Rows deleted per statement by `purge_rows` (one transaction for them all)."""
-
-_stored_headers = msgspec.json.Decoder(dict[str, str])
+"""The characters of a parked row's reason shown."""
 
 
 def add_outbox_commands(commands: argparse._SubParsersAction[Any]) -> None:
@@ -267,176 +275,8 @@ def add_outbox_commands(commands: argparse._SubParsersAction[Any]) -> None:
     purge.set_defaults(handler=outbox_command(outbox_purge))
 
 
-@dataclass(frozen=True)
-class ListedRow:
-    """An outbox row as `mersal outbox list` shows it (the body left out)."""
-
-    id: int
-    app: str
-    address: str
-    publish: bool
-    type_name: str | None
-    message_id: str | None
-    attempts: int
-    created_at: datetime | None
-    parked_at: datetime | None
-    parked_reason: str | None
-
-    @property
-    def parked(self) -> bool:
-        """Whether the relay has set the row aside."""
-        return self.parked_at is not None
-
-    def cells(self, parked_columns: bool) -> tuple[str, ...]:
-        """The row's cells for LIST_COLUMNS, and PARKED_COLUMNS if `parked_columns`."""
-        cells = (
-            str(self.id),
-            self.app,
-            "publish" if self.publish else "send",
-            self.address,
-            self.type_name or "-",
-            self.message_id or "-",
-            str(self.attempts),
-            iso(self.created_at),
-        )
-        if not parked_columns:
-            return cells
-        if not self.parked:
-            return (*cells, "-", "-")
-        return (*cells, iso(self.parked_at), first_line(self.parked_reason, REASON_WIDTH))
-
-
-async def list_rows(
-    engine: AsyncEngine,
-    table: Table,
-    *,
-    parked: bool = False,
-    app: str | None = None,
-    limit: int = LIST_LIMIT,
-) -> tuple[list[ListedRow], int, int]:
-    """Up to `limit` rows, oldest first, how many match in all, and how many are parked."""
-    where: list[ColumnElement[bool]] = []
-    if parked:
-        where.append(table.c.parked_at.is_not(None))
-    if app is not None:
-        where.append(table.c.app == app)
-    query = (
-        select(
-            table.c.id,
-            table.c.app,
-            table.c.address,
-            table.c.publish,
-            table.c.headers,
-            table.c.attempts,
-            table.c.created_at,
-            table.c.parked_at,
-            table.c.parked_reason,
-        )
-        .where(*where)
-        .order_by(table.c.id)
-        .limit(limit)
-    )
-    counting = select(func.count()).select_from(table).where(*where)
-    parked_where = [*where, table.c.parked_at.is_not(None)]
-    counting_parked = select(func.count()).select_from(table).where(*parked_where)
-    async with engine.connect() as connection:
-        records = (await connection.execute(query)).all()
-        total = int((await connection.execute(counting)).scalar_one())
-        parked_total = int((await connection.execute(counting_parked)).scalar_one())
-    rows = []
-    for record in records:
-        headers = _headers(record.headers)
-        rows.append(
-            ListedRow(
-                id=record.id,
-                app=record.app,
-                address=record.address,
-                publish=bool(record.publish),
-                type_name=headers.get(Header.TYPE),
-                message_id=headers.get(Header.MESSAGE_ID),
-                attempts=record.attempts,
-                created_at=record.created_at,
-                parked_at=record.parked_at,
-                parked_reason=record.parked_reason,
-            )
-        )
-    return rows, total, parked_total
-
-
-def _headers(stored: str) -> dict[str, str]:
-    try:
-        return _stored_headers.decode(stored)
-    except msgspec.DecodeError:
-        return {}
-
-
-async def retry_rows(
-    engine: AsyncEngine, table: Table, ids: Sequence[int] | None, *, app: str | None = None
-) -> list[int]:
-    """Un-park rows (all parked ones for `ids=None`); returns the ids of those un-parked.
-
-    On PostgreSQL the apps' relays are notified, so they send the rows at once rather than
-    at their next poll.
-    """
-    statement = (
-        update(table)
-        .where(table.c.parked_at.is_not(None))
-        .values(parked_at=None, parked_reason=None, lease_until=None)
-        .returning(table.c.id, table.c.app)
-    )
-    if ids is not None:
-        statement = statement.where(table.c.id.in_(ids))
-    if app is not None:
-        statement = statement.where(table.c.app == app)
-    async with engine.begin() as connection:
-        records = (await connection.execute(statement)).all()
-        if is_postgresql(engine):
-            for name in sorted({record.app for record in records}):
-                await connection.execute(select(func.pg_notify(table.name, name)))
-    return sorted(record.id for record in records)
-
-
-class NotParked(MersalError):
-    """`purge` was asked to delete rows that are not parked: nothing was deleted."""
-
-
-async def purge_rows(
-    engine: AsyncEngine, table: Table, ids: Sequence[int], progress: Progress | None = None
-) -> list[int]:
-    """Delete these parked rows; a NotParked error (and nothing deleted) if any is not parked.
-
-    `progress` is told `(done, total)` after each batch of deletes.
-    """
-    query = select(table.c.id, table.c.parked_at).where(table.c.id.in_(ids))
-    if is_postgresql(engine):
-        query = query.with_for_update()
-    async with engine.begin() as connection:
-        found = {record.id: record.parked_at for record in await connection.execute(query)}
-        missing = sorted({i for i in ids if i not in found})
-        waiting = sorted({i for i in ids if i in found and found[i] is None})
-        if missing or waiting:
-            problems = []
-            if waiting:
-                problems.append(f"not parked (the relay sends them): {_ids(waiting)}")
-            if missing:
-                problems.append(f"not in the outbox: {_ids(missing)}")
-            raise NotParked(f"nothing purged; rows {'; '.join(problems)}")
-        purged = sorted(set(ids))
-        for start in range(0, len(purged), PURGE_BATCH):
-            batch = purged[start : start + PURGE_BATCH]
-            await connection.execute(
-                delete(table).where(table.c.id.in_(batch), table.c.parked_at.is_not(None))
-            )
-            if progress is not None:
-                progress(start + len(batch), len(purged))
-    return purged
-
-
-def _ids(ids: Sequence[int]) -> str:
-    return ", ".join(str(i) for i in ids)
-
-
 OutboxAction = Callable[[AsyncEngine, Table, argparse.Namespace], Awaitable[int]]
+"""What a `mersal outbox` command does with the outbox table: its exit status."""
 
 
 def outbox_command(action: OutboxAction) -> Callable[[argparse.Namespace], int]:
@@ -466,9 +306,7 @@ async def with_outbox(
         async with engine.connect() as connection:
             exists = await connection.run_sync(lambda sync: inspect(sync).has_table(table.name))
         if not exists:
-            upgrade = f"mersal db upgrade --database '{mask(database)}'"
-            if table.name != DEFAULT_OUTBOX:
-                upgrade += f" --outbox-table {table.name}"
+            upgrade = upgrade_command(database, make_tables(table.name))
             raise ConfigurationError(
                 f"there is no table {table.name} in {mask(database)}: check --outbox-table, "
                 f"or create it with `{upgrade}`"
@@ -495,7 +333,7 @@ async def outbox_list(engine: AsyncEngine, table: Table, args: argparse.Namespac
         return 0
     parked_columns = any(row.parked for row in rows)
     header = (*LIST_COLUMNS, *PARKED_COLUMNS) if parked_columns else LIST_COLUMNS
-    for line in align([header, *(row.cells(parked_columns) for row in rows)]):
+    for line in align([header, *(row_cells(row, parked_columns) for row in rows)]):
         print(line)
     if total > len(rows):
         footer = f"the first {len(rows)} of {total} {what}{of_app} (--limit N for more)"
@@ -520,13 +358,14 @@ async def outbox_retry(engine: AsyncEngine, table: Table, args: argparse.Namespa
         raise ConfigurationError("mersal outbox retry needs row ids or --all (not both)")
     ids = None if args.all else args.ids
     retried = await retry_rows(engine, table, ids, app=args.app)
-    listed = f": {_ids(retried)}" if retried else ""
+    listed = f": {id_list(retried)}" if retried else ""
     print(f"un-parked {len(retried)} row(s){listed}; their apps' relays send them again")
     left = sorted(set(ids or ()) - set(retried))
     if left:
         of_app = f" of app {args.app!r}" if args.app is not None else ""
         print(
-            f"mersal: not parked rows{of_app} (or not in the outbox): {_ids(left)}", file=sys.stderr
+            f"mersal: not parked rows{of_app} (or not in the outbox): {id_list(left)}",
+            file=sys.stderr,
         )
         return 1
     return 0
@@ -536,5 +375,24 @@ async def outbox_purge(engine: AsyncEngine, table: Table, args: argparse.Namespa
     """`mersal outbox purge`: delete parked rows, refusing if any named row is not parked."""
     with ProgressLine("purged") as progress:
         purged = await purge_rows(engine, table, args.ids, progress)
-    print(f"purged {len(purged)} parked row(s): {_ids(purged)}")
+    print(f"purged {len(purged)} parked row(s): {id_list(purged)}")
     return 0
+
+
+def row_cells(row: ListedRow, parked_columns: bool) -> tuple[str, ...]:
+    """The row's cells for LIST_COLUMNS, and PARKED_COLUMNS if `parked_columns`."""
+    cells = (
+        str(row.id),
+        row.app,
+        "publish" if row.publish else "send",
+        row.address,
+        row.type_name or "-",
+        row.message_id or "-",
+        str(row.attempts),
+        iso(row.created_at),
+    )
+    if not parked_columns:
+        return cells
+    if not row.parked:
+        return (*cells, "-", "-")
+    return (*cells, iso(row.parked_at), first_line(row.parked_reason, REASON_WIDTH))

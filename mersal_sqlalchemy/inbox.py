@@ -9,7 +9,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from mersal.messages import stored_key
-from mersal_sqlalchemy.database import is_postgresql, one_of, sql_time
+from mersal_sqlalchemy.engines import is_postgresql, one_of, sql_time
 
 
 def inbox_key(message_id: str) -> str:

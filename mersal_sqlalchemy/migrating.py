@@ -29,20 +29,18 @@ from sqlalchemy import inspect
 from sqlalchemy.exc import SQLAlchemyError
 
 from mersal.errors import ConfigurationError, MersalError
-from mersal.transport import mask
-from mersal_sqlalchemy.database import (
+from mersal.urls import mask
+from mersal_sqlalchemy.engines import database_url, make_engine, reason
+from mersal_sqlalchemy.migrations import SCRIPTS
+from mersal_sqlalchemy.schema import (
     Record,
     Schema,
     count_rows,
-    database_url,
     db_command,
     foreign_columns,
-    make_engine,
     read_schema,
-    reason,
     recorded_elsewhere,
 )
-from mersal_sqlalchemy.migrations import SCRIPTS
 from mersal_sqlalchemy.tables import (
     DEFAULT_INBOX,
     DEFAULT_OUTBOX,
@@ -59,9 +57,11 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 NO_CREATE_RIGHTS = "permission denied for schema"
+"""PostgreSQL's words when the user may not create tables."""
 CREATE_RIGHTS_HINT = (
     "grant CREATE on the schema to this user, or have a DBA apply `mersal db upgrade --sql`"
 )
+"""What to do when the user may not create tables."""
 
 
 def alembic_config(
@@ -222,7 +222,7 @@ def current(
     return f"no revision recorded; the table(s) {', '.join(schema.missing_tables)} do not exist"
 
 
-def check(
+def tables_problem(
     database: str | None, *, outbox_table: str = DEFAULT_OUTBOX, inbox_table: str = DEFAULT_INBOX
 ) -> str | None:
     """What keeps an app from using the tables, with the fix; None when it can use them."""

@@ -15,7 +15,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from mersal.messages import Envelope
 from mersal.outbox import OutboxRow
 from mersal.transport import Outgoing
-from mersal_sqlalchemy.database import is_postgresql, one_of, sql_time
+from mersal_sqlalchemy.engines import is_postgresql, one_of, sql_time
 
 log = logging.getLogger("mersal.sqlalchemy")
 

@@ -16,7 +16,7 @@ from mersal.context import MessageContext
 from mersal.errors import ConcurrencyConflict
 from mersal.sagas import StoredSaga
 from mersal.transaction import Transaction
-from mersal_sqlalchemy.database import ENDING, is_postgresql
+from mersal_sqlalchemy.engines import ENDING, is_postgresql
 
 T = TypeVar("T")
 

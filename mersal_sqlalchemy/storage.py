@@ -17,26 +17,27 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from mersal.context import MessageContext
 from mersal.errors import ConfigurationError, Duplicate, MersalError
+from mersal.inspection import StorageStatus
 from mersal.messages import Header
 from mersal.outbox import Relay
 from mersal.pipeline import Next
 from mersal.settle import run_to_end
-from mersal.status import Naming, StorageStatus
+from mersal.status import Naming
 from mersal.transaction import Transaction
-from mersal_sqlalchemy.database import (
+from mersal_sqlalchemy.counts import outbox_counts, storage_status
+from mersal_sqlalchemy.engines import (
     ENDING,
     autocommits,
     database_url,
     is_postgresql,
     is_sqlite,
     make_engine,
-    prepare_schema,
 )
 from mersal_sqlalchemy.inbox import Inbox
 from mersal_sqlalchemy.listener import Listener
 from mersal_sqlalchemy.outbox import Executor, SqlOutboxStore, write_outbox
 from mersal_sqlalchemy.sagas import SqlSagaStore
-from mersal_sqlalchemy.status import outbox_counts, storage_status
+from mersal_sqlalchemy.schema import prepare_schema
 from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, Tables, make_tables
 
 if TYPE_CHECKING:

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, TypeVar, overload
 
-from mersal.transport import Consumer, Limits, Outgoing, Transport, first_failure
+from mersal.transport import Consumer, Outgoing, Transport, first_failure
+from mersal.transport.limits import Limits
 
 SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 

@@ -10,9 +10,10 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from mersal.errors import ConsumerClosed, MersalError, Unroutable, Unsendable
+from mersal.inspection import QueueReport, QueueStatus
 from mersal.messages import Envelope
-from mersal.transport import DEFAULT_LIMITS, Limits, Outgoing, delay_of, first_failure, problem_of
-from mersal.transport.status import QueueReport, QueueStatus
+from mersal.transport import Outgoing, delay_of, first_failure
+from mersal.transport.limits import DEFAULT_LIMITS, Limits, problem_of
 
 
 @dataclass(slots=True)

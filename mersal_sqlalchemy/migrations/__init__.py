@@ -16,9 +16,9 @@ from sqlalchemy import MetaData, Table, inspect
 from sqlalchemy.sql.schema import SchemaItem
 
 from mersal.errors import MersalError
-from mersal.transport import mask
-from mersal_sqlalchemy import database
-from mersal_sqlalchemy.database import foreign_columns, recorded_elsewhere
+from mersal.urls import mask
+from mersal_sqlalchemy import schema as schema_check
+from mersal_sqlalchemy.schema import foreign_columns, recorded_elsewhere
 from mersal_sqlalchemy.tables import (
     DEFAULT_INBOX,
     DEFAULT_OUTBOX,
@@ -182,4 +182,4 @@ def record_compatibility(revision: str, compatible_with: str) -> None:
     if context.is_offline_mode():
         op.bulk_insert(schema, [{"revision": revision, "compatible_with": compatible_with}])
         return
-    database.record_compatibility(op.get_bind(), schema, revision, compatible_with)
+    schema_check.record_compatibility(op.get_bind(), schema, revision, compatible_with)

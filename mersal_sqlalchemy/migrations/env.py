@@ -21,7 +21,7 @@ from sqlalchemy import Connection, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from mersal.errors import ConfigurationError
-from mersal_sqlalchemy.database import database_url, dialect_of
+from mersal_sqlalchemy.engines import database_url, dialect_of
 from mersal_sqlalchemy.migrations import table_names
 from mersal_sqlalchemy.tables import migration_lock_key, version_table_name
 

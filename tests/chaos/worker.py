@@ -61,10 +61,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from mersal import App, Header, MessageContext, Outgoing, RetryPolicy, message
+from mersal.cli.run import serve
 from mersal.errors import ConcurrencyConflict
 from mersal.pipeline import Next
 from mersal.retry import attempts_made
-from mersal.runner import serve
 from mersal.sagas import Saga
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy import attach, make_engine

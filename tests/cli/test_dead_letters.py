@@ -14,13 +14,13 @@ from mersal.dead_letters import (
     DeadLetters,
     MissingQueue,
     body_text,
-    describe,
-    first_line,
+    details,
     replayable,
     summary,
 )
 from mersal.errors import ConfigurationError
 from mersal.messages import Envelope
+from mersal.text import first_line
 from mersal.transport import Outgoing
 from mersal.transport.memory import MemoryQueue, MemoryTransport
 from tests.support import eventually
@@ -137,7 +137,7 @@ async def test_find_and_describe_show_every_header_and_the_body(
 
     [letter] = await DeadLetters(transport, idle=IDLE).find({ids[1]})
 
-    text = describe(letter)
+    text = details(letter)
     assert f"  {Header.MESSAGE_ID}: {ids[1]}" in text
     assert f"  {Header.ERROR_TYPE}: {__name__}.CardDeclined" in text
     assert f"  {Header.ERROR_MESSAGE}: card declined for o-2\n      second line" in text

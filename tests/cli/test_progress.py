@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from mersal.commands import ProgressLine
+from mersal.cli import ProgressLine
 
 
 class Terminal(io.StringIO):

@@ -29,10 +29,10 @@ import aio_pika
 import pytest
 
 from mersal import App, MersalError, message
-from mersal.commands import load_app, open_app
+from mersal.cli import load_app, open_app
+from mersal.cli.probes import prometheus_metrics
+from mersal.cli.run import serve, stop_within
 from mersal.errors import ConfigurationError, Unreachable
-from mersal.probes import prometheus_metrics
-from mersal.runner import serve, stop_within
 from mersal.starting import start_once
 from tests.sql.conftest import postgres_database
 from tests.support import eventually, forwarding, free_port
@@ -503,7 +503,7 @@ async def test_in_a_running_loop_an_async_factory_is_opened_not_loaded(
         gc.collect()  # a coroutine left unawaited would warn when collected
     assert str(raised.value) == (
         f"{target} is an async function: in a running event loop, "
-        f"`await mersal.commands.open_app('{target}')`"
+        f"`await mersal.cli.open_app('{target}')`"
     )
     assert (await open_app(target)).name == "orders"
 

@@ -25,13 +25,14 @@ import pytest
 from sqlalchemy import insert, inspect
 
 from mersal import App, RetryPolicy
-from mersal.commands import load_app
+from mersal.cli import load_app
+from mersal.inspection import AppRows, StorageStatus
 from mersal.messages import Envelope
-from mersal.status import AppRows, Naming, StorageStatus, app_status
+from mersal.status import Naming, app_status
 from mersal.status import Status as Seen
 from mersal.transport import Outgoing
 from mersal_sqlalchemy.cli import upgrade
-from mersal_sqlalchemy.database import make_engine, sql_time
+from mersal_sqlalchemy.engines import make_engine, sql_time
 from mersal_sqlalchemy.tables import make_tables
 from tests.cli.conftest import RABBITMQ_HOST, mersal
 from tests.sql.conftest import BACKENDS, postgres_database, sqlite_file

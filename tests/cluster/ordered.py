@@ -5,7 +5,7 @@
 It runs the App "cluster.ordered" with 4 partitions: every `Step(key, seq)` it handles is
 written as a row `steps(key, seq, pid)` through the message's AsyncSession, so the row commits
 with the inbox row (once per message id) and the table's serial id records the order in which
-the steps took effect. Prints READY once it consumes; stops on SIGTERM (`mersal.runner.serve`).
+the steps took effect. Prints READY once it consumes; stops on SIGTERM (`mersal.cli.run.serve`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from mersal import App, RetryPolicy, message
-from mersal.runner import serve
+from mersal.cli.run import serve
 
 QUEUE = "cluster.ordered"
 PARTITIONS = 4

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-import mersal.transport
+import mersal.transport.limits
 from mersal import (
     App,
     ConfigurationError,
@@ -831,7 +831,7 @@ async def test_a_retry_delay_longer_than_the_transport_holds_fails_at_start(
 ) -> None:
     app = App("limits", transport=memory_url, retry=RetryPolicy(delayed=[10**7]))
     app.register(Job, _succeed)
-    limit = f"{mersal.transport.DEFAULT_LIMITS.max_delay:.0f}"
+    limit = f"{mersal.transport.limits.DEFAULT_LIMITS.max_delay:.0f}"
     with pytest.raises(ConfigurationError, match=limit):
         await app.start()
     assert not app.running
@@ -1044,7 +1044,7 @@ async def test_a_hostile_message_that_always_fails_reaches_the_error_queue_once(
 
     assert calls == POLICY.max_attempts
     assert len(bus.dead_lettered) == 1
-    assert mersal.transport.problem_of(Outgoing("error", dead)) is None
+    assert mersal.transport.limits.problem_of(Outgoing("error", dead)) is None
     assert dead.headers[Header.ERROR_TYPE] == qualified(Broken)
     assert dead.headers[Header.ERROR_MESSAGE] == "always fails"
     assert dead.headers[Header.ERROR_ATTEMPTS] == str(POLICY.max_attempts)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, settings
 
 from mersal import App, Envelope, Header, MessageContext, Outgoing, RetryPolicy, message, settle
-from mersal.transport import CUT_TO
+from mersal.transport.limits import CUT_TO
 from mersal.transport.memory import MemoryBroker, MemoryTransport
 from tests.fuzz.corpus import (
     PICKLE_BOMB,

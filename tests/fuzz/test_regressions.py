@@ -198,5 +198,5 @@ def test_the_source_checks_parse_in_a_fresh_interpreter_after_recursion_errors()
 
     report = checks.fresh_report.__wrapped__()  # not the cached report: a new interpreter now
     assert report["findings"] == []
-    assert ["mersal/runner.py", "open_app(args.target)"] in report["load_app_calls"]
+    assert ["mersal/cli/run.py", "open_app(args.target)"] in report["load_app_calls"]
     assert any("import pickle" in finding for finding in report["sample"])

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from mersal import App, MersalError
 from mersal.cli import main
-from mersal.transport import mask
+from mersal.urls import mask
 from tests.fuzz.rig import FUZZ
 from tests.support import eventually
 

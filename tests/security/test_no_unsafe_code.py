@@ -1,7 +1,7 @@
 """No pickle, no eval: the source of every shipped package, read line by line and as syntax.
 
 The only dynamic imports: the `module:app` target given on the command line (`mersal run`,
-`--app` of `mersal status` and `mersal dlq`; loaded in mersal/commands.py, an exact
+`--app` of `mersal status` and `mersal dlq`; loaded in mersal/cli/helpers.py, an exact
 allow-list) and the adapters installed packages declare as entry points (mersal/plugins.py).
 Nothing derived from a message can reach either.
 """
@@ -30,7 +30,7 @@ PATTERNS = {
     "importlib.import_module(": re.compile(r"\bimportlib\.import_module\("),
 }
 ALLOWED_LINES = {
-    ("mersal/commands.py", "module = importlib.import_module(module_name)"),
+    ("mersal/cli/helpers.py", "module = importlib.import_module(module_name)"),
 }
 
 # Modules whose loading functions run code chosen by the data they load.
@@ -40,7 +40,7 @@ UNSAFE_MODULES = frozenset(
 UNSAFE_BUILTINS = frozenset({"eval", "exec", "compile", "__import__", "breakpoint"})
 # (file, enclosing function, the argument as source): the only import_module calls allowed.
 ALLOWED_IMPORT_MODULE = {
-    ("mersal/commands.py", "find_app", "module_name"),
+    ("mersal/cli/helpers.py", "find_app", "module_name"),
 }
 # The modules a delivery passes through before a handler: no dynamic lookup of any kind.
 DECODE_PATH = (
@@ -49,6 +49,7 @@ DECODE_PATH = (
     "mersal/serialization.py",
     "mersal/retry.py",
     "mersal/transport/__init__.py",
+    "mersal/transport/limits.py",
     "mersal/transport/memory.py",
     "mersal_rabbitmq/transport.py",
     "mersal_rabbitmq/consuming.py",
@@ -255,9 +256,9 @@ def test_the_scanners_find_every_unsafe_form() -> None:
 
 def test_the_command_line_import_takes_only_the_target_given_on_the_command_line() -> None:
     assert sorted(fresh_report()["load_app_calls"]) == [
-        ["mersal/cli.py", "load_app(args.app)"],
-        ["mersal/runner.py", "open_app(args.target)"],
-        ["mersal/status.py", "load_app(args.app)"],
+        ["mersal/cli/dlq.py", "load_app(args.app)"],
+        ["mersal/cli/run.py", "open_app(args.target)"],
+        ["mersal/cli/status.py", "load_app(args.app)"],
         ["mersal_rabbitmq/migrating.py", "load_app(args.app)"],
     ]
 

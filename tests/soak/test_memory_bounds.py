@@ -43,8 +43,8 @@ from mersal.transport import Consumer, Delivery, Outgoing
 from mersal.transport.memory import MemoryQueue, MemoryTransport
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy import SqlOutboxStore, make_engine, make_tables
-from mersal_sqlalchemy.database import prepare_schema
 from mersal_sqlalchemy.outbox import write_outbox
+from mersal_sqlalchemy.schema import prepare_schema
 from tests.support import (
     DelegatingTransport,
     broker_channels,

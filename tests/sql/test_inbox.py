@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from sqlalchemy import insert, select
 
-from mersal_sqlalchemy.database import sql_time
+from mersal_sqlalchemy.engines import sql_time
 from mersal_sqlalchemy.inbox import inbox_key
 from tests.sql.support import Probe, orders_app, storage_of
 

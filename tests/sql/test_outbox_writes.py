@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from mersal.messages import Envelope
 from mersal.transport import Outgoing
-from mersal_sqlalchemy.database import make_engine
+from mersal_sqlalchemy.engines import make_engine
 from mersal_sqlalchemy.inbox import Inbox
 from mersal_sqlalchemy.outbox import write_outbox
 from mersal_sqlalchemy.tables import Tables, make_tables

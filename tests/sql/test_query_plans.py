@@ -11,7 +11,7 @@ from sqlalchemy import ClauseElement, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from mersal_sqlalchemy.database import make_engine
+from mersal_sqlalchemy.engines import make_engine
 from mersal_sqlalchemy.inbox import Inbox
 from mersal_sqlalchemy.outbox import SqlOutboxStore
 from mersal_sqlalchemy.tables import make_tables

@@ -38,7 +38,7 @@ from bench.sqlite import (
 )
 from mersal import App, Header, RetryPolicy
 from mersal.transport.memory import MemoryQueue, MemoryTransport
-from mersal_sqlalchemy.database import make_engine
+from mersal_sqlalchemy.engines import make_engine
 from tests.support import eventually
 
 MESSAGES = 400

@@ -7,7 +7,8 @@ import pytest
 
 from mersal import App, ConfigurationError, Header, OutcomeUnknown, RetryPolicy, Unsendable
 from mersal.messages import Envelope
-from mersal.transport import Outgoing, mask, partition_queue, split_urls
+from mersal.transport import Outgoing, partition_queue
+from mersal.urls import mask, split_urls
 from mersal_rabbitmq import RabbitMQTransport, connection
 from mersal_rabbitmq.connection import nodes_of, take_option
 from mersal_rabbitmq.migrating import _queues_of, shape_for

@@ -7,7 +7,7 @@ import pytest
 
 from mersal import ConfigurationError, Envelope, Header, RetryPolicy
 from mersal.retry import MAX_ATTEMPTS, attempts_made
-from mersal.transport import Limits, fit, header_bytes
+from mersal.transport.limits import Limits, fit, header_bytes
 
 
 def test_the_defaults() -> None:

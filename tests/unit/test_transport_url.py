@@ -4,8 +4,9 @@ import pytest
 
 from mersal import App, ConfigurationError
 from mersal.plugins import transport_from
-from mersal.transport import Transport, mask
+from mersal.transport import Transport
 from mersal.transport.memory import MemoryTransport
+from mersal.urls import mask
 
 
 @pytest.fixture(autouse=True)

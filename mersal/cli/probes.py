@@ -24,12 +24,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("mersal.probes")
 
 HEALTH_EXTRA = "pip install 'mersal-bus[health]'"
+"""What installs the health endpoints' server (aiohttp)."""
 PROMETHEUS_EXTRA = "pip install 'mersal-bus[prometheus]'"
+"""What installs `/metrics` (the Prometheus exporter)."""
 
 Metrics = Callable[[], tuple[bytes, str]]
 """Renders the current metrics: the body and its content type."""
 
 Endpoint = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
+"""An aiohttp request handler."""
 
 
 @asynccontextmanager

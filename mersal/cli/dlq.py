@@ -1,12 +1,8 @@
-"""The `mersal` command: run an app's worker; look at and replay an error queue; adapters' tools.
+"""`mersal dlq list|show|replay|drop`: an error queue, looked at and repaired through the transport.
 
-`mersal run module:app` runs until SIGINT or SIGTERM; `mersal dlq list|show|replay` works on an
-error queue through the transport; installed adapters add theirs (`mersal db ...` and
-`mersal outbox ...` come with the SQL adapter) through the `mersal.commands` entry points.
+The messages are taken and given back as `mersal.dead_letters.DeadLetters` does it: listing and
+showing leave every message in the queue; replaying and dropping ask first where they must.
 """
-
-# For adapters' commands: `load_app`, `positive_int`, `align` and `ProgressLine` (from
-# mersal.commands) are documented helpers.
 
 from __future__ import annotations
 
@@ -17,44 +13,26 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from mersal import plugins
 from mersal.app import App
-from mersal.commands import ProgressLine, align, in_daemon_thread, load_app, positive_int
+from mersal.cli.helpers import ProgressLine, in_process, load_app, positive_int
 from mersal.dead_letters import (
     SUMMARY_COLUMNS,
     DeadLetter,
     DeadLetters,
     MissingQueue,
-    describe,
+    details,
     summary,
 )
-from mersal.errors import ConfigurationError, MersalError
+from mersal.errors import ConfigurationError
+from mersal.loop import in_daemon_thread
 from mersal.plugins import transport_from
-from mersal.runner import add_run_command
-from mersal.status import add_status_command
-from mersal.transport import mask
+from mersal.text import align
+from mersal.urls import mask
 
 DLQ_LIST_LIMIT = 100
+"""The messages `mersal dlq list` looks at, by default."""
 DLQ_SCAN_LIMIT = 1_000
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the command line and run the chosen command."""
-    parser = argparse.ArgumentParser(prog="mersal", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    add_run_command(commands)
-    add_dlq_commands(commands)
-    add_status_command(commands)
-    plugins.add_commands(commands)
-    args = parser.parse_args(argv)
-    try:
-        return int(args.handler(args))
-    except MersalError as error:
-        print(f"mersal: {error}", file=sys.stderr)
-        return 2
-
-
-# mersal dlq list|show|replay|drop
+"""The messages `mersal dlq show|replay|drop` look among, by default."""
 
 
 def add_dlq_commands(commands: argparse._SubParsersAction[Any]) -> None:
@@ -142,6 +120,7 @@ def add_dlq_commands(commands: argparse._SubParsersAction[Any]) -> None:
 
 
 DeadLettersAction = Callable[[DeadLetters, argparse.Namespace], Awaitable[int]]
+"""What a `mersal dlq` command does with the error queue: its exit status."""
 
 
 def dead_letters_command(action: DeadLettersAction) -> Callable[[argparse.Namespace], int]:
@@ -206,7 +185,7 @@ async def dlq_show(dead_letters: DeadLetters, args: argparse.Namespace) -> int:
         if number:
             print()
         print(f"message {args.message_id} in {queue!r}:")
-        print(describe(letter))
+        print(details(letter))
     return 0
 
 
@@ -323,7 +302,7 @@ def dlq_url(args: argparse.Namespace, app: App | None) -> str:
             f"mersal dlq {args.dlq_command} needs --transport URL or MERSAL_TRANSPORT "
             "(or --app module:app, for the app's broker)"
         )
-    if url.partition("://")[0].lower() == "memory":
+    if in_process(url):
         where = f"app {app.name!r} is on {mask(url)}," if app and from_app else f"{mask(url)} is"
         raise ConfigurationError(
             f"{where} an in-process broker that only its own process sees: "
@@ -344,7 +323,3 @@ def missing_queue(error: MissingQueue, url: str, args: argparse.Namespace, app: 
         f"no queue named {error.queue!r} ({origin}) on {mask(url)}: name the error queue "
         "with --queue NAME, or the app whose error queue to read with --app module:app"
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ logged), then runs until SIGINT or SIGTERM and stops gracefully. Every configura
 connection error ends it with one `mersal: ...` line and exit status 2; an app that stops
 working on its own (its worker or outbox relay ended) ends it with status 1, so that a
 supervisor restarts it. Logs are text or JSON lines (`--log-format json`); `--log-messages`
-adds an INFO line per handled message; `--health-port` serves `mersal.probes`.
+adds an INFO line per handled message; `--health-port` serves `mersal.cli.probes`.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
 from mersal import loop, starting
-from mersal.commands import open_app, positive_int, seconds
+from mersal.cli.helpers import in_process, open_app, port, positive_int, seconds
+from mersal.cli.probes import Metrics, probes, prometheus_metrics
 from mersal.health import MAX_RELAY_LAG
 from mersal.logs import JsonFormatter
-from mersal.probes import Metrics, probes, prometheus_metrics
-from mersal.transport import mask
+from mersal.urls import mask
 
 if TYPE_CHECKING:
     from mersal.app import App
@@ -35,10 +35,13 @@ WAIT = 30.0
 STOP_MARGIN = 10.0
 """Seconds beyond the app's grace period that a stop may take before it is abandoned."""
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""The signals that stop `mersal run` gracefully (a second one at once)."""
 WATCH_INTERVAL = 1.0
 """Seconds between looks at whether the app still works."""
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""The log line of `--log-format text`."""
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""The choices of `--log-level`."""
 
 
 def add_run_command(commands: argparse._SubParsersAction[Any]) -> None:
@@ -66,7 +69,7 @@ def add_run_command(commands: argparse._SubParsersAction[Any]) -> None:
     )
     run.add_argument(
         "--health-port",
-        type=_port,
+        type=port,
         metavar="PORT",
         help="serve /livez, /readyz (and /metrics with mersal-bus[prometheus]) on this port",
     )
@@ -115,7 +118,7 @@ async def serve_target(args: argparse.Namespace) -> int:
 def warn_if_in_process(app: App) -> None:
     """Warn that an app on `memory://` has a broker no other process reaches."""
     address = app.transport.address
-    if address.partition("://")[0].lower() == "memory":
+    if in_process(address):
         log.warning(
             "app %r runs on %s, a broker inside this process: no other process reaches it (a "
             "second `mersal run`, a web server or a script on the same URL gets an empty broker "
@@ -215,13 +218,3 @@ async def watch(app: App, stopping: asyncio.Event) -> int:
             )
             return 1
     return 0
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535)")
-    return value

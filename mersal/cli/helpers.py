@@ -1,23 +1,19 @@
-"""Helpers for the `mersal` command's subcommands (ours and adapters'): the app, arguments, output.
+"""What every `mersal` subcommand uses, ours and adapters': the app named, argument types, progress.
 
-`mersal.cli` re-exports them; an adapter's commands (`mersal.commands` entry points) use them
-from there or from here.
+An adapter's commands (`mersal.commands` entry points) import them from `mersal.cli`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import functools
 import importlib
 import inspect
 import math
 import sys
-import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TextIO
+from collections.abc import Awaitable, Callable
+from typing import TextIO
 
 from mersal.app import App
 from mersal.errors import ConfigurationError, MersalError
@@ -38,7 +34,7 @@ def load_app(target: str) -> App:
             close()
         raise ConfigurationError(
             f"{target} is an async function: in a running event loop, "
-            f"`await mersal.commands.open_app({target!r})`"
+            f"`await mersal.cli.open_app({target!r})`"
         )
     return asyncio.run(_awaited(target, found))
 
@@ -121,6 +117,11 @@ def checked_app(target: str, found: object, called: bool) -> App:
     )
 
 
+def in_process(url: str) -> bool:
+    """Whether `url` is a `memory://` broker's, which lives in the process that made it."""
+    return url.partition("://")[0].lower() == "memory"
+
+
 def positive_int(text: str) -> int:
     """An argparse type: a whole number >= 1."""
     try:
@@ -148,22 +149,22 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def port(text: str) -> int:
+    """An argparse type: a TCP port number, 0 to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535)")
+    return value
+
+
 def _number_of_seconds(text: str) -> float:
     try:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-
-
-def align(rows: Sequence[Sequence[str]]) -> list[str]:
-    """Rows of cells as lines, each column padded to its widest cell."""
-    if not rows:
-        return []
-    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-    return [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    ]
 
 
 class ProgressLine:
@@ -210,29 +211,3 @@ class ProgressLine:
             self.stream.write("\n")
             self.stream.flush()
             self.shown_at = None
-
-
-async def in_daemon_thread(function: Callable[..., Any], *args: Any) -> Any:
-    """`function(*args)` in a daemon thread: a caller that stops waiting does not wait for it.
-
-    (`asyncio.to_thread` cannot be abandoned: `asyncio.run` waits for its threads at the end.)
-    """
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[Any] = loop.create_future()
-
-    def settle(outcome: Callable[[], None]) -> None:
-        if not done.done():
-            outcome()
-
-    def run() -> None:
-        try:
-            result = function(*args)
-        except BaseException as error:  # handed to the caller, who raises it
-            answer: Callable[[], None] = functools.partial(done.set_exception, error)
-        else:
-            answer = functools.partial(done.set_result, result)
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, answer)
-
-    threading.Thread(target=run, name="mersal-command", daemon=True).start()
-    return await done

@@ -1,4 +1,4 @@
-"""The outbox and inbox counts `mersal status` shows: read-only queries, tables checked first."""
+"""The outbox and inbox counted, for `mersal status` and the relay's backlog: read-only queries."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from typing import Any
 from sqlalchemy import Table, func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.sql.elements import ColumnElement
 
 from mersal.errors import ConfigurationError, MersalError
-from mersal.status import AppRows, StorageStatus
-from mersal.transport import mask
-from mersal_sqlalchemy.database import is_postgresql, read_schema, reason, upgrade_command
+from mersal.inspection import AppRows, StorageStatus
+from mersal.urls import mask
+from mersal_sqlalchemy.engines import reason, seconds_since
+from mersal_sqlalchemy.schema import read_schema, upgrade_command
 from mersal_sqlalchemy.tables import Tables
 
 
@@ -84,11 +84,3 @@ def row_count(table: Table, app: str | None) -> Any:
     """How many rows `table` holds (of `app`, if given)."""
     query = select(func.count()).select_from(table)
     return query.where(table.c.app == app) if app is not None else query
-
-
-def seconds_since(engine: AsyncEngine, moment: ColumnElement[Any]) -> ColumnElement[Any]:
-    """The seconds from `moment` to the database's now, as an SQL expression."""
-    if is_postgresql(engine):
-        return func.extract("epoch", func.now() - moment)
-    # SQLite keeps times as 'YYYY-MM-DD HH:MM:SS' text in UTC, which julianday() reads.
-    return (func.julianday("now") - func.julianday(moment)) * 86_400.0
