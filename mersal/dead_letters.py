@@ -210,15 +210,15 @@ class Held:
         await self.delivery.ack()
 
     async def give_back(self) -> None:
-        """Return the message to the error queue, in its place (once; later calls do nothing)."""
+        """Give the message back to the error queue, in its place (once; later calls do nothing)."""
         if self.settled:
             return
         self.settled = True
         try:
             await self.delivery.nack(requeue=True)
-        except Exception as error:  # the broker returns it anyway when the connection closes
+        except Exception as error:  # the broker gives it back anyway when the connection closes
             log.warning(
-                "could not return %s to %r (%s: %s); the broker returns it when the "
+                "could not give %s back to %r (%s: %s); the broker gives it back when the "
                 "connection closes",
                 self.letter.message_id,
                 self.delivery.queue,

@@ -28,7 +28,7 @@ DONE = {
     Verdict.ACK: "handled",
     Verdict.RETRY_LATER: "will retry later",
     Verdict.DEAD_LETTER: "dead-lettered",
-    Verdict.RETURN: "gave back",
+    Verdict.GIVE_BACK: "gave back",
 }
 
 

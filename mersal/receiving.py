@@ -180,7 +180,7 @@ class Receiver:
 def _fault(delivery: Delivery, why: object) -> Outcome:
     """A fault of Mersal's own around the attempts: the delivery goes back, a little later."""
     log.error(
-        "unexpected failure around %s (%s); returning it in %gs",
+        "unexpected failure around %s (%s); giving it back in %gs",
         describe(delivery.envelope.headers),
         why,
         FAULT_PAUSE,

@@ -72,7 +72,7 @@ class Verdict(enum.Enum):
     """Send a copy that comes back after a delay, then remove this one."""
     DEAD_LETTER = "dead letter"
     """Send a copy with the reason to the error queue, then remove this one."""
-    RETURN = "return"
+    GIVE_BACK = "give back"
     """Give it back to its queue as it is (a stop, or the retry or dead letter could not leave)."""
 
 
@@ -101,7 +101,7 @@ class Outcome:
     attempts: int = 0
     """Attempts made so far (for a retry or a dead letter)."""
     delay: float = 0.0
-    """Seconds until the retry (RETRY_LATER), or before giving the delivery back (RETURN)."""
+    """Seconds until the retry (RETRY_LATER), or before giving the delivery back (GIVE_BACK)."""
     failure: Failure | None = None
 
     @classmethod
@@ -116,14 +116,14 @@ class Outcome:
 
     @classmethod
     def give_back(cls, pause: float = 0.0) -> Outcome:
-        """Return the delivery to its queue as it is, after `pause` seconds."""
-        return cls(Verdict.RETURN, delay=pause)
+        """Give the delivery back to its queue as it is, after `pause` seconds."""
+        return cls(Verdict.GIVE_BACK, delay=pause)
 
 
 ACK = Outcome(Verdict.ACK)
 """The delivery was dealt with."""
 
-RETURN = Outcome(Verdict.RETURN)
+GIVE_BACK = Outcome(Verdict.GIVE_BACK)
 """Give the delivery back at once (the worker is stopping)."""
 
 
@@ -174,18 +174,18 @@ class Settler:
 
     async def settle(self, delivery: Delivery, outcome: Outcome) -> Verdict:
         """Settle `delivery` as `outcome` says; what was done. Never raises (but cancellation)."""
-        if outcome.verdict is Verdict.RETURN:
+        if outcome.verdict is Verdict.GIVE_BACK:
             if outcome.delay > 0:
                 await asyncio.sleep(outcome.delay)
             await give_back(delivery)
-            return Verdict.RETURN
+            return Verdict.GIVE_BACK
         if outcome.verdict is not Verdict.ACK:
             try:
                 await self._forward(delivery, outcome)
             except Exception as error:
                 what = "retry" if outcome.verdict is Verdict.RETRY_LATER else "dead letter"
                 log.error(
-                    "the %s of %s failed (%s); returning it to %r in %gs",
+                    "the %s of %s failed (%s); giving it back to %r in %gs",
                     what,
                     describe(delivery.envelope.headers),
                     Failure.of(error),
@@ -195,7 +195,7 @@ class Settler:
                 self._keep(delivery, outcome)
                 await asyncio.sleep(self.backoff)
                 await give_back(delivery)
-                return Verdict.RETURN
+                return Verdict.GIVE_BACK
         await acknowledge(delivery)
         return outcome.verdict
 
@@ -309,12 +309,12 @@ async def acknowledge(delivery: Delivery) -> None:
 
 
 async def give_back(delivery: Delivery) -> None:
-    """Return a delivery to its queue; if that fails, the broker returns it by itself."""
+    """Give a delivery back to its queue; if that fails, the broker gives it back by itself."""
     try:
         await delivery.nack(requeue=True)
     except Exception as error:
         log.warning(
-            "could not return %s to %s (%s); the broker will deliver it again",
+            "could not give %s back to %s (%s); the broker will deliver it again",
             describe(delivery.envelope.headers),
             delivery.queue,
             Failure.of(error),

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from mersal.settle import (
-    RETURN,
+    GIVE_BACK,
     Failure,
     Outcome,
     Settler,
@@ -153,7 +153,7 @@ class Worker:
         lane = self._lanes[key]
         try:
             done = await self._settle(delivery)
-            while lane and not self._stopping and done is not Verdict.RETURN:
+            while lane and not self._stopping and done is not Verdict.GIVE_BACK:
                 await self._slots.acquire()
                 done = await self._settle(lane.popleft())
         finally:
@@ -165,7 +165,7 @@ class Worker:
 
     async def _give_back_all(self, lane: deque[Delivery]) -> None:
         while lane:
-            await self.settler.settle(lane.popleft(), RETURN)
+            await self.settler.settle(lane.popleft(), GIVE_BACK)
 
     async def _settle(self, delivery: Delivery) -> Verdict:
         """Handle one delivery (in a slot taken for it), settle it, say how; frees the slot.
@@ -177,7 +177,7 @@ class Worker:
             try:
                 outcome = await self._receive(delivery)
             except asyncio.CancelledError:
-                await run_to_end(self.settler.settle(delivery, RETURN))
+                await run_to_end(self.settler.settle(delivery, GIVE_BACK))
                 raise
             if outcome.verdict is Verdict.ACK:  # an ack does not wait on the broker
                 return await self.settler.settle(delivery, outcome)

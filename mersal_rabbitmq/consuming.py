@@ -376,7 +376,7 @@ class RabbitMQDelivery:
         await self._settle(partial(_ack, self._channel, _tag(self._message), self._acks))
 
     async def nack(self, requeue: bool = True) -> None:
-        """Return the message to its queue; `requeue=False` lets the broker drop it.
+        """Give the message back to its queue; `requeue=False` lets the broker drop it.
 
         Returned while its consumer closes, it is left to the channel's close, which puts it
         back where it was in the queue.

@@ -40,7 +40,7 @@ class Delivery(Protocol):
         ...
 
     async def nack(self, requeue: bool = True) -> None:
-        """Return the message to its queue; `requeue=False` lets the broker dead-letter it."""
+        """Give the message back to its queue; `requeue=False` lets the broker dead-letter it."""
         ...
 
 

@@ -514,7 +514,7 @@ async def test_the_remembered_outcomes_are_bounded_by_bytes(memory_url: str) -> 
     consumer = await transport.consume("work", prefetch=100)
     deliveries = [await consumer.get() for _ in range(50)]
     for delivery in deliveries:  # every dead letter stays behind
-        assert await settler.settle(delivery, Outcome.dead_letter(failure, 1)) is Verdict.RETURN
+        assert await settler.settle(delivery, Outcome.dead_letter(failure, 1)) is Verdict.GIVE_BACK
     assert 0 < settler.remembered_bytes <= 100_000 and kept == 5
     redelivered = [await consumer.get() for _ in range(50)]
     remembered = [settler.unsent(delivery) is not None for delivery in redelivered]
