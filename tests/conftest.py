@@ -1,9 +1,15 @@
-"""Shared fixtures: transports of every kind the contract suite runs against."""
+"""The fixtures every suite shares: brokers, vhosts and databases of a test's own, transports.
 
-import os
+A memory broker, a RabbitMQ vhost (the session's, or one of the test's own) and a database (a
+PostgreSQL database or a SQLite file) are each private to the test that asks for them, so that
+tests running side by side never meet, and each is removed afterwards.
+"""
+
+import asyncio
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
@@ -12,17 +18,17 @@ import pytest
 from mersal.transport import Transport
 from mersal.transport.memory import MemoryTransport
 from mersal_rabbitmq import RabbitMQTransport
-from tests.support import rabbitmqctl
-
-RABBITMQ_HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
+from tests.support import (
+    BACKENDS,
+    RABBITMQ_HOST,
+    postgres_database,
+    private_vhost,
+    rabbitmqctl,
+    sqlite_file,
+)
 
 NewTransport = Callable[[], Transport]
 MakeTransport = Callable[[], Awaitable[Transport]]
-
-
-def unique(prefix: str) -> str:
-    """A queue (or topic) name no other test uses."""
-    return f"{prefix}-{uuid4().hex[:12]}"
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +44,80 @@ def vhost() -> Iterator[str]:
         yield name
     finally:
         rabbitmqctl("delete_vhost", name)
+
+
+@pytest.fixture
+def amqp_url(vhost: str) -> str:
+    """The AMQP URL of the session's RabbitMQ vhost."""
+    return f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}"
+
+
+@pytest.fixture
+def own_vhost(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The AMQP URL of a RabbitMQ vhost of this test's own, deleted afterwards."""
+    with private_vhost(f"mersal-{request.node.module.__name__.rpartition('.')[2]}") as url:
+        yield url
+
+
+@pytest.fixture
+def memory_url() -> str:
+    """A memory transport URL whose broker no other test shares."""
+    return f"memory://test-{uuid4().hex}"
+
+
+@pytest.fixture
+async def postgres_url() -> AsyncIterator[str]:
+    """A migrated PostgreSQL database of this test's own, dropped afterwards."""
+    async with postgres_database(migrate=True) as url:
+        yield url
+
+
+@pytest.fixture
+async def empty_postgres_url() -> AsyncIterator[str]:
+    """An empty PostgreSQL database of this test's own, dropped afterwards."""
+    async with postgres_database(migrate=False) as url:
+        yield url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """A SQLite file of this test's own (an app creates its tables at start)."""
+    return sqlite_file(tmp_path)
+
+
+@pytest.fixture(params=BACKENDS)
+async def database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """A database an app can use: a SQLite file (the app creates its tables), or a migrated
+    PostgreSQL database."""
+    if request.param == "sqlite":
+        yield sqlite_file(tmp_path)
+        return
+    async with postgres_database(migrate=True) as url:
+        yield url
+
+
+@pytest.fixture(params=BACKENDS)
+async def empty_database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """A database without our tables: an empty PostgreSQL database, or a new SQLite file."""
+    if request.param == "sqlite":
+        yield sqlite_file(tmp_path)
+        return
+    async with postgres_database(migrate=False) as url:
+        yield url
+
+
+@pytest.fixture(params=BACKENDS)
+async def migrated_database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """A database with our tables made by `mersal db upgrade`: a SQLite file or PostgreSQL."""
+    from mersal_sqlalchemy.cli import upgrade
+
+    if request.param == "sqlite":
+        url = sqlite_file(tmp_path)
+        await asyncio.to_thread(upgrade, url)
+        yield url
+        return
+    async with postgres_database(migrate=True) as url:
+        yield url
 
 
 @asynccontextmanager

@@ -13,12 +13,33 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
+from pathlib import Path
 from typing import Any, TypeVar, overload
+
+import pytest
 
 from mersal.transport import Consumer, Outgoing, Transport, first_failure
 from mersal.transport.limits import Limits
 
 SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
+
+RABBITMQ_HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
+"""Where the tests' RabbitMQ runs."""
+
+POSTGRES_ADMIN = os.environ.get(
+    "MERSAL_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
+"""The PostgreSQL database the tests create and drop their own databases from."""
+
+
+BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)]
+"""The databases a storage test runs on: SQLite, and PostgreSQL (marked integration)."""
+
+
+def unique(prefix: str) -> str:
+    """A queue (or topic) name no other test uses."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
 
 T = TypeVar("T")
 
@@ -83,10 +104,8 @@ def rabbitmqctl(*args: str) -> str:
 
 
 @contextmanager
-def own_vhost(prefix: str, host: str) -> Iterator[str]:
+def private_vhost(prefix: str, host: str = RABBITMQ_HOST) -> Iterator[str]:
     """The AMQP URL of a new RabbitMQ vhost on `host`, deleted afterwards (skips without one)."""
-    import pytest
-
     name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     try:
         rabbitmqctl("add_vhost", name)
@@ -167,6 +186,42 @@ class DelegatingTransport:
     async def consume(self, queue: str, *, prefetch: int) -> Consumer:
         """Consume from a queue."""
         return await self.inner.consume(queue, prefetch=prefetch)
+
+
+@asynccontextmanager
+async def postgres_database(migrate: bool) -> AsyncIterator[str]:
+    """A new PostgreSQL database (migrated or empty) for one test, dropped afterwards."""
+    import asyncpg  # type: ignore[import-untyped]
+    from sqlalchemy.engine import make_url
+
+    from mersal_sqlalchemy.cli import upgrade
+
+    name = f"mersal_test_{uuid.uuid4().hex}"
+    try:
+        admin = await asyncpg.connect(POSTGRES_ADMIN, timeout=5)
+    except (OSError, asyncpg.PostgresError) as error:
+        pytest.skip(f"PostgreSQL is not available at {POSTGRES_ADMIN}: {error}")
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    url = make_url(POSTGRES_ADMIN).set(drivername="postgresql+asyncpg", database=name)
+    rendered = url.render_as_string(hide_password=False)
+    try:
+        if migrate:
+            await asyncio.to_thread(upgrade, rendered)
+        yield rendered
+    finally:
+        admin = await asyncpg.connect(POSTGRES_ADMIN, timeout=5)
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
+
+
+def sqlite_file(directory: Path) -> str:
+    """The URL of a SQLite file in `directory` (not created yet)."""
+    return f"sqlite+aiosqlite:///{directory / 'app.db'}"
 
 
 def free_port() -> int:

@@ -47,11 +47,10 @@ from sqlalchemy.engine import make_url
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy.cli import upgrade
 from tests.chaos.worker import ERROR_QUEUE, WORK_QUEUE
-from tests.support import SBIN, eventually
+from tests.support import RABBITMQ_HOST, SBIN, eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_URL = os.environ.get("MERSAL_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres")
-RABBITMQ_HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
 PG_CLUSTER = os.environ.get("MERSAL_CHAOS_PG_CLUSTER", "15 main").split()
 
 LEDGER_LINES: list[str] = []

@@ -1,4 +1,5 @@
-"""Fixtures for the `mersal` command's tests: outbox databases, memory brokers, a RabbitMQ vhost.
+"""Fixtures for the `mersal` command's tests: the command in process, migrated databases,
+RabbitMQ queues looked at from outside.
 
 The outbox tests run on a SQLite file and (marked `integration`) on a PostgreSQL database of
 their own, both migrated by `mersal db upgrade`'s code. The RabbitMQ tests use the session's
@@ -8,19 +9,12 @@ vhost and delete the queues they name afterwards.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
-from uuid import uuid4
 
 import aio_pika
 import pytest
 
 from mersal.cli import main
-from mersal_sqlalchemy.cli import upgrade
-from tests.sql.conftest import BACKENDS, postgres_database, sqlite_file
-
-RABBITMQ_HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
 
 
 async def mersal(*argv: str) -> int:
@@ -28,28 +22,10 @@ async def mersal(*argv: str) -> int:
     return await asyncio.to_thread(main, list(argv))
 
 
-@pytest.fixture(params=BACKENDS)
-async def database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    """A migrated database of this test's own: a SQLite file, or a PostgreSQL database."""
-    if request.param == "sqlite":
-        url = sqlite_file(tmp_path)
-        await asyncio.to_thread(upgrade, url)
-        yield url
-        return
-    async with postgres_database(migrate=True) as url:
-        yield url
-
-
 @pytest.fixture
-def memory_url() -> str:
-    """A memory transport URL whose broker no other test shares."""
-    return f"memory://cli-{uuid4().hex}"
-
-
-@pytest.fixture
-def amqp_url(vhost: str) -> str:
-    """The AMQP URL of the session's RabbitMQ vhost."""
-    return f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}"
+def database(migrated_database: str) -> str:
+    """The commands' database: made by `mersal db upgrade`, as an operator's is."""
+    return migrated_database
 
 
 class Queues:

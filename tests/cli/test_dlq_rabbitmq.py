@@ -15,7 +15,7 @@ import pytest
 
 from mersal import App, Header, MessageContext, RetryPolicy, message
 from mersal_rabbitmq.management import Management
-from tests.cli.conftest import RABBITMQ_HOST, Queues, mersal
+from tests.cli.conftest import Queues, mersal
 from tests.cli.test_queues_migrate import queue_types
 from tests.support import eventually, rabbitmqctl
 
@@ -280,18 +280,6 @@ async def test_a_missing_default_error_queue_points_to_queue_and_app(
 
     assert await mersal("dlq", "list", "--app", "tests.cli.no_such_module:app") == 2
     assert "cannot import 'tests.cli.no_such_module'" in capsys.readouterr().err
-
-
-@pytest.fixture
-def own_vhost() -> Iterator[str]:
-    """The AMQP URL of a vhost of this test's own (so surely without an 'error' queue)."""
-    name = f"mersal-cli-{uuid4().hex[:8]}"
-    rabbitmqctl("add_vhost", name)
-    try:
-        rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
-        yield f"amqp://guest:guest@{RABBITMQ_HOST}/{name}"
-    finally:
-        rabbitmqctl("delete_vhost", name)
 
 
 @contextmanager

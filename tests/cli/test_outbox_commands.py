@@ -19,7 +19,7 @@ from mersal.transport.memory import MemoryTransport
 from mersal_sqlalchemy import SqlOutboxStore, make_engine, make_tables
 from mersal_sqlalchemy.outbox import write_outbox
 from tests.cli.conftest import mersal
-from tests.sql.conftest import postgres_database
+from tests.support import postgres_database
 
 REASON = "Unroutable: no queue named 'sink': start the app that owns it\n(second line)"
 

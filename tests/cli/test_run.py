@@ -34,8 +34,7 @@ from mersal.cli.probes import prometheus_metrics
 from mersal.cli.run import serve, stop_within
 from mersal.errors import ConfigurationError, Unreachable
 from mersal.starting import start_once
-from tests.sql.conftest import postgres_database
-from tests.support import eventually, forwarding, free_port
+from tests.support import eventually, forwarding, free_port, postgres_database
 
 pytestmark = pytest.mark.integration
 

@@ -34,9 +34,14 @@ from mersal.transport import Outgoing
 from mersal_sqlalchemy.cli import upgrade
 from mersal_sqlalchemy.engines import make_engine, sql_time
 from mersal_sqlalchemy.tables import make_tables
-from tests.cli.conftest import RABBITMQ_HOST, mersal
-from tests.sql.conftest import BACKENDS, postgres_database, sqlite_file
-from tests.support import eventually, own_vhost, rabbitmqctl_rows
+from tests.cli.conftest import mersal
+from tests.support import (
+    BACKENDS,
+    eventually,
+    postgres_database,
+    rabbitmqctl_rows,
+    sqlite_file,
+)
 
 UNACKED_WAIT = 30.0
 """Seconds to wait for the management API's counts (it refreshes them every 5 s)."""
@@ -54,6 +59,7 @@ JSON_KEYS = {
 }
 APP_MODULE = """
 from mersal import App, RetryPolicy
+
 
 
 def make_app() -> App:
@@ -99,13 +105,6 @@ def status(capsys: pytest.CaptureFixture[str]) -> Status:
         return Run(code, out, err.splitlines())
 
     return run
-
-
-@pytest.fixture(name="own_vhost")
-def own_vhost_url() -> Iterator[str]:
-    """The AMQP URL of a RabbitMQ vhost of this test's own, deleted afterwards."""
-    with own_vhost("mersal-status", RABBITMQ_HOST) as url:
-        yield url
 
 
 @pytest.fixture

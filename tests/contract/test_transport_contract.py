@@ -13,7 +13,7 @@ import pytest
 
 from mersal import Envelope, Header, MersalError, Outgoing, Transport, Unroutable
 from mersal.transport import Consumer, Delivery
-from tests.conftest import unique
+from tests.support import unique
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -15,8 +15,7 @@ from mersal.outbox import OutboxRow, Relay
 from mersal.transport import Outgoing
 from mersal.transport.memory import MemoryTransport
 from mersal_sqlalchemy import attach
-from tests.sql.conftest import sqlite_file
-from tests.support import DelegatingTransport, eventually
+from tests.support import DelegatingTransport, eventually, sqlite_file
 
 
 @dataclass

@@ -19,8 +19,7 @@ import pytest
 
 from mersal import App, message
 from mersal.errors import ConfigurationError, Unreachable
-from tests.conftest import RABBITMQ_HOST
-from tests.support import eventually, forwarding, free_port
+from tests.support import RABBITMQ_HOST, eventually, forwarding, free_port
 
 
 def unreachable_app(port: int) -> App:

@@ -41,8 +41,7 @@ from docs.samples import (
 )
 from mersal_sqlalchemy import make_engine
 from mersal_sqlalchemy.cli import alembic_config, upgrade
-from tests.conftest import RABBITMQ_HOST
-from tests.sql.conftest import postgres_database
+from tests.support import RABBITMQ_HOST, postgres_database
 
 ROOT = Path(__file__).parents[2]
 DOCS = ROOT / "docs"

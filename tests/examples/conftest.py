@@ -6,25 +6,14 @@ import asyncio
 import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
-import pytest
 from fastapi import FastAPI
-
-from tests.conftest import RABBITMQ_HOST
-from tests.support import own_vhost
 
 ROOT = Path(__file__).parents[2]
 MERSAL = Path(sys.executable).with_name("mersal")
-
-
-@pytest.fixture(name="own_vhost")
-def own_vhost_url() -> Iterator[str]:
-    """The AMQP URL of a vhost of the test's own, deleted afterwards."""
-    with own_vhost("mersal-examples", RABBITMQ_HOST) as url:
-        yield url
 
 
 # --8<-- [start:served]

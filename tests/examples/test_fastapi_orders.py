@@ -27,10 +27,13 @@ from examples.fastapi_orders.schema import create_tables
 from examples.fastapi_orders.web import WEB_APP, create_api
 from examples.fastapi_orders.worker import create_app
 from mersal_sqlalchemy import make_engine, make_tables
-from tests.conftest import RABBITMQ_HOST
 from tests.examples.conftest import mersal_run, ready, served
-from tests.sql.conftest import postgres_database
-from tests.support import eventually, free_port
+from tests.support import (
+    RABBITMQ_HOST,
+    eventually,
+    free_port,
+    postgres_database,
+)
 
 ROOT = Path(__file__).parents[2]
 MERSAL = Path(sys.executable).with_name("mersal")

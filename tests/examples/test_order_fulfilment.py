@@ -35,7 +35,7 @@ from examples.order_fulfilment import (
 )
 from mersal import App
 from mersal.testing import Harness
-from tests.sql.conftest import postgres_database
+from tests.support import postgres_database
 
 ROOT = Path(__file__).parents[2]
 

@@ -36,8 +36,7 @@ from mersal import App
 from mersal.testing import Harness
 from mersal_sqlalchemy import make_engine
 from tests.examples.conftest import mersal_run, ready, served
-from tests.sql.conftest import postgres_database
-from tests.support import eventually, free_port
+from tests.support import eventually, free_port, postgres_database
 
 # --8<-- [end:imports]
 

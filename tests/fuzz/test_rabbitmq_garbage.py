@@ -7,7 +7,6 @@ then the app still handles a good message, and nothing is left in its queue or u
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -20,11 +19,10 @@ from tests.fuzz.amqp import headers_of
 from tests.fuzz.corpus import PICKLE_BOMB, canaries_imported, nested
 from tests.fuzz.rig import CAP, DECODE_ERROR, JSON, ORDER, Order
 from tests.rabbitmq.rabbitmq_support import Broker
-from tests.support import eventually
+from tests.support import RABBITMQ_HOST, eventually
 
 pytestmark = pytest.mark.integration
 
-HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
 ORDER_BODY = b'{"order_id": "o-1", "amount": 9.5}'
 
 # message id -> (the raw message, a fragment of the reason it must be dead-lettered with)
@@ -100,7 +98,7 @@ GARBAGE: dict[str, tuple[aio_pika.Message, str]] = {
 @pytest.fixture
 async def broker(vhost: str) -> AsyncIterator[Broker]:
     """A raw aio-pika connection to the session's vhost: the foreign producer."""
-    connection = await aio_pika.connect(f"amqp://guest:guest@{HOST}/{vhost}")
+    connection = await aio_pika.connect(f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}")
     helper = Broker(connection, await connection.channel())
     try:
         yield helper
@@ -121,7 +119,7 @@ async def test_garbage_from_a_foreign_producer_ends_in_the_error_queue_with_a_re
 
     app = App(
         name,
-        transport=f"amqp://guest:guest@{HOST}/{vhost}",
+        transport=f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}",
         retry=RetryPolicy(immediate=1, delayed=[60.0], error_queue=error_queue),
         max_body_size=CAP,
     )
@@ -167,7 +165,7 @@ async def test_a_delivery_with_huge_headers_still_reaches_the_error_queue(
     error_queue = f"{name}.error"
     app = App(
         name,
-        transport=f"amqp://guest:guest@{HOST}/{vhost}",
+        transport=f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}",
         retry=RetryPolicy(immediate=0, delayed=[], error_queue=error_queue),
     )
     app.register(Order, _never_called)

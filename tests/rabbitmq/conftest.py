@@ -6,7 +6,6 @@ end) and each test names its queues with its own prefix and deletes them afterwa
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -16,14 +15,13 @@ import pytest
 from rabbitmq_support import Broker
 
 from mersal_rabbitmq import RabbitMQTransport
-
-HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
+from tests.support import RABBITMQ_HOST
 
 
 @pytest.fixture
 def url(vhost: str) -> str:
     """The AMQP URL of the session's vhost."""
-    return f"amqp://guest:guest@{HOST}/{vhost}"
+    return f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}"
 
 
 @pytest.fixture

@@ -39,12 +39,10 @@ from mersal_sqlalchemy import attach
 from tests.fuzz.corpus import order_json, surely_not_an_order
 from tests.fuzz.rig import DECODE_ERROR, FUZZ, JSON, ORDER, Order
 from tests.fuzz.strategies import attempts, garbage_bodies, over_cap, valid_orders, wrong_fields
-from tests.sql.conftest import postgres_database
-from tests.support import eventually
+from tests.support import RABBITMQ_HOST, eventually, postgres_database
 
 pytestmark = pytest.mark.integration
 
-HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
 CAP = 8_192
 UNSENDABLE = "mersal.errors.Unsendable"
 SHORT_STRING = 255
@@ -677,7 +675,7 @@ def _reason(letter: AbstractIncomingMessage) -> str:
 @pytest.fixture
 def rig(vhost: str) -> Iterator[Rig]:
     """A started app on the session's vhost and a database of its own; cleaned up after."""
-    started = Rig(f"amqp://guest:guest@{HOST}/{vhost}")
+    started = Rig(f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}")
     try:
         started.start()
         yield started

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,11 +12,10 @@ import pytest
 from mersal import App, ConfigurationError, RetryPolicy, Unroutable, message
 from mersal.errors import Unreachable
 from mersal_rabbitmq import RabbitMQTransport
-from tests.support import eventually
+from tests.support import RABBITMQ_HOST, eventually, free_port
 
 pytestmark = pytest.mark.integration
 
-HOST = "127.0.0.1"
 RUN = uuid.uuid4().hex[:8]  # topics of this run only: the events exchange is the vhost's
 
 
@@ -45,19 +43,13 @@ class Command:
     n: int
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        return int(probe.getsockname()[1])
-
-
 async def test_a_vhost_that_does_not_exist_is_named_with_the_user(prefix: str) -> None:
     missing = f"mersal-missing-{uuid.uuid4().hex[:8]}"
-    app = App(prefix, transport=f"amqp://guest:guest@{HOST}/{missing}")
+    app = App(prefix, transport=f"amqp://guest:guest@{RABBITMQ_HOST}/{missing}")
     with pytest.raises(ConfigurationError) as raised:
         await app.start()
     assert str(raised.value) == (
-        f"RabbitMQ at amqp://guest:***@{HOST}/{missing} refused to open the vhost: vhost "
+        f"RabbitMQ at amqp://guest:***@{RABBITMQ_HOST}/{missing} refused to open the vhost: vhost "
         f"{missing!r} does not exist or user 'guest' may not use it; fix the vhost in the URL, "
         f"or create it and let the user in (rabbitmqctl add_vhost {missing}; rabbitmqctl "
         f"set_permissions -p {missing} guest '.*' '.*' '.*')"
@@ -68,32 +60,37 @@ async def test_a_vhost_that_does_not_exist_is_named_with_the_user(prefix: str) -
 async def test_a_refused_login_says_to_check_the_user_name_and_password(
     vhost: str, prefix: str
 ) -> None:
-    app = App(prefix, transport=f"amqp://guest:not-the-password@{HOST}/{vhost}")
+    app = App(prefix, transport=f"amqp://guest:not-the-password@{RABBITMQ_HOST}/{vhost}")
     with pytest.raises(ConfigurationError) as raised:
         await app.start()
     assert str(raised.value) == (
-        f"RabbitMQ at amqp://guest:***@{HOST}/{vhost} refused the login for user 'guest': "
+        f"RabbitMQ at amqp://guest:***@{RABBITMQ_HOST}/{vhost} refused the login for user 'guest': "
         "check the user name and password"
     )
     assert "not-the-password" not in repr(raised.value)
 
 
 async def test_a_broker_that_does_not_answer_is_still_unreachable(prefix: str) -> None:
-    app = App(prefix, transport=f"amqp://guest:secret@{HOST}:{free_port()}/")
+    app = App(prefix, transport=f"amqp://guest:secret@{RABBITMQ_HOST}:{free_port()}/")
     with pytest.raises(Unreachable) as raised:
         await app.start()
-    assert str(raised.value).startswith(f"cannot connect to RabbitMQ at amqp://guest:***@{HOST}")
+    assert str(raised.value).startswith(
+        f"cannot connect to RabbitMQ at amqp://guest:***@{RABBITMQ_HOST}"
+    )
     assert "is it running, and are the host and port right?" in str(raised.value)
 
 
 async def test_a_failed_tls_handshake_is_a_configuration_error_not_unreachable(
     vhost: str, prefix: str
 ) -> None:
-    app = App(prefix, transport=f"amqps://guest:secret@{HOST}:5672/{vhost}")  # no TLS there
+    no_tls_there = f"amqps://guest:secret@{RABBITMQ_HOST}:5672/{vhost}"
+    app = App(prefix, transport=no_tls_there)
     with pytest.raises(ConfigurationError) as raised:
         await app.start()
     text = str(raised.value)
-    assert text.startswith(f"the TLS handshake with RabbitMQ at amqps://guest:***@{HOST}:5672/")
+    assert text.startswith(
+        f"the TLS handshake with RabbitMQ at amqps://guest:***@{RABBITMQ_HOST}:5672/"
+    )
     assert text.endswith(
         "check the port (5671 for amqps), the server's certificate and the CA the client trusts "
         "(?cafile=... in the URL)"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -31,12 +30,9 @@ from mersal.pipeline import Next
 from mersal.transport import Outgoing
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy import SqlStorage, attach
-from tests.sql.conftest import postgres_database
-from tests.support import eventually
+from tests.support import RABBITMQ_HOST, eventually, postgres_database
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
-
-HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
 
 
 @message("ok.refusals.Good")
@@ -215,7 +211,7 @@ def refusing_vhost() -> Iterator[str]:
         rabbitmqctl(
             "set_topic_permissions", "-p", name, "guest", "mersal.events", r"^(ok|work)\.", ".*"
         )
-        yield f"amqp://guest:guest@{HOST}/{name}"
+        yield f"amqp://guest:guest@{RABBITMQ_HOST}/{name}"
     finally:
         rabbitmqctl("delete_vhost", name)
 

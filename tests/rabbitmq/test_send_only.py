@@ -14,8 +14,7 @@ from rabbitmq_support import Broker
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from mersal import App, ConfigurationError, Header, MessageContext, RetryPolicy, message
-from tests.sql.conftest import postgres_database
-from tests.support import eventually
+from tests.support import eventually, postgres_database
 
 pytestmark = pytest.mark.integration
 

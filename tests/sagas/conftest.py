@@ -1,27 +1,21 @@
-"""Fixtures for the saga tests: a PostgreSQL database or SQLite file, RabbitMQ on a vhost.
+"""Fixtures for the saga tests: RabbitMQ seen from outside, and unique app names.
 
-The databases come from tests/sql/conftest.py (a database per test, dropped afterwards, migrated
-with `mersal db upgrade`); the RabbitMQ tests use the session's vhost (tests/conftest.py) and
-delete every queue their apps declared once the test ends.
+The databases come from tests/conftest.py (a database per test, dropped afterwards); the
+RabbitMQ tests use the session's vhost and delete every queue their apps declared once the
+test ends.
 """
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aio_pika
 import pytest
 
 from mersal import App
 from mersal_rabbitmq import RabbitMQTransport
-from tests.sql.conftest import database, postgres_database, sqlite_file
-
-__all__ = ["database"]  # the SQL tests' fixture: a SQLite file, or a migrated PostgreSQL one
-
-HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
+from tests.support import RABBITMQ_HOST
 
 
 class Rabbit:
@@ -73,7 +67,7 @@ class Rabbit:
 @pytest.fixture
 async def rabbit(vhost: str) -> AsyncIterator[Rabbit]:
     """The test vhost's URL and a raw connection; the watched apps' queues go afterwards."""
-    url = f"amqp://guest:guest@{HOST}/{vhost}"
+    url = f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}"
     connection = await aio_pika.connect(url)
     helper = Rabbit(url, connection)
     try:
@@ -89,22 +83,3 @@ async def rabbit(vhost: str) -> AsyncIterator[Rabbit]:
 def prefix() -> str:
     """A prefix that makes this test's app (queue) names unique on the shared vhost."""
     return f"saga{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-async def postgres_url() -> AsyncIterator[str]:
-    """A PostgreSQL database of this test's own, migrated with `mersal db upgrade`."""
-    async with postgres_database(migrate=True) as url:
-        yield url
-
-
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    """A SQLite file of this test's own (the app creates its tables at start)."""
-    return sqlite_file(tmp_path)
-
-
-@pytest.fixture
-def memory_url() -> str:
-    """A memory transport URL whose broker no other test shares."""
-    return f"memory://sagas-{uuid.uuid4().hex}"

@@ -9,7 +9,6 @@ past the 48 days RabbitMQ can wait, returned to its queue every second without e
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,11 +21,10 @@ from mersal import App, MessageContext, RetryPolicy
 from tests.fuzz.amqp import headers_of
 from tests.fuzz.rig import DOOMED, JSON, ORDER, Doom, Doomed, Order
 from tests.rabbitmq.rabbitmq_support import Broker
-from tests.support import eventually
+from tests.support import RABBITMQ_HOST, eventually
 
 pytestmark = pytest.mark.integration
 
-HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
 DOOM_TYPE = f"{Doom.__module__}.{Doom.__qualname__}"
 ORDER_BODY = json.dumps({"order_id": "o-1", "amount": 9.5}).encode()
 DOOMED_BODY = json.dumps({"order_id": "o-1"}).encode()
@@ -54,7 +52,7 @@ class Running:
 
 @pytest.fixture
 async def running(vhost: str) -> AsyncIterator[Running]:
-    url = f"amqp://guest:guest@{HOST}/{vhost}"
+    url = f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}"
     name = f"trust-{uuid.uuid4().hex[:10]}"
     connection = await aio_pika.connect(url)
     broker = Broker(connection, await connection.channel())

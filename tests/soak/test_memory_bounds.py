@@ -46,6 +46,7 @@ from mersal_sqlalchemy import SqlOutboxStore, make_engine, make_tables
 from mersal_sqlalchemy.outbox import write_outbox
 from mersal_sqlalchemy.schema import prepare_schema
 from tests.support import (
+    RABBITMQ_HOST,
     DelegatingTransport,
     broker_channels,
     broker_consumers,
@@ -53,7 +54,6 @@ from tests.support import (
     rabbitmqctl,
 )
 
-HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MiB = 1024 * 1024
 BATCH = 1_000
@@ -430,7 +430,7 @@ def shown(item: object) -> str:
 async def test_rabbitmq_lets_go_of_short_lived_consumers_and_closes_their_channels(
     vhost: str,
 ) -> None:
-    url = f"amqp://guest:guest@{HOST}/{vhost}"
+    url = f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}"
     tag = uuid.uuid4().hex[:10]
     home, queue = f"soak-home-{tag}", f"soak-side-{tag}"
     name = f"soak-{tag}"  # the connection's name, as the broker lists it
@@ -520,7 +520,7 @@ async def test_a_rabbitmq_consumer_keeps_nothing_from_the_channels_it_lost(
     vhost: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="mersal.rabbitmq")
-    url = f"amqp://guest:guest@{HOST}/{vhost}"
+    url = f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}"
     queue = f"soak-lost-{uuid.uuid4().hex[:10]}"
     transport = RabbitMQTransport(url)
     await transport.start()

@@ -26,9 +26,9 @@ from mersal import ConfigurationError
 from mersal.cli import main
 from mersal_sqlalchemy import make_engine, make_tables
 from mersal_sqlalchemy.tables import version_table_name
-from tests.sql.conftest import sqlite_file
 from tests.sql.legacy import migrate_as_before
 from tests.sql.support import Probe, Ran, execute, orders_app, storage_of
+from tests.support import sqlite_file
 
 Mersal = Callable[..., Awaitable[Ran]]
 

@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import time
 import uuid
 from collections import Counter
@@ -41,7 +40,6 @@ from tests.rabbitmq.rabbitmq_support import Broker
 from tests.sql.support import Sink
 from tests.support import DelegatingTransport, eventually
 
-HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
 SHIP = "tests.relay.Ship.v1"
 
 
@@ -137,12 +135,6 @@ class Raw(Broker):
         amqp_queue = await channel.get_queue(queue, ensure=False)
         await amqp_queue.consume(recorder.on_message, no_ack=True)
         return recorder
-
-
-@pytest.fixture
-def amqp_url(vhost: str) -> str:
-    """The AMQP URL of the session's RabbitMQ vhost."""
-    return f"amqp://guest:guest@{HOST}/{vhost}"
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ from mersal_sqlalchemy.tables import (
     schema_table_name,
     version_table_name,
 )
-from tests.sql.conftest import sqlite_file
 from tests.sql.legacy import migrate_as_before
 from tests.sql.support import (
     ORDERS,
@@ -36,7 +35,7 @@ from tests.sql.support import (
     orders_app,
     storage_of,
 )
-from tests.support import eventually
+from tests.support import eventually, sqlite_file
 
 
 def describe_schema(connection: Connection) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,10 +11,8 @@ import pytest
 
 from mersal import App
 from mersal_rabbitmq import RabbitMQTransport
-from tests.sql.conftest import postgres_database
+from tests.support import RABBITMQ_HOST
 from tests.telemetry.support import Recorder
-
-RABBITMQ_HOST = os.environ.get("MERSAL_TEST_RABBITMQ_HOST", "127.0.0.1")
 
 
 @pytest.fixture
@@ -24,13 +21,6 @@ def otel() -> Iterator[Recorder]:
     recorder = Recorder()
     yield recorder
     recorder.shutdown()
-
-
-@pytest.fixture
-async def postgres_url() -> AsyncIterator[str]:
-    """A migrated PostgreSQL database of this test's own, dropped afterwards."""
-    async with postgres_database(migrate=True) as url:
-        yield url
 
 
 @dataclass
