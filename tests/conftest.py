@@ -85,38 +85,42 @@ def sqlite_url(tmp_path: Path) -> str:
     return sqlite_file(tmp_path)
 
 
+@asynccontextmanager
+async def a_database(backend: str, directory: Path, *, tables: str) -> AsyncIterator[str]:
+    """A database of one test's own on `backend`, with our tables as `tables` says: "none",
+    "upgraded" (by `mersal db upgrade`), or "app" (PostgreSQL upgraded; a SQLite file left for
+    the app to create them at start)."""
+    if backend == "sqlite":
+        url = sqlite_file(directory)
+        if tables == "upgraded":
+            from mersal_sqlalchemy.cli import upgrade
+
+            await asyncio.to_thread(upgrade, url)
+        yield url
+        return
+    async with postgres_database(migrate=tables != "none") as url:
+        yield url
+
+
 @pytest.fixture(params=BACKENDS)
 async def database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
     """A database an app can use: a SQLite file (the app creates its tables), or a migrated
     PostgreSQL database."""
-    if request.param == "sqlite":
-        yield sqlite_file(tmp_path)
-        return
-    async with postgres_database(migrate=True) as url:
+    async with a_database(request.param, tmp_path, tables="app") as url:
         yield url
 
 
 @pytest.fixture(params=BACKENDS)
 async def empty_database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
     """A database without our tables: an empty PostgreSQL database, or a new SQLite file."""
-    if request.param == "sqlite":
-        yield sqlite_file(tmp_path)
-        return
-    async with postgres_database(migrate=False) as url:
+    async with a_database(request.param, tmp_path, tables="none") as url:
         yield url
 
 
 @pytest.fixture(params=BACKENDS)
 async def migrated_database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
     """A database with our tables made by `mersal db upgrade`: a SQLite file or PostgreSQL."""
-    from mersal_sqlalchemy.cli import upgrade
-
-    if request.param == "sqlite":
-        url = sqlite_file(tmp_path)
-        await asyncio.to_thread(upgrade, url)
-        yield url
-        return
-    async with postgres_database(migrate=True) as url:
+    async with a_database(request.param, tmp_path, tables="upgraded") as url:
         yield url
 
 
