@@ -6,7 +6,6 @@ tests running side by side never meet, and each is removed afterwards.
 """
 
 import asyncio
-import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -21,9 +20,10 @@ from mersal_rabbitmq import RabbitMQTransport
 from tests.support import (
     BACKENDS,
     RABBITMQ_HOST,
+    add_vhost,
+    delete_vhost,
     postgres_database,
     private_vhost,
-    rabbitmqctl,
     sqlite_file,
 )
 
@@ -35,15 +35,11 @@ MakeTransport = Callable[[], Awaitable[Transport]]
 def vhost() -> Iterator[str]:
     """A RabbitMQ vhost of this test session's own, with guest allowed everything."""
     name = f"mersal-test-{uuid4().hex[:8]}"
+    add_vhost(name)
     try:
-        rabbitmqctl("add_vhost", name)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        pytest.skip(f"RabbitMQ is not available here: {error}")
-    try:
-        rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
         yield name
     finally:
-        rabbitmqctl("delete_vhost", name)
+        delete_vhost(name)
 
 
 @pytest.fixture

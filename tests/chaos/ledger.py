@@ -47,7 +47,7 @@ from sqlalchemy.engine import make_url
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy.cli import upgrade
 from tests.chaos.worker import ERROR_QUEUE, WORK_QUEUE
-from tests.support import RABBITMQ_HOST, SBIN, eventually
+from tests.support import RABBITMQ_HOST, SBIN, add_vhost, delete_vhost, eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_URL = os.environ.get("MERSAL_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -619,12 +619,8 @@ class Scenario:
             await connection.close()
 
     async def _create_vhost(self) -> None:
-        try:
-            await self.ctl("add_vhost", self.vhost)
-        except (OSError, RuntimeError) as error:
-            pytest.skip(f"RabbitMQ is not available here: {error}")
+        await asyncio.to_thread(add_vhost, self.vhost)
         self._created_vhost = True
-        await self.ctl("set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*")
 
     async def _declare_queues(self) -> None:
         """Declare the work queue as the worker app will, so the driver can send before it runs."""
@@ -655,7 +651,7 @@ class Scenario:
         if self._created_database:
             await attempt("dropping the database", self._drop_database())
         if self._created_vhost:
-            await attempt("deleting the vhost", self.ctl("delete_vhost", self.vhost))
+            await attempt("deleting the vhost", asyncio.to_thread(delete_vhost, self.vhost))
         return problems
 
     async def _drop_database(self) -> None:
