@@ -18,12 +18,17 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
+import aio_pika
 import pytest
 
 from mersal.transport import Consumer, Outgoing, Transport, first_failure
 from mersal.transport.limits import Limits
+from mersal_rabbitmq import RabbitMQTransport
+
+if TYPE_CHECKING:
+    from mersal import App
 
 SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 
@@ -202,6 +207,52 @@ def broker_consumers(vhost: str) -> Counter[str]:
     """How many consumers RabbitMQ counts on each queue of `vhost` that has any."""
     rows = rabbitmqctl_rows("list_consumers", "-p", vhost, "queue_name")
     return Counter(row["queue_name"] for row in rows)
+
+
+class Rabbit:
+    """A raw connection to the test vhost: count and publish, and delete the apps' queues."""
+
+    def __init__(self, url: str, connection: aio_pika.abc.AbstractConnection) -> None:
+        self.url = url
+        self.connection = connection
+        self.transports: list[RabbitMQTransport] = []
+
+    def watch(self, app: App) -> App:
+        """Delete the queues `app` declares (wait queues included) after the test."""
+        transport = app.transport
+        assert isinstance(transport, RabbitMQTransport)
+        self.transports.append(transport)
+        return app
+
+    async def count(self, queue: str) -> int:
+        """How many messages are ready in `queue` (0 if it does not exist)."""
+        channel = await self.connection.channel()
+        try:
+            declared = await channel.declare_queue(queue, passive=True)
+            return int(declared.declaration_result.message_count or 0)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return 0
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+
+    async def publish(self, queue: str, message: aio_pika.Message) -> None:
+        """Publish a raw message to `queue` through the default exchange."""
+        channel = await self.connection.channel()
+        try:
+            await channel.default_exchange.publish(message, routing_key=queue)
+        finally:
+            await channel.close()
+
+    async def cleanup(self) -> None:
+        """Delete every queue the watched transports declared."""
+        names = {name for transport in self.transports for name in transport.queues}
+        channel = await self.connection.channel()
+        try:
+            for name in sorted(names):
+                await channel.queue_delete(name)
+        finally:
+            await channel.close()
 
 
 class DelegatingTransport:
