@@ -274,17 +274,17 @@ async def test_always_failing_handler(size: str, tmp_path: Path) -> None:
     assert overlap["n"] > 0  # Work was effected while the burst was being retried
     assert sampler.max_wait <= burst
     assert sampler.max_doom <= burst
-    # (max_doom_listed is reported, not bounded: quorum queues publish the counts that
-    # `rabbitmqctl list_queues` shows with a lag of seconds, so that sum mixes moments.)
+    # (max_doom_listed is reported, not bounded: the management API lists counts with a lag
+    # of seconds, so that sum mixes moments.)
 
 
 class DepthSampler:
     """Samples the ready messages of the input and wait queues, many times a second.
 
     Passive declares on a connection of the test's own give each queue's ready count at once;
-    `rabbitmqctl list_queues name messages` (ready and unacknowledged) takes about a second,
-    so it runs alongside, finds the wait queues and gives a second, slower measure (lagging
-    for quorum queues, whose counts the broker publishes every few seconds). Only
+    the management API's listing (ready and unacknowledged) runs alongside, finds the wait
+    queues and gives a second, slower measure (lagging: the broker publishes its counts every
+    few seconds). Only
     failing messages enter wait queues; Work ready in the input queue is at most what was
     committed by the end of the sample minus what was effected before it, so the rest of
     the input queue's messages, plus the wait queues', are Doom copies.
@@ -317,7 +317,7 @@ class DepthSampler:
         s = self.scenario
         while True:
             before = await s.progress()
-            depths = await s.queue_depths()
+            depths = await s.listed_depths()
             after = await s.progress()
             self.wait_queues |= {queue for queue in depths if ".wait." in queue}
             listed = depths.get(WORK_QUEUE, 0) + sum(
