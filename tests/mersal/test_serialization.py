@@ -647,7 +647,7 @@ class EitherLine:
         (
             EitherLine(Line("pen", 1)),
             "TypeError: Type unions may not contain more than one dataclass or attrs type - "
-            "type `tests.unit.test_serialization.Line | tests.unit.test_serialization.Counted` "
+            "type `tests.mersal.test_serialization.Line | tests.mersal.test_serialization.Counted` "
             "is not supported",
         ),
     ],
