@@ -10,7 +10,14 @@ import msgspec
 import pydantic
 import pytest
 
-from mersal import ConfigurationError, DecodeError, Envelope, Header, message
+from mersal import (
+    App,
+    ConfigurationError,
+    DecodeError,
+    Envelope,
+    Header,
+    message,
+)
 from mersal.messages import (
     IDS_PER_DRAW,
     SHOWN_LENGTH,
@@ -351,3 +358,34 @@ def test_a_shown_header_value_cannot_pass_for_another_field_of_the_line() -> Non
         "type=a\\\\x20b",
         "correlation=None",
     ]
+
+
+@dataclass
+class Job:
+    n: int
+
+
+async def _succeed(message: Job) -> None:
+    return None
+
+
+# Type names the broker cannot carry, refused where they are given.
+
+
+def test_a_message_type_name_over_255_bytes_is_refused_where_it_is_given() -> None:
+    with pytest.raises(ConfigurationError, match="255"):
+        message("x" * 300)
+    message("x" * 255)  # the longest that fits
+
+
+@pytest.mark.parametrize("use", ["register", "route", "subscribe"])
+def test_a_class_whose_default_type_name_is_over_255_bytes_is_refused(use: str) -> None:
+    long_named: type = dataclass(type("L" * 300, (), {"__annotations__": {"n": int}}))
+    app = App("names")
+    with pytest.raises(ConfigurationError, match="255"):
+        if use == "register":
+            app.register(long_named, _succeed)
+        elif use == "route":
+            app.route(long_named, "names")
+        else:
+            app.subscribe(long_named)

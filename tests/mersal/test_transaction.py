@@ -1,16 +1,27 @@
 """The per-message transaction: buffered sends leave in order, after the handler, before the ack."""
 
 import asyncio
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
 
-from mersal import App, Delivery, Header, MessageContext, RetryPolicy
+from mersal import (
+    App,
+    ConfigurationError,
+    Delivery,
+    Envelope,
+    Header,
+    MessageContext,
+    RetryPolicy,
+)
 from mersal.pipeline import Next
 from mersal.testing import Harness
+from mersal.transaction import TransactionClosed
 from mersal.transport import Outgoing
-from mersal.transport.memory import MemoryTransport
+from mersal.transport.memory import MemoryBroker, MemoryTransport
+from tests.support import DelegatingTransport, eventually
 
 
 @dataclass
@@ -248,3 +259,273 @@ async def test_at_the_end_of_commit_the_messages_are_queued_and_the_delivery_is_
     assert app.incoming.names == ["decode", "activate", "dispatch", "commit", "snapshot"]
     assert snapshots == [(3, 1)]
     assert unacked_at_end == 0
+
+
+POLICY = RetryPolicy(immediate=1, delayed=[0.05], error_queue="error")
+"""Two attempts in a row, one delayed attempt, then the error queue: three handler calls."""
+
+
+@dataclass
+class Job:
+    n: int
+
+
+@dataclass
+class Out:
+    text: str
+
+
+class Broken(Exception):
+    """A failure raised on purpose."""
+
+
+def assert_settled(broker: MemoryBroker, queue: str) -> None:
+    """Nothing of `queue` is left ready or unacknowledged."""
+    found = broker.queues[queue]
+    assert found.unacked == 0, f"{queue}: {found.unacked} unacked"
+    assert not found.ready, f"{queue}: {len(found.ready)} ready"
+
+
+async def quiet(broker: MemoryBroker, app: App) -> None:
+    """Wait until the broker is idle and the app has nothing in flight."""
+    await eventually(
+        lambda: broker.idle and app.in_flight == 0,
+        "the broker idle and nothing in flight",
+        timeout=5,
+    )
+
+
+def in_queue(broker: MemoryBroker, queue: str) -> list[Envelope]:
+    """The envelopes waiting in `queue`, in order."""
+    return [stored.envelope for stored in broker.queues[queue].ready]
+
+
+class FailsSecondOnce(DelegatingTransport):
+    """Fails the 2nd message of the first batch of 3 or more once; records every batch's ids."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(MemoryTransport(url))
+        self.batches: list[list[str]] = []
+        self.failed = False
+
+    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
+        """Send all but the second message of a big batch, the first time."""
+        if len(messages) >= 3:
+            self.batches.append([m.envelope.headers[Header.MESSAGE_ID] for m in messages])
+        if self.failed or len(messages) < 3:
+            return await super().send_each(messages)
+        self.failed = True
+        results = await super().send_each([messages[0], *messages[2:]])
+        return [results[0], ConnectionError("lost the second (on purpose)"), *results[1:]]
+
+
+# A send belongs to the attempt that made it.
+
+
+async def test_a_task_of_a_failed_attempt_that_sends_later_gets_transaction_closed() -> None:
+    go = asyncio.Event()
+    late: list[BaseException | None] = []
+    tasks: list[asyncio.Task[None]] = []
+
+    async def send_later(app: App) -> None:
+        await go.wait()
+        try:
+            await app.send(Out("from the failed attempt"))
+        except BaseException as error:
+            late.append(error)
+        else:
+            late.append(None)
+
+    async def handle(message: Job, context: MessageContext) -> None:
+        app = context.app
+        if context.attempt == 1:
+            tasks.append(asyncio.create_task(send_later(app)))
+            raise Broken("attempt 1 fails")
+        await app.send(Out("from attempt 2"))
+        go.set()  # the task of attempt 1 sends while attempt 2 runs
+        async with asyncio.timeout(2):
+            await asyncio.gather(*tasks)
+
+    app = App("tasks", retry=POLICY)
+    app.register(Job, handle)
+    app.route(Out, "outs")
+    async with Harness(app) as bus:
+        outs = bus.broker.declare("outs")
+        await app.send_local(Job(1))
+        await bus.idle(timeout=5)
+        assert_settled(bus.broker, "tasks")
+
+    [error] = late
+    assert isinstance(error, TransactionClosed)
+    assert bus.sent_of(Out) == [Out("from attempt 2")]
+    assert len(outs) == 1
+    assert bus.dead_lettered == []
+
+
+async def test_a_task_that_sends_after_a_successful_attempt_gets_transaction_closed() -> None:
+    go = asyncio.Event()
+    tasks: list[asyncio.Task[str]] = []
+
+    async def send_later(app: App) -> str:
+        await go.wait()
+        return await app.send(Out("too late"))
+
+    async def handle(message: Job, context: MessageContext) -> None:
+        tasks.append(asyncio.create_task(send_later(context.app)))
+
+    app = App("tasks", retry=POLICY)
+    app.register(Job, handle)
+    app.route(Out, "outs")
+    async with Harness(app) as bus:
+        bus.broker.declare("outs")
+        await app.send_local(Job(1))
+        await bus.idle(timeout=5)
+        go.set()
+        [task] = tasks
+        with pytest.raises(TransactionClosed):
+            async with asyncio.timeout(2):
+                await task
+        await bus.idle(timeout=5)
+        assert in_queue(bus.broker, "outs") == []
+
+    assert bus.sent_of(Out) == []
+
+
+async def test_a_transaction_block_inside_a_handler_joins_the_messages_transaction() -> None:
+    seen_while_handling: list[list[Out]] = []
+    joined: list[bool] = []
+
+    async def handle(message: Job, context: MessageContext) -> None:
+        app = context.app
+        async with app.transaction() as transaction:
+            joined.append(transaction is context.transaction)
+            await app.send(Out(f"in the block, attempt {context.attempt}"))
+        seen_while_handling.append(bus.sent_of(Out))
+        await app.send(Out(f"after the block, attempt {context.attempt}"))
+        if context.attempt == 1:
+            raise Broken("attempt 1 fails after its block")
+
+    app = App("blocks", retry=POLICY)
+    app.register(Job, handle)
+    app.route(Out, "outs")
+    async with Harness(app) as bus:
+        bus.broker.declare("outs")
+        await app.send_local(Job(1))
+        await bus.idle(timeout=5)
+        assert_settled(bus.broker, "blocks")
+
+    assert joined == [True, True]
+    assert seen_while_handling == [[], []]  # the block's send waited for the message's commit
+    assert bus.sent_of(Out) == [Out("in the block, attempt 2"), Out("after the block, attempt 2")]
+    assert bus.dead_lettered == []
+
+
+async def test_a_failed_block_inside_a_handler_fails_the_attempt_even_if_caught() -> None:
+    calls: list[int] = []
+
+    async def handle(message: Job, context: MessageContext) -> None:
+        calls.append(context.attempt)
+        app = context.app
+        try:
+            async with app.transaction():
+                await app.send(Out("in the block"))
+                raise Broken("the block fails")
+        except Broken:
+            pass  # the handler carries on as if nothing happened
+        await app.send(Out("after the block"))
+
+    app = App("blocks", retry=POLICY)
+    app.register(Job, handle)
+    app.route(Out, "outs")
+    async with Harness(app) as bus:
+        bus.broker.declare("outs")
+        await app.send_local(Job(1))
+        await bus.idle(timeout=5)
+        assert_settled(bus.broker, "blocks")
+        assert len(in_queue(bus.broker, "error")) == 1
+
+    assert calls == [1, 2, 3]
+    assert bus.sent_of(Out) == []
+    [dead] = bus.dead_lettered
+    assert "the block fails" in dead.error_message
+    assert dead.attempts == POLICY.max_attempts
+
+
+async def test_a_transaction_block_on_another_session_inside_a_handler_is_refused() -> None:
+    refused: list[BaseException] = []
+
+    async def handle(message: Job, context: MessageContext) -> None:
+        app = context.app
+        try:
+            async with app.transaction(object()):
+                await app.send(Out("in the refused block"))
+        except ConfigurationError as error:
+            refused.append(error)
+        await app.send(Out("after"))
+
+    app = App("blocks", retry=POLICY)
+    app.register(Job, handle)
+    app.route(Out, "outs")
+    async with Harness(app) as bus:
+        bus.broker.declare("outs")
+        await app.send_local(Job(1))
+        await bus.idle(timeout=5)
+
+    assert len(refused) == 1
+    assert bus.sent_of(Out) == [Out("after")]
+    assert bus.dead_lettered == []
+
+
+# Stable ids under partial failure: a retried send keeps its id, two messages never share one.
+
+
+async def test_a_retry_after_a_partly_failed_commit_resends_under_the_same_ids(
+    memory_url: str,
+) -> None:
+    calls: list[int] = []
+
+    async def handle(message: Job, context: MessageContext) -> None:
+        calls.append(context.attempt)
+        app = context.app
+        await app.send(Out("one"))
+        await app.send(Out("two"), headers={Header.MESSAGE_ID: "user-chosen-id"})
+        await app.send(Out("three"))
+
+    transport = FailsSecondOnce(memory_url)
+    app = App("stable", transport=transport, retry=POLICY)
+    app.register(Job, handle)
+    app.route(Out, "outs")
+    async with app:
+        await transport.declare("outs")
+        broker = transport.inner.broker  # type: ignore[attr-defined]
+        await app.send_local(Job(1))
+        await eventually(lambda: len(transport.batches) == 2, "two commit attempts", timeout=5)
+        await quiet(broker, app)
+        assert_settled(broker, "stable")
+        arrived = [e.headers[Header.MESSAGE_ID] for e in in_queue(broker, "outs")]
+
+    assert calls == [1, 2]
+    first, second = transport.batches
+    assert first == second
+    assert first[1] == "user-chosen-id"
+    assert len(set(first)) == 3
+    # What reached the queue twice did so under one id, which an inbox downstream recognises.
+    assert Counter(arrived) == {first[0]: 2, "user-chosen-id": 1, first[2]: 2}
+
+
+async def test_two_messages_get_different_derived_ids(memory_url: str) -> None:
+    async def handle(message: Job, context: MessageContext) -> None:
+        for _ in range(3):
+            await context.app.send(Out(str(message.n)))
+
+    transport = FailsSecondOnce(memory_url)
+    transport.failed = True  # no failure: just record the ids
+    app = App("stable", transport=transport, retry=POLICY)
+    app.register(Job, handle)
+    app.route(Out, "outs")
+    async with app:
+        await transport.declare("outs")
+        await app.send_local(Job(1))
+        await app.send_local(Job(2))
+        await eventually(lambda: len(transport.batches) == 2, "both messages' sends", timeout=5)
+    assert len({i for batch in transport.batches for i in batch}) == 6

@@ -1,6 +1,7 @@
 """The worker: concurrency limit, per-key ordering, graceful stop and the grace period."""
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -9,11 +10,17 @@ from dataclasses import dataclass
 
 import pytest
 
-from mersal import App, MessageContext, RetryPolicy
-from mersal.messages import Envelope
+from mersal import (
+    App,
+    Delivery,
+    Envelope,
+    Header,
+    MessageContext,
+    RetryPolicy,
+)
 from mersal.testing import Harness
-from mersal.transport import Consumer, Delivery
-from mersal.transport.memory import MemoryTransport
+from mersal.transport import Consumer
+from mersal.transport.memory import MemoryBroker, MemoryTransport
 from tests.support import DelegatingTransport, eventually
 
 
@@ -463,3 +470,85 @@ async def test_deliveries_that_are_not_hashable_are_handled() -> None:
         await app.send_local(Job(2))
         await eventually(lambda: sorted(handled) == [1, 2], "both jobs handled")
         await eventually(lambda: app.in_flight == 0, "nothing in flight")
+
+
+POLICY = RetryPolicy(immediate=1, delayed=[0.05], error_queue="error")
+"""Two attempts in a row, one delayed attempt, then the error queue: three handler calls."""
+
+
+def in_queue(broker: MemoryBroker, queue: str) -> list[Envelope]:
+    """The envelopes waiting in `queue`, in order."""
+    return [stored.envelope for stored in broker.queues[queue].ready]
+
+
+# A stop past the grace period, and one busy partition key holding back no other.
+
+
+async def test_stopping_past_the_grace_period_returns_the_message_without_counting_it() -> None:
+    started = asyncio.Event()
+    calls: list[int] = []
+
+    async def handle(message: Job) -> None:
+        calls.append(message.n)
+        started.set()
+        await asyncio.Event().wait()
+
+    app = App("stopping", retry=POLICY, grace_period=0.1)
+    app.register(Job, handle)
+    bus = Harness(app)
+    await bus.start()
+    try:
+        message_id = await app.send_local(Job(1))
+        async with asyncio.timeout(2):
+            await started.wait()
+    finally:
+        began = time.monotonic()
+        await bus.stop()
+    assert time.monotonic() - began < 2.0
+
+    queue = bus.broker.queues["stopping"]
+    assert queue.unacked == 0
+    [back] = in_queue(bus.broker, "stopping")
+    assert back.message_id == message_id
+    assert Header.ATTEMPT not in back.headers  # the cut-off attempt did not count
+    assert calls == [1]
+    assert bus.retried == []
+    assert bus.dead_lettered == []
+    assert in_queue(bus.broker, "error") == []
+
+
+async def test_a_hot_keys_backlog_does_not_hold_back_other_keys_and_keeps_its_order() -> None:
+    hot: list[int] = []
+    others: list[int] = []
+    began = 0.0
+    others_done = asyncio.Event()
+
+    async def handle(message: Job, context: MessageContext) -> None:
+        await asyncio.sleep(0.05)
+        if context.envelope.partition_key == "hot":
+            hot.append(message.n)
+            return
+        others.append(message.n)
+        if len(others) == 200:
+            others_done.set()
+
+    app = App("fair", concurrency=32, retry=POLICY, grace_period=1.0)
+    app.register(Job, handle)
+    async with Harness(app) as bus:
+        began = time.monotonic()
+        for n in range(200):
+            await app.send_local(Job(n), partition_key="hot")
+        for n in range(200):
+            await app.send_local(Job(n), partition_key=f"key-{n}")
+        async with asyncio.timeout(15):
+            await others_done.wait()
+        took = time.monotonic() - began
+
+    assert took < 2.0, f"the other keys took {took:.2f}s behind the hot key"
+    assert sorted(others) == list(range(200))
+    assert hot == list(range(len(hot)))
+    queue = bus.broker.queues["fair"]
+    assert queue.unacked == 0
+    # What the stop returned of the hot key waits in order, behind what was handled.
+    left = [json.loads(e.body)["n"] for e in in_queue(bus.broker, "fair")]
+    assert left == list(range(len(hot), 200))
