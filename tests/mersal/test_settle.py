@@ -11,6 +11,7 @@ with headers the broker carries; the outcomes remembered for replays are bounded
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from mersal import (
     Delivery,
     Envelope,
     Header,
+    MersalError,
     MessageContext,
     RequestTimeout,
     RetryPolicy,
@@ -664,3 +666,118 @@ async def test_a_hostile_message_that_always_fails_reaches_the_error_queue_once(
     assert Header.FAILED_AT in dead.headers
     assert dead.headers[Header.MESSAGE_ID] == message_id
     assert dead.body == envelope.body
+
+
+ERROR_QUEUE = "error"
+
+
+THREE_ATTEMPTS = RetryPolicy(immediate=2, delayed=[], error_queue=ERROR_QUEUE)
+"""Three attempts in a row, then the error queue."""
+
+
+def broker_of(app: App) -> MemoryBroker:
+    """The memory broker under `app`'s transport (wrapped or not)."""
+    transport = app.transport
+    while isinstance(transport, DelegatingTransport):
+        transport = transport.inner
+    assert isinstance(transport, MemoryTransport)
+    return transport.broker
+
+
+def settled(broker: MemoryBroker, queue: str) -> bool:
+    """Whether `queue` has nothing ready and nothing unacknowledged."""
+    found = broker.queues[queue]
+    return not found.ready and not found.unacked
+
+
+def waiting(broker: MemoryBroker, queue: str) -> list[Envelope]:
+    """The envelopes ready in `queue`, in order."""
+    return [stored.envelope for stored in broker.queues[queue].ready]
+
+
+async def dead_lettered(broker: MemoryBroker, queue: str) -> list[Envelope]:
+    """Wait until `queue` is settled and the error queue holds a dead letter; what it holds."""
+    await eventually(
+        lambda: settled(broker, queue) and bool(broker.queues[ERROR_QUEUE].ready),
+        f"{queue!r} settled and a dead letter in the error queue",
+    )
+    return waiting(broker, ERROR_QUEUE)
+
+
+def number_of(envelope: Envelope) -> int:
+    """The `n` field of a JSON body."""
+    return int(json.loads(envelope.body)["n"])
+
+
+class RefusingErrorQueue(DelegatingTransport):
+    """A memory transport whose error queue refuses the first `refusals` messages sent to it."""
+
+    def __init__(self, url: str, refusals: int, error: type[MersalError] = MersalError) -> None:
+        super().__init__(MemoryTransport(url))
+        self.refusals = refusals
+        self.refused = 0
+        self.error = error
+
+    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
+        """Refuse what goes to the error queue while refusals are left; send the rest."""
+        results: list[Exception | None] = []
+        for outgoing in messages:
+            if outgoing.address == ERROR_QUEUE and self.refused < self.refusals:
+                self.refused += 1
+                results.append(self.error("the error queue is full (reject-publish), on purpose"))
+            else:
+                results.extend(await self.inner.send_each([outgoing]))
+        return results
+
+
+# A handler that cancels its own task, and a dead letter the error queue refuses for a while.
+
+
+async def test_a_handler_cancelling_its_own_task_fails_each_attempt_then_dead_letters(
+    memory_url: str,
+) -> None:
+    calls = 0
+
+    async def handle(message: Job) -> None:
+        nonlocal calls
+        calls += 1
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await asyncio.sleep(1)
+
+    app = App("self-cancel", transport=memory_url, retry=THREE_ATTEMPTS)
+    app.register(Job, handle)
+    app.route(Job, "self-cancel")
+    async with app:
+        broker = broker_of(app)
+        await app.send(Job(1))
+        [dead] = await dead_lettered(broker, "self-cancel")
+
+    assert calls == THREE_ATTEMPTS.max_attempts
+    assert dead.headers[Header.ERROR_TYPE].endswith("CancelledError")
+    assert dead.headers[Header.ERROR_ATTEMPTS] == str(THREE_ATTEMPTS.max_attempts)
+
+
+async def test_a_message_whose_dead_letter_is_refused_is_not_handled_again(memory_url: str) -> None:
+    calls = 0
+
+    async def handle(message: Job) -> None:
+        nonlocal calls
+        calls += 1
+        raise Broken("always fails")
+
+    transport = RefusingErrorQueue(memory_url, refusals=3)
+    app = App("full-errors", transport=transport, retry=THREE_ATTEMPTS)
+    app.register(Job, handle)
+    app.route(Job, "full-errors")
+    async with app:
+        app.settler.backoff = 0.01  # return the delivery at once after a refusal
+        broker = broker_of(app)
+        await app.send(Job(1))
+        [dead] = await dead_lettered(broker, "full-errors")
+
+    assert transport.refused == 3  # refused three times, taken the fourth
+    assert calls == THREE_ATTEMPTS.max_attempts  # not handled again each time it came back
+    assert dead.headers[Header.ERROR_ATTEMPTS] == str(THREE_ATTEMPTS.max_attempts)
+    assert number_of(dead) == 1

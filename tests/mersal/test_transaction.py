@@ -1,6 +1,7 @@
 """The per-message transaction: buffered sends leave in order, after the handler, before the ack."""
 
 import asyncio
+import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,10 +16,10 @@ from mersal import (
     Header,
     MessageContext,
     RetryPolicy,
+    TransactionClosed,
 )
 from mersal.pipeline import Next
 from mersal.testing import Harness
-from mersal.transaction import TransactionClosed
 from mersal.transport import Outgoing
 from mersal.transport.memory import MemoryBroker, MemoryTransport
 from tests.support import DelegatingTransport, eventually
@@ -529,3 +530,143 @@ async def test_two_messages_get_different_derived_ids(memory_url: str) -> None:
         await app.send_local(Job(2))
         await eventually(lambda: len(transport.batches) == 2, "both messages' sends", timeout=5)
     assert len({i for batch in transport.batches for i in batch}) == 6
+
+
+ERROR_QUEUE = "error"
+
+
+FAIL_FAST = RetryPolicy(immediate=0, delayed=[], error_queue=ERROR_QUEUE)
+"""One attempt, then the error queue."""
+
+
+@dataclass
+class Order:
+    amount: int
+
+
+@dataclass
+class Charge:
+    amount: int
+
+
+@dataclass
+class Note:
+    text: str
+
+
+def broker_of(app: App) -> MemoryBroker:
+    """The memory broker under `app`'s transport (wrapped or not)."""
+    transport = app.transport
+    while isinstance(transport, DelegatingTransport):
+        transport = transport.inner
+    assert isinstance(transport, MemoryTransport)
+    return transport.broker
+
+
+def settled(broker: MemoryBroker, queue: str) -> bool:
+    """Whether `queue` has nothing ready and nothing unacknowledged."""
+    found = broker.queues[queue]
+    return not found.ready and not found.unacked
+
+
+def waiting(broker: MemoryBroker, queue: str) -> list[Envelope]:
+    """The envelopes ready in `queue`, in order."""
+    return [stored.envelope for stored in broker.queues[queue].ready]
+
+
+async def dead_lettered(broker: MemoryBroker, queue: str) -> list[Envelope]:
+    """Wait until `queue` is settled and the error queue holds a dead letter; what it holds."""
+    await eventually(
+        lambda: settled(broker, queue) and bool(broker.queues[ERROR_QUEUE].ready),
+        f"{queue!r} settled and a dead letter in the error queue",
+    )
+    return waiting(broker, ERROR_QUEUE)
+
+
+# Two different messages that came with one id, and a task a failed attempt left behind.
+
+
+async def test_two_different_messages_with_one_id_send_messages_with_different_ids(
+    memory_url: str,
+) -> None:
+    middle = App("middle", transport=memory_url)
+    producer = App("producer", transport=memory_url)
+    producer.route(Order, "middle")
+    middle.route(Charge, "down")
+
+    async def on_order(message: Order) -> None:
+        await middle.send(Charge(message.amount))
+
+    middle.register(Order, on_order)
+    sink = MemoryTransport(memory_url)
+    await sink.start()
+    try:
+        await sink.declare("down")
+        async with middle, producer:
+            broker = broker_of(middle)
+            # A producer that numbers its messages itself, carelessly: one id, two bodies.
+            await producer.send(Order(10), headers={Header.MESSAGE_ID: "1"})
+            await producer.send(Order(99), headers={Header.MESSAGE_ID: "1"})
+            # The same message once more (a duplicate): it derives what the first one did.
+            await producer.send(Order(10), headers={Header.MESSAGE_ID: "1"})
+            await eventually(
+                lambda: len(broker.queues["down"].ready) == 3,
+                'three messages waiting in the "down" queue',
+                timeout=5,
+            )
+            down = waiting(broker, "down")
+    finally:
+        await sink.stop()
+
+    amounts = [json.loads(envelope.body)["amount"] for envelope in down]
+    ids = [envelope.headers[Header.MESSAGE_ID] for envelope in down]
+    assert amounts == [10, 99, 10]
+    assert ids[0] != ids[1]
+    assert ids[2] == ids[0]
+
+
+async def test_a_task_left_behind_cannot_send_through_app_transaction_after_the_attempt(
+    memory_url: str,
+) -> None:
+    attempt_over = asyncio.Event()
+    left_behind: list[asyncio.Task[None]] = []
+    outcomes: list[str] = []
+    notes: list[str] = []
+
+    app = App("left-behind", transport=memory_url, retry=FAIL_FAST)
+
+    async def later() -> None:
+        await attempt_over.wait()
+        try:
+            async with app.transaction():
+                await app.send_local(Note("from a block after the attempt"))
+            outcomes.append("sent")
+        except TransactionClosed:
+            outcomes.append("TransactionClosed")
+
+    async def work(message: Job) -> None:
+        left_behind.append(asyncio.get_running_loop().create_task(later()))
+        raise Broken("the attempt fails")
+
+    async def note(message: Note) -> None:
+        notes.append(message.text)
+
+    app.register(Job, work)
+    app.register(Note, note)
+    routed: list[Outgoing] = []
+    async with app:
+        broker = broker_of(app)
+        broker.observers.append(routed.append)
+        await app.send_local(Job(1))
+        await dead_lettered(broker, "left-behind")
+        attempt_over.set()
+        await asyncio.wait_for(asyncio.gather(*left_behind), 5)
+        await eventually(
+            lambda: settled(broker, "left-behind"),
+            "the delivery settled after the left-behind task ran",
+        )
+
+    assert outcomes == ["TransactionClosed"]
+    assert notes == []
+    note_type = app.types.name_of(Note)
+    assert [o for o in routed if o.envelope.headers.get(Header.TYPE) == note_type] == []
