@@ -8,8 +8,10 @@ from unittest.mock import AsyncMock
 
 import pytest
 from lagom import Container, Singleton
+from sqlalchemy.ext.asyncio import AsyncSession
 from typing_extensions import TypeAliasType
 
+import mersal
 from mersal import App, ConfigurationError, MessageContext, RetryPolicy
 from mersal.testing import Harness
 
@@ -480,7 +482,7 @@ async def string_annotations(message: "PlaceOrder", context: "MessageContext") -
 
 
 async def names_imported_for_type_checking_only(
-    context: "mersal.MessageContext",  # noqa: F821
+    context: "mersal.MessageContext",
     message: "OnlyForTypeCheckers",  # noqa: F821
 ) -> None:
     seen_by_form.append((message, context))
@@ -491,7 +493,7 @@ class ContextFirstObject:
         seen_by_form.append((message, context))
 
 
-class Orders:
+class OrderDesk:
     async def place(self, context: MessageContext, message: PlaceOrder) -> None:
         seen_by_form.append((message, context))
 
@@ -515,7 +517,7 @@ async def with_prefix(prefix: str, message: PlaceOrder, context: MessageContext)
         string_annotations,
         names_imported_for_type_checking_only,
         ContextFirstObject(),
-        Orders().place,
+        OrderDesk().place,
         functools.partial(with_prefix, "bound"),
     ],
     ids=lambda handler: getattr(handler, "__name__", type(handler).__name__),
@@ -1056,3 +1058,68 @@ def test_register_with_a_message_instance_says_to_pass_the_class() -> None:
         "app.register() takes a message class, not RushOrder(order_id='o-1', amount=2): "
         "pass the class itself"
     )
+
+
+class SessionHandler:
+    """Asks for the message's session, as the design's sample handler does."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.session = session
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        pass
+
+
+class Orders:
+    """A repository on the message's session."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.session = session
+
+
+class RepositoryHandler:
+    def __init__(self, orders: Orders) -> None:
+        self.orders = orders
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        pass
+
+
+# A handler needing the message's database session on an app without a database.
+
+
+@pytest.mark.parametrize(
+    ("handler", "trail"),
+    [
+        (SessionHandler, "session: AsyncSession"),
+        (RepositoryHandler, "orders: Orders -> session: AsyncSession"),
+    ],
+)
+async def test_a_handler_asking_for_a_session_without_a_database_is_told_to_pass_one(
+    handler: type, trail: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MERSAL_DATABASE", raising=False)
+    app = App("orders")
+    app.register(PlaceOrder, handler)
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    assert str(raised.value) == (
+        f"handler {handler.__qualname__} needs {trail}, the message's database session, but "
+        "the app has no database: pass App(database='postgresql+asyncpg://...') (or set "
+        "MERSAL_DATABASE), or drop the session from the handler"
+    )
+    assert not app.running
+
+
+async def test_a_session_bound_in_the_users_container_is_not_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lagom import Container
+
+    monkeypatch.delenv("MERSAL_DATABASE", raising=False)
+    container = Container()
+    container[AsyncSession] = lambda: None  # type: ignore[assignment,return-value]
+    app = App("orders", container=container)
+    app.register(PlaceOrder, SessionHandler)
+    async with Harness(app):
+        assert app.running
