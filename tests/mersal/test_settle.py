@@ -1,22 +1,26 @@
-"""Settling a delivery (mersal/settle.py), on the memory transport: each delivery is acked or
-nacked once, whatever its handler or the pipeline does.
+"""How a delivery ends (mersal/settle.py), on the memory transport: one Settler acks, retries,
+dead-letters or gives back each delivery once.
 
-A step that raises, returns without calling on or decides an outcome itself settles through the
-one settle point; whatever a handler raises (BaseException, cancellation, an exception that cannot
-be printed, a hang) is an attempt that ends in the error queue once; a dead letter that cannot
-leave returns its delivery once and leaves later; a hostile message still reaches the error queue
-with headers the broker carries; the outcomes remembered for replays are bounded by bytes.
+Every delivery is acked or nacked exactly once whatever its handler does; a dead letter that
+cannot leave (the error queue refuses it) returns its delivery once and leaves later, and its
+message is not handled again; a hostile message still reaches the error queue with headers the
+broker carries; the outcomes remembered for replays are bounded by bytes; each reply is settled
+once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import mersal.transport.limits
 from mersal import (
@@ -32,9 +36,10 @@ from mersal import (
     message,
 )
 from mersal.dead_letters import DeadLetters
-from mersal.pipeline import HandlerTimeout, Next
-from mersal.settle import ACK, ERROR_HEADERS, Failure, Outcome, Settler, Verdict, remembered_size
+from mersal.pipeline import Next
+from mersal.settle import Failure, Outcome, Settler, Verdict, remembered_size
 from mersal.testing import Harness
+from mersal.transaction import TransactionClosed
 from mersal.transport import Consumer, Outgoing
 from mersal.transport.memory import MemoryBroker, MemoryTransport
 from tests.support import DelegatingTransport, eventually
@@ -47,11 +52,6 @@ POLICY = RetryPolicy(immediate=1, delayed=[0.05], error_queue="error")
 
 @dataclass
 class Job:
-    n: int
-
-
-@dataclass
-class Ping:
     n: int
 
 
@@ -90,16 +90,6 @@ class Broken(Exception):
 
 class Fatal(BaseException):
     """A BaseException that is not an Exception."""
-
-
-class Unprintable(Exception):
-    """An exception that cannot be turned into text."""
-
-    def __str__(self) -> str:
-        raise RuntimeError("no str for you")
-
-    def __repr__(self) -> str:
-        raise RuntimeError("no repr either")
 
 
 def qualified(cls: type) -> str:
@@ -215,123 +205,7 @@ class CountingTransport(DelegatingTransport):
         return results
 
 
-# One settle point: the pipeline's steps and the handler end in one outcome.
-
-
-async def test_a_first_step_that_always_raises_is_retried_then_dead_lettered() -> None:
-    step_calls = 0
-    handled: list[int] = []
-
-    async def broken_step(context: MessageContext, next: Next[MessageContext]) -> None:
-        nonlocal step_calls
-        step_calls += 1
-        raise Broken("the user's step is broken")
-
-    async def handle(message: Job) -> None:
-        handled.append(message.n)
-
-    app = App("steps", retry=POLICY)
-    app.register(Job, handle)
-    app.incoming.insert_before("decode", "broken", broken_step)
-    async with Harness(app) as bus:
-        message_id = await app.send_local(Job(1))
-        await bus.idle(timeout=5)
-        assert_settled(bus.broker, "steps")
-        assert len(in_queue(bus.broker, "error")) == 1
-
-    # Like a handler's failure: immediate retries, the delayed stage, then the error queue.
-    assert step_calls == POLICY.max_attempts
-    assert handled == []
-    assert [r.message_id for r in bus.retried] == [message_id] * len(POLICY.delayed)
-    [dead] = bus.dead_lettered
-    assert dead.message_id == message_id
-    assert dead.error_type == qualified(Broken)
-    assert dead.error_message == "the user's step is broken"
-    assert dead.attempts == POLICY.max_attempts
-    assert dead.source_queue == "steps"
-
-
-async def test_a_first_step_that_fails_once_is_retried_at_once_like_a_handler() -> None:
-    step_calls = 0
-    handled: list[int] = []
-
-    async def flaky_step(context: MessageContext, next: Next[MessageContext]) -> None:
-        nonlocal step_calls
-        step_calls += 1
-        if step_calls == 1:
-            raise Broken("first time only")
-        await next(context)
-
-    async def handle(message: Job) -> None:
-        handled.append(message.n)
-
-    app = App("steps", retry=POLICY)
-    app.register(Job, handle)
-    app.incoming.insert_before("decode", "flaky", flaky_step)
-    async with Harness(app) as bus:
-        await app.send_local(Job(1))
-        await bus.idle(timeout=5)
-        assert_settled(bus.broker, "steps")
-
-    assert step_calls == 2
-    assert handled == [1]
-    assert bus.retried == []
-    assert bus.dead_lettered == []
-
-
-@pytest.mark.parametrize("anchor", ["decode", "dispatch"])
-async def test_a_step_that_returns_without_next_or_outcome_dead_letters_with_a_reason(
-    anchor: str,
-) -> None:
-    step_calls = 0
-    handled: list[int] = []
-
-    async def stops_short(context: MessageContext, next: Next[MessageContext]) -> None:
-        nonlocal step_calls
-        step_calls += 1
-
-    async def handle(message: Job) -> None:
-        handled.append(message.n)
-
-    app = App("steps", retry=POLICY)
-    app.register(Job, handle)
-    app.incoming.insert_before(anchor, "stops_short", stops_short)
-    async with Harness(app) as bus:
-        message_id = await app.send_local(Job(1))
-        await bus.idle(timeout=5)
-        assert_settled(bus.broker, "steps")
-        assert len(in_queue(bus.broker, "error")) == 1
-
-    assert step_calls == 1
-    assert handled == []
-    assert bus.retried == []
-    [dead] = bus.dead_lettered
-    assert dead.message_id == message_id
-    assert "context.outcome" in dead.error_message
-    assert dead.error_type
-
-
-@pytest.mark.parametrize("anchor", ["decode", "dispatch"])
-async def test_a_step_that_decides_ack_without_next_acks_without_handling(anchor: str) -> None:
-    handled: list[int] = []
-
-    async def skip(context: MessageContext, next: Next[MessageContext]) -> None:
-        context.outcome = ACK
-
-    async def handle(message: Job) -> None:
-        handled.append(message.n)
-
-    app = App("steps", retry=POLICY)
-    app.register(Job, handle)
-    app.incoming.insert_before(anchor, "skip", skip)
-    async with Harness(app) as bus:
-        await app.send_local(Job(1))
-        await bus.idle(timeout=5)
-        assert_settled(bus.broker, "steps")
-
-    assert handled == []
-    assert bus.dead_lettered == []
-    assert bus.retried == []
+# Each delivery settled once, and a dead letter that cannot leave.
 
 
 async def _raise_broken(message: Job) -> None:
@@ -545,85 +419,6 @@ async def test_each_reply_is_settled_once_whether_awaited_late_or_bad(memory_url
         assert transport.settles(replies) == [["ack"]] * 3
 
 
-# Everything a handler can throw counts as an attempt.
-
-
-async def _cancelled() -> None:
-    raise asyncio.CancelledError()
-
-
-async def _fatal() -> None:
-    raise Fatal("fatal on purpose")
-
-
-async def _keyboard_interrupt() -> None:
-    raise KeyboardInterrupt()
-
-
-async def _system_exit() -> None:
-    raise SystemExit(3)
-
-
-async def _unprintable() -> None:
-    raise Unprintable()
-
-
-async def _hang() -> None:
-    await asyncio.sleep(60)
-
-
-@pytest.mark.parametrize(
-    ("act", "error_type", "text"),
-    [
-        pytest.param(_cancelled, "asyncio.exceptions.CancelledError", "", id="CancelledError"),
-        pytest.param(_fatal, qualified(Fatal), "fatal on purpose", id="BaseException"),
-        pytest.param(_keyboard_interrupt, "builtins.KeyboardInterrupt", "", id="KeyboardInterrupt"),
-        pytest.param(_system_exit, "builtins.SystemExit", "3", id="SystemExit"),
-        pytest.param(
-            _unprintable, qualified(Unprintable), "str() and repr() fail", id="unprintable"
-        ),
-        pytest.param(_hang, qualified(HandlerTimeout), "within 0.2s", id="hang"),
-    ],
-)
-async def test_whatever_a_handler_raises_is_an_attempt_and_ends_in_the_error_queue_once(
-    act: Callable[[], Awaitable[None]], error_type: str, text: str
-) -> None:
-    calls: list[int] = []
-    pings: list[int] = []
-
-    async def handle(message: Job, context: MessageContext) -> None:
-        calls.append(context.attempt)
-        await act()
-
-    async def ping(message: Ping) -> None:
-        pings.append(message.n)
-
-    app = App("hostile", retry=POLICY, handler_timeout=0.2)
-    app.register(Job, handle)
-    app.register(Ping, ping)
-    async with Harness(app) as bus:
-        message_id = await app.send_local(Job(1))
-        await eventually(lambda: len(calls) >= 1, "the first attempt of the job")
-        await app.send_local(Ping(1))
-        await eventually(lambda: pings == [1], "the worker handles a ping meanwhile")
-        await bus.idle(timeout=5)
-        await app.send_local(Ping(2))  # and after
-        await bus.idle(timeout=5)
-        assert_settled(bus.broker, "hostile")
-        assert len(in_queue(bus.broker, "error")) == 1
-
-    assert calls == [1, 2, 3]
-    assert pings == [1, 2]
-    [dead] = bus.dead_lettered
-    assert dead.message_id == message_id
-    assert dead.message == Job(1)
-    assert set(ERROR_HEADERS) <= set(dead.headers)
-    assert dead.error_type == error_type
-    assert text in dead.error_message
-    assert dead.attempts == POLICY.max_attempts
-    assert dead.source_queue == "hostile"
-
-
 # A dead letter always leaves, whatever headers its message came with.
 
 
@@ -730,33 +525,7 @@ class RefusingErrorQueue(DelegatingTransport):
         return results
 
 
-# A handler that cancels its own task, and a dead letter the error queue refuses for a while.
-
-
-async def test_a_handler_cancelling_its_own_task_fails_each_attempt_then_dead_letters(
-    memory_url: str,
-) -> None:
-    calls = 0
-
-    async def handle(message: Job) -> None:
-        nonlocal calls
-        calls += 1
-        task = asyncio.current_task()
-        assert task is not None
-        task.cancel()
-        await asyncio.sleep(1)
-
-    app = App("self-cancel", transport=memory_url, retry=THREE_ATTEMPTS)
-    app.register(Job, handle)
-    app.route(Job, "self-cancel")
-    async with app:
-        broker = broker_of(app)
-        await app.send(Job(1))
-        [dead] = await dead_lettered(broker, "self-cancel")
-
-    assert calls == THREE_ATTEMPTS.max_attempts
-    assert dead.headers[Header.ERROR_TYPE].endswith("CancelledError")
-    assert dead.headers[Header.ERROR_ATTEMPTS] == str(THREE_ATTEMPTS.max_attempts)
+# A dead letter the error queue refuses for a while.
 
 
 async def test_a_message_whose_dead_letter_is_refused_is_not_handled_again(memory_url: str) -> None:
@@ -781,3 +550,225 @@ async def test_a_message_whose_dead_letter_is_refused_is_not_handled_again(memor
     assert calls == THREE_ATTEMPTS.max_attempts  # not handled again each time it came back
     assert dead.headers[Header.ERROR_ATTEMPTS] == str(THREE_ATTEMPTS.max_attempts)
     assert number_of(dead) == 1
+
+
+EXPLORE = os.environ.get("MERSAL_FUZZ") == "explore"
+"""`make fuzz`: new random examples, ten times as many; `make test`: the same ones every run."""
+
+
+HOSTILE = settings(
+    max_examples=250 if EXPLORE else 25,
+    derandomize=not EXPLORE,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+FAST_POLICY = RetryPolicy(immediate=1, delayed=[0.01], error_queue="error")
+
+
+HANDLER_TIMEOUT = 0.1
+
+
+CAP = 64 * 1024
+"""The app's max_body_size: a body over it is dead-lettered before any handler runs."""
+
+
+PRODUCED = 4 * CAP
+"""The size of the large message a "huge" handler sends."""
+
+
+FAILS = ("raise", "base", "keyboard", "system_exit", "cancel", "unprintable", "hang")
+"""The behaviours that fail every attempt."""
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    """What the handler does with one message."""
+
+    kind: str
+    k: int = 0
+    """For "succeed_on": the attempt that succeeds."""
+    size: int = 0
+    """For "huge": the size of the incoming message's payload."""
+
+    def expected(self) -> tuple[str, int]:
+        """("handled" or "dead", handler calls) this message must end with."""
+        attempts = FAST_POLICY.max_attempts
+        if self.kind in FAILS:
+            return "dead", attempts
+        if self.kind == "succeed_on":
+            return ("handled", self.k) if self.k <= attempts else ("dead", attempts)
+        if self.kind == "huge" and self.size > CAP:
+            return "dead", 0
+        return "handled", 1
+
+
+@dataclass
+class Hostile:
+    n: int
+    payload: str = ""
+
+
+@dataclass
+class Produced:
+    n: int
+    payload: str
+
+
+@dataclass
+class Late:
+    n: int
+
+
+@dataclass
+class Plain:
+    n: int
+
+
+class Unprintable(Exception):
+    """An exception that cannot be turned into text."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no str")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+@dataclass
+class Record:
+    """What the handlers of one example did."""
+
+    behaviours: list[Behaviour]
+    calls: Counter[int] = field(default_factory=Counter)
+    successes: Counter[int] = field(default_factory=Counter)
+    plain: list[int] = field(default_factory=list)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    late: list[asyncio.Task[str]] = field(default_factory=list)
+
+
+async def act(record: Record, message: Hostile, context: MessageContext) -> None:
+    """Do what the message's behaviour says."""
+    behaviour = record.behaviours[message.n]
+    kind = behaviour.kind
+    app = context.app
+    if kind == "raise":
+        raise RuntimeError(f"message {message.n} fails")
+    if kind == "base":
+        raise Fatal(f"message {message.n} fails hard")
+    if kind == "keyboard":
+        raise KeyboardInterrupt()
+    if kind == "system_exit":
+        raise SystemExit(message.n)
+    if kind == "cancel":
+        raise asyncio.CancelledError()
+    if kind == "unprintable":
+        raise Unprintable()
+    if kind == "hang":
+        await asyncio.sleep(60)
+    if kind == "succeed_on" and context.attempt < behaviour.k:
+        raise RuntimeError(f"message {message.n} fails on attempt {context.attempt}")
+    if kind == "late_send":
+        record.late.append(asyncio.create_task(send_late(record, app, message.n)))
+    if kind == "huge":
+        await app.send(Produced(message.n, "y" * PRODUCED))
+
+
+async def send_late(record: Record, app: App, n: int) -> str:
+    """Send once the test says so: after the handler that started this task returned."""
+    await record.release.wait()
+    return await app.send(Late(n))
+
+
+async def run(behaviours: list[Behaviour]) -> None:
+    """Run one batch through a fresh app and check what became of every message."""
+    record = Record(behaviours)
+
+    async def handle(message: Hostile, context: MessageContext) -> None:
+        record.calls[message.n] += 1
+        await act(record, message, context)
+        record.successes[message.n] += 1
+
+    async def plain(message: Plain) -> None:
+        record.plain.append(message.n)
+
+    app = App(
+        "hostile",
+        retry=FAST_POLICY,
+        handler_timeout=HANDLER_TIMEOUT,
+        max_body_size=CAP,
+        concurrency=8,
+    )
+    app.register(Hostile, handle)
+    app.register(Plain, plain)
+    app.route(Produced, "sink")
+    app.route(Late, "sink")
+    async with Harness(app) as bus:
+        broker = bus.broker
+        sink = broker.declare("sink")
+        for n, behaviour in enumerate(behaviours):
+            await app.send_local(Hostile(n, "x" * behaviour.size))
+            await app.send_local(Plain(n))  # the worker keeps handling others throughout
+        await bus.idle(timeout=20)
+
+        record.release.set()
+        async with asyncio.timeout(5):
+            late = await asyncio.gather(*record.late, return_exceptions=True)
+        await app.send_local(Plain(-1))
+        await bus.idle(timeout=20)
+
+        hostile = broker.queues["hostile"]
+        assert hostile.unacked == 0
+        assert not hostile.ready
+        dead = Counter(
+            json.loads(stored.envelope.body)["n"] for stored in broker.queues["error"].ready
+        )
+        reasons = [stored.envelope.headers for stored in broker.queues["error"].ready]
+        arrived = [json.loads(stored.envelope.body) for stored in sink.ready]
+
+    assert all(reason.get(Header.ERROR_TYPE) for reason in reasons)
+    for n, behaviour in enumerate(behaviours):
+        outcome, calls = behaviour.expected()
+        ended = (record.successes[n], dead[n])
+        assert ended in ((1, 0), (0, 1)), f"message {n} ({behaviour}) ended {ended}"
+        assert record.calls[n] <= FAST_POLICY.max_attempts, f"message {n} ({behaviour})"
+        assert ended == ((1, 0) if outcome == "handled" else (0, 1)), f"{n}: {behaviour}"
+        assert record.calls[n] == calls, f"message {n} ({behaviour})"
+    assert sorted(record.plain) == [-1, *range(len(behaviours))]
+    assert all(isinstance(result, TransactionClosed) for result in late), late
+    assert len(late) == sum(b.kind == "late_send" for b in behaviours)
+    assert [body["n"] for body in arrived if "payload" not in body] == []  # no Late arrived
+    produced = sorted(body["n"] for body in arrived)
+    assert produced == [n for n, b in enumerate(behaviours) if b.kind == "huge" and b.size <= CAP]
+    assert all(len(body["payload"]) == PRODUCED for body in arrived)
+
+
+KINDS = ["succeed", "late_send", "succeed_on", "huge", *FAILS]
+
+
+def behaviour(kind: str, k: int, size: int) -> Behaviour:
+    """A behaviour of `kind`, with the attempt or size only where the kind uses it."""
+    return Behaviour(kind, k if kind == "succeed_on" else 0, size if kind == "huge" else 0)
+
+
+BEHAVIOURS = st.builds(
+    behaviour,
+    st.sampled_from(KINDS),
+    st.integers(1, FAST_POLICY.max_attempts + 1),
+    st.sampled_from([CAP // 2, 2 * CAP]),
+)
+
+
+# Hostile handlers (Hypothesis): a batch of messages, each with what its handler does (succeed;
+# raise an Exception, a BaseException, KeyboardInterrupt, SystemExit or CancelledError; raise an
+# exception that cannot be printed; hang past the timeout; send from a task after returning;
+# succeed only on attempt k; a large body). Every message ends once and the worker goes on.
+# `make fuzz` explores more examples (MERSAL_FUZZ=explore).
+
+
+@HOSTILE
+@given(st.lists(BEHAVIOURS, min_size=1, max_size=12))
+def test_every_message_ends_once_whatever_its_handler_does(behaviours: list[Behaviour]) -> None:
+    asyncio.run(run(behaviours))
