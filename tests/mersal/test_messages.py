@@ -535,3 +535,27 @@ def test_a_codec_that_does_not_say_what_it_accepts_is_trusted_with_any_class() -
     app.register(bytes, noop)
     app.route(bytes, "a")
     app.subscribe(bytes)
+
+
+@message("shared.Name.v1")
+@dataclass
+class First:
+    a: int
+
+
+@message("shared.Name.v1")
+@dataclass
+class Second:
+    b: int
+
+
+def test_one_message_name_on_two_classes_is_refused() -> None:
+    app = App("a")
+    app.register(First, noop)
+    with pytest.raises(ConfigurationError) as raised:
+        app.register(Second, noop)
+    text = str(raised.value)
+    assert "shared.Name.v1" in text
+    assert "First" in text
+    assert "Second" in text
+    assert "@message(" in text

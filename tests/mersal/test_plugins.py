@@ -323,3 +323,12 @@ async def test_a_database_that_is_not_a_url_is_refused_as_such(database: str) ->
     with pytest.raises(ConfigurationError, match="is not a database URL") as raised:
         await app.start()
     assert "secret" not in str(raised.value)
+
+
+def test_an_unknown_transport_scheme_names_the_supported_ones() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        App("a", transport="kafka://x")
+    text = str(raised.value)
+    assert "kafka://x" in text
+    assert "memory://" in text
+    assert "amqp://" in text

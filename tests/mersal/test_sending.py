@@ -13,6 +13,7 @@ import pytest
 import mersal
 from mersal import (
     App,
+    ConfigurationError,
     EncodeError,
     Header,
     MersalError,
@@ -771,3 +772,17 @@ async def test_a_float_json_cannot_carry_raises_encode_error_instead_of_arriving
         f"cannot encode Line as JSON: field price holds {amount!r}, which JSON cannot carry (it "
         "would arrive as null): send a finite number"
     )
+
+
+@dataclass
+class Unrouted:
+    n: int
+
+
+async def test_sending_an_unrouted_type_says_to_call_app_route() -> None:
+    app = App("a")
+    async with Harness(app):
+        with pytest.raises(ConfigurationError) as raised:
+            await app.send(Unrouted(1))
+    assert "Unrouted" in str(raised.value)
+    assert "app.route(Unrouted" in str(raised.value)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from mersal import App
+from mersal import App, ConfigurationError, RetryPolicy
 from mersal.testing import Harness
 
 
@@ -98,3 +98,45 @@ async def test_a_handled_type_reached_through_a_related_class_is_not_warned_of(
         async with Harness(app):
             pass
     assert _warnings(caplog) == []
+
+
+# Names, concurrency and subscriptions checked where they are given or at start.
+
+
+async def test_subscribing_without_a_handler_fails_at_start() -> None:
+    app = App("billing")
+    app.subscribe(PlaceOrder)
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    text = str(raised.value)
+    assert "PlaceOrder" in text
+    assert "app.register(PlaceOrder" in text
+    assert not app.running
+
+
+@pytest.mark.parametrize("name", ["", "has space", "-leading-dash", "x" * 201, "semi;colon"])
+def test_invalid_app_names_are_refused(name: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        App(name)
+    assert "App(name)" in str(raised.value)
+    assert "letters, digits" in str(raised.value)
+
+
+@pytest.mark.parametrize("queue", ["", "two words", "#hash", "é"])
+def test_invalid_route_queue_names_are_refused(queue: str) -> None:
+    app = App("a")
+    with pytest.raises(ConfigurationError) as raised:
+        app.route(PlaceOrder, queue)
+    assert "route(PlaceOrder, queue)" in str(raised.value)
+    assert "not a usable queue name" in str(raised.value)
+
+
+def test_an_invalid_error_queue_name_is_refused() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        App("a", retry=RetryPolicy(error_queue="dead letters"))
+    assert "RetryPolicy(error_queue)" in str(raised.value)
+
+
+def test_an_invalid_concurrency_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="concurrency"):
+        App("a", concurrency=0)
