@@ -26,8 +26,15 @@ from mersal.pipeline import HandlerTimeout, Next
 from mersal.settle import ACK, ERROR_HEADERS
 from mersal.testing import Harness
 from mersal.transport import Outgoing
-from mersal.transport.memory import MemoryBroker, MemoryTransport
-from tests.support import DelegatingTransport, eventually
+from tests.mersal.support import (
+    ERROR_QUEUE,
+    assert_settled,
+    broker_of,
+    dead_lettered,
+    in_queue,
+    qualified,
+)
+from tests.support import eventually
 
 
 @dataclass
@@ -345,23 +352,6 @@ class Unprintable(Exception):
         raise RuntimeError("no repr either")
 
 
-def qualified(cls: type) -> str:
-    """`module.QualName` of a class, as the error-type header names it."""
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def assert_settled(broker: MemoryBroker, queue: str) -> None:
-    """Nothing of `queue` is left ready or unacknowledged."""
-    found = broker.queues[queue]
-    assert found.unacked == 0, f"{queue}: {found.unacked} unacked"
-    assert not found.ready, f"{queue}: {len(found.ready)} ready"
-
-
-def in_queue(broker: MemoryBroker, queue: str) -> list[Envelope]:
-    """The envelopes waiting in `queue`, in order."""
-    return [stored.envelope for stored in broker.queues[queue].ready]
-
-
 async def _cancelled() -> None:
     raise asyncio.CancelledError()
 
@@ -386,40 +376,8 @@ async def _hang() -> None:
     await asyncio.sleep(60)
 
 
-ERROR_QUEUE = "error"
-
-
 THREE_ATTEMPTS = RetryPolicy(immediate=2, delayed=[], error_queue=ERROR_QUEUE)
 """Three attempts in a row, then the error queue."""
-
-
-def broker_of(app: App) -> MemoryBroker:
-    """The memory broker under `app`'s transport (wrapped or not)."""
-    transport = app.transport
-    while isinstance(transport, DelegatingTransport):
-        transport = transport.inner
-    assert isinstance(transport, MemoryTransport)
-    return transport.broker
-
-
-def settled(broker: MemoryBroker, queue: str) -> bool:
-    """Whether `queue` has nothing ready and nothing unacknowledged."""
-    found = broker.queues[queue]
-    return not found.ready and not found.unacked
-
-
-def waiting(broker: MemoryBroker, queue: str) -> list[Envelope]:
-    """The envelopes ready in `queue`, in order."""
-    return [stored.envelope for stored in broker.queues[queue].ready]
-
-
-async def dead_lettered(broker: MemoryBroker, queue: str) -> list[Envelope]:
-    """Wait until `queue` is settled and the error queue holds a dead letter; what it holds."""
-    await eventually(
-        lambda: settled(broker, queue) and bool(broker.queues[ERROR_QUEUE].ready),
-        f"{queue!r} settled and a dead letter in the error queue",
-    )
-    return waiting(broker, ERROR_QUEUE)
 
 
 # The pipeline's steps end an attempt as the handler does.

@@ -12,14 +12,13 @@ import pytest
 from mersal import (
     App,
     DecodeError,
-    Envelope,
     Header,
     MessageContext,
     NotRunning,
     RetryPolicy,
     message,
 )
-from mersal.transport.memory import MemoryBroker
+from tests.mersal.support import assert_settled, in_queue, qualified, quiet
 from tests.support import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,32 +55,6 @@ class AnswerOut:
     """The replier's class for the same wire name, which builds any answer."""
 
     n: int
-
-
-def qualified(cls: type) -> str:
-    """`module.QualName` of a class, as the error-type header names it."""
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def assert_settled(broker: MemoryBroker, queue: str) -> None:
-    """Nothing of `queue` is left ready or unacknowledged."""
-    found = broker.queues[queue]
-    assert found.unacked == 0, f"{queue}: {found.unacked} unacked"
-    assert not found.ready, f"{queue}: {len(found.ready)} ready"
-
-
-async def quiet(broker: MemoryBroker, app: App) -> None:
-    """Wait until the broker is idle and the app has nothing in flight."""
-    await eventually(
-        lambda: broker.idle and app.in_flight == 0,
-        "the broker idle and nothing in flight",
-        timeout=5,
-    )
-
-
-def in_queue(broker: MemoryBroker, queue: str) -> list[Envelope]:
-    """The envelopes waiting in `queue`, in order."""
-    return [stored.envelope for stored in broker.queues[queue].ready]
 
 
 @pytest.mark.parametrize(

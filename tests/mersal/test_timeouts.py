@@ -13,18 +13,14 @@ import pytest
 
 from mersal import (
     App,
-    Envelope,
     Header,
     MessageContext,
     RetryPolicy,
 )
-from mersal.transport.memory import MemoryBroker, MemoryTransport
-from tests.support import DelegatingTransport, eventually
+from tests.mersal.support import ERROR_QUEUE, broker_of, in_queue, settled
+from tests.support import eventually
 
 pytestmark = pytest.mark.timeout(60)
-
-
-ERROR_QUEUE = "error"
 
 
 FAIL_FAST = RetryPolicy(immediate=0, delayed=[], error_queue=ERROR_QUEUE)
@@ -34,26 +30,6 @@ FAIL_FAST = RetryPolicy(immediate=0, delayed=[], error_queue=ERROR_QUEUE)
 @dataclass
 class Job:
     n: int
-
-
-def broker_of(app: App) -> MemoryBroker:
-    """The memory broker under `app`'s transport (wrapped or not)."""
-    transport = app.transport
-    while isinstance(transport, DelegatingTransport):
-        transport = transport.inner
-    assert isinstance(transport, MemoryTransport)
-    return transport.broker
-
-
-def settled(broker: MemoryBroker, queue: str) -> bool:
-    """Whether `queue` has nothing ready and nothing unacknowledged."""
-    found = broker.queues[queue]
-    return not found.ready and not found.unacked
-
-
-def waiting(broker: MemoryBroker, queue: str) -> list[Envelope]:
-    """The envelopes ready in `queue`, in order."""
-    return [stored.envelope for stored in broker.queues[queue].ready]
 
 
 class Marker:
@@ -95,7 +71,7 @@ async def test_a_handler_that_swallows_its_timeout_is_cancelled_again_and_dead_l
         )
         took = time.monotonic() - started
         await eventually(lambda: settled(broker, "swallow"), "the delivery settled")
-        [dead] = waiting(broker, ERROR_QUEUE)
+        [dead] = in_queue(broker, ERROR_QUEUE)
 
     assert dead.headers[Header.ERROR_TYPE] == "mersal.timeouts.HandlerTimeout"
     assert (calls, swallowed, finished) == (1, 1, False)

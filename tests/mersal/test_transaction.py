@@ -12,7 +12,6 @@ from mersal import (
     App,
     ConfigurationError,
     Delivery,
-    Envelope,
     Header,
     MessageContext,
     RetryPolicy,
@@ -21,7 +20,16 @@ from mersal import (
 from mersal.pipeline import Next
 from mersal.testing import Harness
 from mersal.transport import Outgoing
-from mersal.transport.memory import MemoryBroker, MemoryTransport
+from mersal.transport.memory import MemoryTransport
+from tests.mersal.support import (
+    ERROR_QUEUE,
+    assert_settled,
+    broker_of,
+    dead_lettered,
+    in_queue,
+    quiet,
+    settled,
+)
 from tests.support import DelegatingTransport, eventually
 
 
@@ -280,27 +288,6 @@ class Broken(Exception):
     """A failure raised on purpose."""
 
 
-def assert_settled(broker: MemoryBroker, queue: str) -> None:
-    """Nothing of `queue` is left ready or unacknowledged."""
-    found = broker.queues[queue]
-    assert found.unacked == 0, f"{queue}: {found.unacked} unacked"
-    assert not found.ready, f"{queue}: {len(found.ready)} ready"
-
-
-async def quiet(broker: MemoryBroker, app: App) -> None:
-    """Wait until the broker is idle and the app has nothing in flight."""
-    await eventually(
-        lambda: broker.idle and app.in_flight == 0,
-        "the broker idle and nothing in flight",
-        timeout=5,
-    )
-
-
-def in_queue(broker: MemoryBroker, queue: str) -> list[Envelope]:
-    """The envelopes waiting in `queue`, in order."""
-    return [stored.envelope for stored in broker.queues[queue].ready]
-
-
 class FailsSecondOnce(DelegatingTransport):
     """Fails the 2nd message of the first batch of 3 or more once; records every batch's ids."""
 
@@ -532,9 +519,6 @@ async def test_two_messages_get_different_derived_ids(memory_url: str) -> None:
     assert len({i for batch in transport.batches for i in batch}) == 6
 
 
-ERROR_QUEUE = "error"
-
-
 FAIL_FAST = RetryPolicy(immediate=0, delayed=[], error_queue=ERROR_QUEUE)
 """One attempt, then the error queue."""
 
@@ -552,35 +536,6 @@ class Charge:
 @dataclass
 class Note:
     text: str
-
-
-def broker_of(app: App) -> MemoryBroker:
-    """The memory broker under `app`'s transport (wrapped or not)."""
-    transport = app.transport
-    while isinstance(transport, DelegatingTransport):
-        transport = transport.inner
-    assert isinstance(transport, MemoryTransport)
-    return transport.broker
-
-
-def settled(broker: MemoryBroker, queue: str) -> bool:
-    """Whether `queue` has nothing ready and nothing unacknowledged."""
-    found = broker.queues[queue]
-    return not found.ready and not found.unacked
-
-
-def waiting(broker: MemoryBroker, queue: str) -> list[Envelope]:
-    """The envelopes ready in `queue`, in order."""
-    return [stored.envelope for stored in broker.queues[queue].ready]
-
-
-async def dead_lettered(broker: MemoryBroker, queue: str) -> list[Envelope]:
-    """Wait until `queue` is settled and the error queue holds a dead letter; what it holds."""
-    await eventually(
-        lambda: settled(broker, queue) and bool(broker.queues[ERROR_QUEUE].ready),
-        f"{queue!r} settled and a dead letter in the error queue",
-    )
-    return waiting(broker, ERROR_QUEUE)
 
 
 # Two different messages that came with one id, and a task a failed attempt left behind.
@@ -614,7 +569,7 @@ async def test_two_different_messages_with_one_id_send_messages_with_different_i
                 'three messages waiting in the "down" queue',
                 timeout=5,
             )
-            down = waiting(broker, "down")
+            down = in_queue(broker, "down")
     finally:
         await sink.stop()
 

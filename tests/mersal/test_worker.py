@@ -6,7 +6,6 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -16,14 +15,21 @@ from mersal import (
     Delivery,
     Envelope,
     Header,
-    MersalError,
     MessageContext,
     OutcomeUnknown,
     RetryPolicy,
 )
 from mersal.testing import Harness
-from mersal.transport import Consumer, Outgoing
-from mersal.transport.memory import MemoryBroker, MemoryTransport
+from mersal.transport import Consumer
+from mersal.transport.memory import MemoryTransport
+from tests.mersal.support import (
+    ERROR_QUEUE,
+    RefusingErrorQueue,
+    broker_of,
+    in_queue,
+    number_of,
+    settled,
+)
 from tests.support import DelegatingTransport, eventually
 
 
@@ -479,11 +485,6 @@ POLICY = RetryPolicy(immediate=1, delayed=[0.05], error_queue="error")
 """Two attempts in a row, one delayed attempt, then the error queue: three handler calls."""
 
 
-def in_queue(broker: MemoryBroker, queue: str) -> list[Envelope]:
-    """The envelopes waiting in `queue`, in order."""
-    return [stored.envelope for stored in broker.queues[queue].ready]
-
-
 # A stop past the grace period, and one busy partition key holding back no other.
 
 
@@ -557,61 +558,12 @@ async def test_a_hot_keys_backlog_does_not_hold_back_other_keys_and_keeps_its_or
     assert left == list(range(len(hot), 200))
 
 
-ERROR_QUEUE = "error"
-
-
 FAIL_FAST = RetryPolicy(immediate=0, delayed=[], error_queue=ERROR_QUEUE)
 """One attempt, then the error queue."""
 
 
 class Broken(Exception):
     """A handler failure on purpose."""
-
-
-def broker_of(app: App) -> MemoryBroker:
-    """The memory broker under `app`'s transport (wrapped or not)."""
-    transport = app.transport
-    while isinstance(transport, DelegatingTransport):
-        transport = transport.inner
-    assert isinstance(transport, MemoryTransport)
-    return transport.broker
-
-
-def settled(broker: MemoryBroker, queue: str) -> bool:
-    """Whether `queue` has nothing ready and nothing unacknowledged."""
-    found = broker.queues[queue]
-    return not found.ready and not found.unacked
-
-
-def waiting(broker: MemoryBroker, queue: str) -> list[Envelope]:
-    """The envelopes ready in `queue`, in order."""
-    return [stored.envelope for stored in broker.queues[queue].ready]
-
-
-def number_of(envelope: Envelope) -> int:
-    """The `n` field of a JSON body."""
-    return int(json.loads(envelope.body)["n"])
-
-
-class RefusingErrorQueue(DelegatingTransport):
-    """A memory transport whose error queue refuses the first `refusals` messages sent to it."""
-
-    def __init__(self, url: str, refusals: int, error: type[MersalError] = MersalError) -> None:
-        super().__init__(MemoryTransport(url))
-        self.refusals = refusals
-        self.refused = 0
-        self.error = error
-
-    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
-        """Refuse what goes to the error queue while refusals are left; send the rest."""
-        results: list[Exception | None] = []
-        for outgoing in messages:
-            if outgoing.address == ERROR_QUEUE and self.refused < self.refusals:
-                self.refused += 1
-                results.append(self.error("the error queue is full (reject-publish), on purpose"))
-            else:
-                results.extend(await self.inner.send_each([outgoing]))
-        return results
 
 
 ROUND_TRIP_HOPS = 20
@@ -717,7 +669,7 @@ async def test_a_lane_waits_for_its_head_whose_dead_letter_was_refused_once(
     assert transport.refused == 1
     # 1 is not handled again; its dead letter leaves before 2 and 3 are handled.
     assert events == [("handled", 1), ("dead", 1), ("handled", 2), ("handled", 3)]
-    assert [number_of(e) for e in waiting(broker, ERROR_QUEUE)] == [1]
+    assert [number_of(e) for e in in_queue(broker, ERROR_QUEUE)] == [1]
 
 
 async def test_stop_returns_in_bounded_time_when_a_handler_ignores_every_cancellation(
@@ -806,5 +758,5 @@ async def test_a_stop_returns_a_long_lane_to_its_queue_in_order_before_it_return
     assert transport.owed_at_stop == 0  # the worker returned every one before the transport
     assert handled == [0]
     assert queue.unacked == 0
-    assert [number_of(envelope) for envelope in waiting(broker, "lanes")] == list(range(count))
+    assert [number_of(envelope) for envelope in in_queue(broker, "lanes")] == list(range(count))
     assert not [r for r in caplog.records if "already settled" in r.getMessage()]

@@ -22,7 +22,7 @@ from mersal import (
     message,
 )
 from mersal.testing import Harness
-from mersal.transport.memory import MemoryBroker
+from tests.mersal.support import assert_settled
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,13 +52,6 @@ class AnswerOut:
     """The replier's class for the same wire name, which builds any answer."""
 
     n: int
-
-
-def assert_settled(broker: MemoryBroker, queue: str) -> None:
-    """Nothing of `queue` is left ready or unacknowledged."""
-    found = broker.queues[queue]
-    assert found.unacked == 0, f"{queue}: {found.unacked} unacked"
-    assert not found.ready, f"{queue}: {len(found.ready)} ready"
 
 
 async def _succeed(message: Job) -> None:
