@@ -101,7 +101,7 @@ SECURITY_TESTS = tests/mersal/test_header_trust.py tests/mersal_rabbitmq/test_he
 
 # make test runs the property tests derandomized (the same examples everywhere); this explores.
 fuzz: $(STAMP)
-	MERSAL_FUZZ=explore $(BIN)/pytest -p no:cacheprovider tests/fuzz $(SECURITY_TESTS) tests/core/test_hostile_handlers.py $(PYTEST_ARGS)
+	MERSAL_FUZZ=explore $(BIN)/pytest -p no:cacheprovider tests/fuzz $(SECURITY_TESTS) tests/mersal/test_settle.py::test_every_message_ends_once_whatever_its_handler_does $(PYTEST_ARGS)
 	$(BIN)/python -m tests.fuzz.fuzz_decode --iterations 200000
 
 docs: $(STAMP)

@@ -5,12 +5,21 @@ import os
 import sys
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
+import attrs
 import msgspec
 import pydantic
 import pytest
 
-from mersal import ConfigurationError, DecodeError, Envelope, Header, message
+from mersal import (
+    App,
+    ConfigurationError,
+    DecodeError,
+    Envelope,
+    Header,
+    message,
+)
 from mersal.messages import (
     IDS_PER_DRAW,
     SHOWN_LENGTH,
@@ -21,6 +30,7 @@ from mersal.messages import (
     shown,
     type_name_of,
 )
+from mersal.testing import Harness
 
 
 @dataclass
@@ -351,3 +361,201 @@ def test_a_shown_header_value_cannot_pass_for_another_field_of_the_line() -> Non
         "type=a\\\\x20b",
         "correlation=None",
     ]
+
+
+@dataclass
+class Job:
+    n: int
+
+
+async def _succeed(message: Job) -> None:
+    return None
+
+
+# Type names the broker cannot carry, refused where they are given.
+
+
+def test_a_message_type_name_over_255_bytes_is_refused_where_it_is_given() -> None:
+    with pytest.raises(ConfigurationError, match="255"):
+        message("x" * 300)
+    message("x" * 255)  # the longest that fits
+
+
+@pytest.mark.parametrize("use", ["register", "route", "subscribe"])
+def test_a_class_whose_default_type_name_is_over_255_bytes_is_refused(use: str) -> None:
+    long_named: type = dataclass(type("L" * 300, (), {"__annotations__": {"n": int}}))
+    app = App("names")
+    with pytest.raises(ConfigurationError, match="255"):
+        if use == "register":
+            app.register(long_named, _succeed)
+        elif use == "route":
+            app.route(long_named, "names")
+        else:
+            app.subscribe(long_named)
+
+
+@dataclass
+class PlaceOrder:
+    order_id: str
+
+
+@dataclass
+class OrderPlaced(Event):
+    order_id: str
+
+
+class Money:
+    """A value msgspec cannot encode."""
+
+    def __init__(self, cents: int) -> None:
+        self.cents = cents
+
+
+class PydanticOrder(pydantic.BaseModel):
+    order_id: str
+
+
+class StructOrder(msgspec.Struct):
+    order_id: str
+
+
+@attrs.define
+class AttrsOrder:
+    order_id: str
+
+
+async def noop(message: object) -> None:
+    pass
+
+
+def _register(app: App, message_type: Any) -> None:
+    app.register(message_type, noop)
+
+
+def _route(app: App, message_type: Any) -> None:
+    app.route(message_type, "orders")
+
+
+def _subscribe(app: App, message_type: Any) -> None:
+    app.subscribe(message_type)
+
+
+USES = {"register": (_register, ", ..."), "route": (_route, ", ..."), "subscribe": (_subscribe, "")}
+
+
+SUPPORTED = "a message is a dataclass, a pydantic model, a msgspec Struct or an attrs class"
+
+
+# Types that are not message classes, refused with the kinds that are.
+
+
+@pytest.mark.parametrize("use", sorted(USES))
+@pytest.mark.parametrize("builtin", [int, str, dict])
+def test_a_builtin_type_is_refused_with_the_supported_kinds(use: str, builtin: type) -> None:
+    call, rest = USES[use]
+    name = builtin.__qualname__
+    with pytest.raises(ConfigurationError) as raised:
+        call(App("a"), builtin)
+    assert str(raised.value) == (
+        f"app.{use}({name}{rest}): {name} is not a message class; {SUPPORTED}: wrap the value "
+        f"in one (e.g. a @dataclass with a field of type {name})"
+    )
+
+
+@pytest.mark.parametrize("use", sorted(USES))
+def test_a_plain_class_is_refused_with_how_to_make_it_a_message(use: str) -> None:
+    call, rest = USES[use]
+    with pytest.raises(ConfigurationError) as raised:
+        call(App("a"), Money)
+    assert str(raised.value) == (
+        f"app.{use}(Money{rest}): Money is not a message class; {SUPPORTED}: make Money one "
+        "(e.g. decorate it with @dataclass)"
+    )
+
+
+@pytest.mark.parametrize("use", sorted(USES))
+def test_something_that_is_not_a_class_is_refused(use: str) -> None:
+    call, _ = USES[use]
+    with pytest.raises(ConfigurationError) as raised:
+        call(App("a"), PlaceOrder("o-1"))
+    assert str(raised.value) == (
+        f"app.{use}() takes a message class, not PlaceOrder(order_id='o-1'): pass the class itself"
+    )
+
+
+@pytest.mark.parametrize("use", sorted(USES))
+@pytest.mark.parametrize("kind", [PlaceOrder, PydanticOrder, StructOrder, AttrsOrder])
+def test_every_supported_kind_of_message_class_is_accepted(use: str, kind: type) -> None:
+    USES[use][0](App("a"), kind)
+
+
+async def test_an_attrs_message_goes_round_trip() -> None:
+    got: list[AttrsOrder] = []
+
+    async def handle(message: AttrsOrder) -> None:
+        got.append(message)
+
+    app = App("orders")
+    app.register(AttrsOrder, handle)
+    app.route(AttrsOrder, "orders")
+    async with Harness(app) as bus:
+        await app.send(AttrsOrder("o-1"))
+        await bus.idle()
+    assert got == [AttrsOrder("o-1")]
+
+
+async def test_a_plain_base_class_of_messages_can_be_handled_and_routed_not_subscribed() -> None:
+    got: list[Event] = []
+
+    async def audit(message: Event) -> None:
+        got.append(message)
+
+    app = App("audit")
+    app.register(Event, audit)
+    app.route(Event, "audit")
+    with pytest.raises(ConfigurationError, match=r"app\.subscribe\(Event\): Event is not"):
+        app.subscribe(Event)
+    async with Harness(app) as bus:
+        await app.send(OrderPlaced("o-1"))
+        await bus.idle()
+    assert got == [OrderPlaced("o-1")]
+
+
+def test_a_codec_that_does_not_say_what_it_accepts_is_trusted_with_any_class() -> None:
+    class BytesCodec:
+        content_type = "application/octet-stream"
+
+        def encode(self, message: object) -> bytes:
+            return bytes(message)  # type: ignore[call-overload]
+
+        def decode(self, body: bytes, cls: type) -> Any:
+            return cls(body)
+
+    app = App("a", codec=BytesCodec())
+    app.register(bytes, noop)
+    app.route(bytes, "a")
+    app.subscribe(bytes)
+
+
+@message("shared.Name.v1")
+@dataclass
+class First:
+    a: int
+
+
+@message("shared.Name.v1")
+@dataclass
+class Second:
+    b: int
+
+
+def test_one_message_name_on_two_classes_is_refused() -> None:
+    app = App("a")
+    app.register(First, noop)
+    with pytest.raises(ConfigurationError) as raised:
+        app.register(Second, noop)
+    text = str(raised.value)
+    assert "shared.Name.v1" in text
+    assert "First" in text
+    assert "Second" in text
+    assert "@message(" in text

@@ -647,7 +647,7 @@ class EitherLine:
         (
             EitherLine(Line("pen", 1)),
             "TypeError: Type unions may not contain more than one dataclass or attrs type - "
-            "type `tests.unit.test_serialization.Line | tests.unit.test_serialization.Counted` "
+            "type `tests.mersal.test_serialization.Line | tests.mersal.test_serialization.Counted` "
             "is not supported",
         ),
     ],
@@ -689,3 +689,27 @@ def test_a_pydantic_model_that_holds_itself_is_an_encode_error_naming_the_cycle(
         "cannot encode NodeModel as JSON: field child holds the message itself again (a cycle), "
         "which JSON cannot carry; send a copy without the cycle (an id in place of the object)"
     )
+
+
+class Money:
+    """A value msgspec cannot encode."""
+
+    def __init__(self, cents: int) -> None:
+        self.cents = cents
+
+
+# A field the codec cannot write is named in the error.
+
+
+def test_a_pydantic_field_that_cannot_be_serialized_is_named() -> None:
+    class Priced(pydantic.BaseModel, arbitrary_types_allowed=True):
+        sku: str
+        price: Money
+
+    with pytest.raises(EncodeError) as raised:
+        JsonCodec().encode(Priced(sku="pen", price=Money(250)))
+    text = str(raised.value)
+    assert text.startswith(
+        f"cannot encode {Priced.__qualname__} as JSON: field price holds a Money ("
+    )
+    assert "PydanticSerializationError" in text

@@ -5,7 +5,12 @@ from typing import Any
 
 import pytest
 
-from mersal import ConfigurationError, Envelope, Header, RetryPolicy
+from mersal import (
+    ConfigurationError,
+    Envelope,
+    Header,
+    RetryPolicy,
+)
 from mersal.retry import MAX_ATTEMPTS, attempts_made
 from mersal.transport.limits import Limits, fit, header_bytes
 
@@ -144,3 +149,16 @@ def test_fit_leaves_small_headers_alone_and_cuts_the_longest_to_fit() -> None:
     assert "x" * 2_000 not in fitted  # an absurd header name is dropped
     assert fitted["type"].startswith("t" * 1_024)
     assert fitted["type"].endswith("[48976 characters cut]")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"immediate": -1}, "immediate"),
+        ({"delayed": [1.0, -2.0]}, "delayed"),
+        ({"fail_fast": ("ValueError",)}, "exception classes"),
+    ],
+)
+def test_an_invalid_retry_policy_is_refused(kwargs: dict[str, object], words: str) -> None:
+    with pytest.raises(ConfigurationError, match=words):
+        RetryPolicy(**kwargs)  # type: ignore[arg-type]

@@ -1,15 +1,40 @@
-"""Retries: immediate, delayed, the error queue, fail-fast, and decode failures."""
+"""Receiving (mersal/receiving.py): each attempt of a delivery ends in one outcome.
 
+Retries immediate and delayed, then the error queue; fail-fast exceptions after one call; an
+undecodable delivery straight to the error queue; a step of the pipeline that raises, returns
+without calling on or decides an outcome itself; whatever a handler raises (BaseException,
+cancellation, an exception that cannot be printed, a hang) counts as one attempt.
+"""
+
+import asyncio
 import json
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import pytest
 
-from mersal import App, Envelope, Header, MessageContext, RetryPolicy
+from mersal import (
+    App,
+    Envelope,
+    Header,
+    MessageContext,
+    RetryPolicy,
+)
+from mersal.pipeline import HandlerTimeout, Next
+from mersal.settle import ACK, ERROR_HEADERS
 from mersal.testing import Harness
 from mersal.transport import Outgoing
+from tests.mersal.support import (
+    ERROR_QUEUE,
+    assert_settled,
+    broker_of,
+    dead_lettered,
+    in_queue,
+    qualified,
+)
+from tests.support import eventually
 
 
 @dataclass
@@ -298,3 +323,258 @@ async def test_json_with_parameters_or_another_case_is_json(content_type: str) -
 
     assert handled == [Charge("o-1", 1.5)]
     assert bus.dead_lettered == []
+
+
+POLICY = RetryPolicy(immediate=1, delayed=[0.05], error_queue="error")
+"""Two attempts in a row, one delayed attempt, then the error queue: three handler calls."""
+
+
+@dataclass
+class Job:
+    n: int
+
+
+class Broken(Exception):
+    """A failure raised on purpose."""
+
+
+class Fatal(BaseException):
+    """A BaseException that is not an Exception."""
+
+
+class Unprintable(Exception):
+    """An exception that cannot be turned into text."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr either")
+
+
+async def _cancelled() -> None:
+    raise asyncio.CancelledError()
+
+
+async def _fatal() -> None:
+    raise Fatal("fatal on purpose")
+
+
+async def _keyboard_interrupt() -> None:
+    raise KeyboardInterrupt()
+
+
+async def _system_exit() -> None:
+    raise SystemExit(3)
+
+
+async def _unprintable() -> None:
+    raise Unprintable()
+
+
+async def _hang() -> None:
+    await asyncio.sleep(60)
+
+
+THREE_ATTEMPTS = RetryPolicy(immediate=2, delayed=[], error_queue=ERROR_QUEUE)
+"""Three attempts in a row, then the error queue."""
+
+
+# The pipeline's steps end an attempt as the handler does.
+
+
+async def test_a_first_step_that_always_raises_is_retried_then_dead_lettered() -> None:
+    step_calls = 0
+    handled: list[int] = []
+
+    async def broken_step(context: MessageContext, next: Next[MessageContext]) -> None:
+        nonlocal step_calls
+        step_calls += 1
+        raise Broken("the user's step is broken")
+
+    async def handle(message: Job) -> None:
+        handled.append(message.n)
+
+    app = App("steps", retry=POLICY)
+    app.register(Job, handle)
+    app.incoming.insert_before("decode", "broken", broken_step)
+    async with Harness(app) as bus:
+        message_id = await app.send_local(Job(1))
+        await bus.idle(timeout=5)
+        assert_settled(bus.broker, "steps")
+        assert len(in_queue(bus.broker, "error")) == 1
+
+    # Like a handler's failure: immediate retries, the delayed stage, then the error queue.
+    assert step_calls == POLICY.max_attempts
+    assert handled == []
+    assert [r.message_id for r in bus.retried] == [message_id] * len(POLICY.delayed)
+    [dead] = bus.dead_lettered
+    assert dead.message_id == message_id
+    assert dead.error_type == qualified(Broken)
+    assert dead.error_message == "the user's step is broken"
+    assert dead.attempts == POLICY.max_attempts
+    assert dead.source_queue == "steps"
+
+
+async def test_a_first_step_that_fails_once_is_retried_at_once_like_a_handler() -> None:
+    step_calls = 0
+    handled: list[int] = []
+
+    async def flaky_step(context: MessageContext, next: Next[MessageContext]) -> None:
+        nonlocal step_calls
+        step_calls += 1
+        if step_calls == 1:
+            raise Broken("first time only")
+        await next(context)
+
+    async def handle(message: Job) -> None:
+        handled.append(message.n)
+
+    app = App("steps", retry=POLICY)
+    app.register(Job, handle)
+    app.incoming.insert_before("decode", "flaky", flaky_step)
+    async with Harness(app) as bus:
+        await app.send_local(Job(1))
+        await bus.idle(timeout=5)
+        assert_settled(bus.broker, "steps")
+
+    assert step_calls == 2
+    assert handled == [1]
+    assert bus.retried == []
+    assert bus.dead_lettered == []
+
+
+@pytest.mark.parametrize("anchor", ["decode", "dispatch"])
+async def test_a_step_that_returns_without_next_or_outcome_dead_letters_with_a_reason(
+    anchor: str,
+) -> None:
+    step_calls = 0
+    handled: list[int] = []
+
+    async def stops_short(context: MessageContext, next: Next[MessageContext]) -> None:
+        nonlocal step_calls
+        step_calls += 1
+
+    async def handle(message: Job) -> None:
+        handled.append(message.n)
+
+    app = App("steps", retry=POLICY)
+    app.register(Job, handle)
+    app.incoming.insert_before(anchor, "stops_short", stops_short)
+    async with Harness(app) as bus:
+        message_id = await app.send_local(Job(1))
+        await bus.idle(timeout=5)
+        assert_settled(bus.broker, "steps")
+        assert len(in_queue(bus.broker, "error")) == 1
+
+    assert step_calls == 1
+    assert handled == []
+    assert bus.retried == []
+    [dead] = bus.dead_lettered
+    assert dead.message_id == message_id
+    assert "context.outcome" in dead.error_message
+    assert dead.error_type
+
+
+@pytest.mark.parametrize("anchor", ["decode", "dispatch"])
+async def test_a_step_that_decides_ack_without_next_acks_without_handling(anchor: str) -> None:
+    handled: list[int] = []
+
+    async def skip(context: MessageContext, next: Next[MessageContext]) -> None:
+        context.outcome = ACK
+
+    async def handle(message: Job) -> None:
+        handled.append(message.n)
+
+    app = App("steps", retry=POLICY)
+    app.register(Job, handle)
+    app.incoming.insert_before(anchor, "skip", skip)
+    async with Harness(app) as bus:
+        await app.send_local(Job(1))
+        await bus.idle(timeout=5)
+        assert_settled(bus.broker, "steps")
+
+    assert handled == []
+    assert bus.dead_lettered == []
+    assert bus.retried == []
+
+
+# Everything a handler can throw counts as an attempt.
+
+
+@pytest.mark.parametrize(
+    ("act", "error_type", "text"),
+    [
+        pytest.param(_cancelled, "asyncio.exceptions.CancelledError", "", id="CancelledError"),
+        pytest.param(_fatal, qualified(Fatal), "fatal on purpose", id="BaseException"),
+        pytest.param(_keyboard_interrupt, "builtins.KeyboardInterrupt", "", id="KeyboardInterrupt"),
+        pytest.param(_system_exit, "builtins.SystemExit", "3", id="SystemExit"),
+        pytest.param(
+            _unprintable, qualified(Unprintable), "str() and repr() fail", id="unprintable"
+        ),
+        pytest.param(_hang, qualified(HandlerTimeout), "within 0.2s", id="hang"),
+    ],
+)
+async def test_whatever_a_handler_raises_is_an_attempt_and_ends_in_the_error_queue_once(
+    act: Callable[[], Awaitable[None]], error_type: str, text: str
+) -> None:
+    calls: list[int] = []
+    pings: list[int] = []
+
+    async def handle(message: Job, context: MessageContext) -> None:
+        calls.append(context.attempt)
+        await act()
+
+    async def ping(message: Ping) -> None:
+        pings.append(message.n)
+
+    app = App("hostile", retry=POLICY, handler_timeout=0.2)
+    app.register(Job, handle)
+    app.register(Ping, ping)
+    async with Harness(app) as bus:
+        message_id = await app.send_local(Job(1))
+        await eventually(lambda: len(calls) >= 1, "the first attempt of the job")
+        await app.send_local(Ping(1))
+        await eventually(lambda: pings == [1], "the worker handles a ping meanwhile")
+        await bus.idle(timeout=5)
+        await app.send_local(Ping(2))  # and after
+        await bus.idle(timeout=5)
+        assert_settled(bus.broker, "hostile")
+        assert len(in_queue(bus.broker, "error")) == 1
+
+    assert calls == [1, 2, 3]
+    assert pings == [1, 2]
+    [dead] = bus.dead_lettered
+    assert dead.message_id == message_id
+    assert dead.message == Job(1)
+    assert set(ERROR_HEADERS) <= set(dead.headers)
+    assert dead.error_type == error_type
+    assert text in dead.error_message
+    assert dead.attempts == POLICY.max_attempts
+    assert dead.source_queue == "hostile"
+
+
+async def test_a_handler_cancelling_its_own_task_fails_each_attempt_then_dead_letters(
+    memory_url: str,
+) -> None:
+    calls = 0
+
+    async def handle(message: Job) -> None:
+        nonlocal calls
+        calls += 1
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await asyncio.sleep(1)
+
+    app = App("self-cancel", transport=memory_url, retry=THREE_ATTEMPTS)
+    app.register(Job, handle)
+    app.route(Job, "self-cancel")
+    async with app:
+        broker = broker_of(app)
+        await app.send(Job(1))
+        [dead] = await dead_lettered(broker, "self-cancel")
+
+    assert calls == THREE_ATTEMPTS.max_attempts
+    assert dead.headers[Header.ERROR_TYPE].endswith("CancelledError")
+    assert dead.headers[Header.ERROR_ATTEMPTS] == str(THREE_ATTEMPTS.max_attempts)

@@ -1,6 +1,7 @@
 """Sending: headers, send/send_local/publish/defer/reply/request, and app.transaction()."""
 
 import asyncio
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -9,8 +10,10 @@ from typing import Any
 
 import pytest
 
+import mersal
 from mersal import (
     App,
+    ConfigurationError,
     EncodeError,
     Header,
     MersalError,
@@ -682,3 +685,104 @@ async def test_a_codec_without_validation_sends_what_it_encodes() -> None:
         await app.send("hello")
         await bus.idle()
     assert got == ["hello"]
+
+
+class Money:
+    """A value msgspec cannot encode."""
+
+    def __init__(self, cents: int) -> None:
+        self.cents = cents
+
+
+@dataclass
+class Line:
+    sku: str
+    price: object
+
+
+@dataclass
+class Invoice:
+    number: int
+    lines: list[Line]
+
+
+# Messages that cannot be encoded: refused at the call, nothing sent or buffered.
+
+
+async def test_a_field_that_cannot_be_encoded_raises_encode_error_and_nothing_is_sent() -> None:
+    app = App("billing")
+    app.route(Invoice, "billing")
+    app.register(Invoice, noop)
+    async with Harness(app) as bus:
+        with pytest.raises(EncodeError) as raised:
+            await app.send(Invoice(7, [Line("pen", 1.5), Line("ink", Money(250))]))
+        await bus.idle()
+        assert bus.sent == []
+    assert str(raised.value) == (
+        "cannot encode Invoice as JSON: field lines[1].price holds a Money; give the field a "
+        "type JSON can carry (str, int, float, bool, None, list, dict with str keys, datetime, "
+        "UUID, Decimal, enum, or a dataclass, pydantic model, msgspec Struct or attrs class) or "
+        "convert the value before sending"
+    )
+    assert issubclass(EncodeError, MersalError)
+    assert mersal.EncodeError is EncodeError
+
+
+async def test_publishing_an_object_that_is_not_a_message_says_what_a_message_is() -> None:
+    app = App("billing")
+    async with Harness(app) as bus:
+        with pytest.raises(EncodeError) as raised:
+            await app.publish(Money(250))
+        assert bus.published == []
+    assert str(raised.value) == (
+        "cannot send Money: a message is a dataclass, a pydantic model, a msgspec Struct or an "
+        "attrs class; make Money one (e.g. decorate it with @dataclass)"
+    )
+
+
+async def test_a_message_that_cannot_be_encoded_is_not_buffered_in_its_transaction() -> None:
+    app = App("billing")
+    app.route(Invoice, "billing")
+    app.register(Invoice, noop)
+    async with Harness(app) as bus:
+        async with app.transaction():
+            await app.send(Invoice(1, []))
+            with pytest.raises(EncodeError, match="field lines"):
+                await app.send(Invoice(2, [Line("ink", Money(250))]))
+            await app.send(Invoice(3, []))
+        await bus.idle()
+    assert bus.sent_of(Invoice) == [Invoice(1, []), Invoice(3, [])]
+
+
+@pytest.mark.parametrize("amount", [math.inf, -math.inf, math.nan])
+async def test_a_float_json_cannot_carry_raises_encode_error_instead_of_arriving_as_null(
+    amount: float,
+) -> None:
+    app = App("billing")
+    app.route(Line, "billing")
+    app.register(Line, noop)
+    async with Harness(app) as bus:
+        with pytest.raises(EncodeError) as raised:
+            await app.send(Line("pen", amount))
+        await app.send(Line("ink", 2.5))
+        await bus.idle()
+        assert bus.sent_of(Line) == [Line("ink", 2.5)]
+        assert bus.dead_lettered == []
+    assert str(raised.value) == (
+        f"cannot encode Line as JSON: field price holds {amount!r}, which JSON cannot carry (it "
+        "would arrive as null): send a finite number"
+    )
+
+
+@dataclass
+class Unrouted:
+    n: int
+
+
+async def test_sending_an_unrouted_type_says_to_call_app_route() -> None:
+    app = App("a")
+    async with Harness(app):
+        with pytest.raises(ConfigurationError) as raised:
+            await app.send(Unrouted(1))
+    assert "Unrouted" in str(raised.value)
+    assert "app.route(Unrouted" in str(raised.value)

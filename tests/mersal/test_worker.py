@@ -1,6 +1,7 @@
 """The worker: concurrency limit, per-key ordering, graceful stop and the grace period."""
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -9,11 +10,26 @@ from dataclasses import dataclass
 
 import pytest
 
-from mersal import App, MessageContext, RetryPolicy
-from mersal.messages import Envelope
+from mersal import (
+    App,
+    Delivery,
+    Envelope,
+    Header,
+    MessageContext,
+    OutcomeUnknown,
+    RetryPolicy,
+)
 from mersal.testing import Harness
-from mersal.transport import Consumer, Delivery
+from mersal.transport import Consumer
 from mersal.transport.memory import MemoryTransport
+from tests.mersal.support import (
+    ERROR_QUEUE,
+    RefusingErrorQueue,
+    broker_of,
+    in_queue,
+    number_of,
+    settled,
+)
 from tests.support import DelegatingTransport, eventually
 
 
@@ -463,3 +479,284 @@ async def test_deliveries_that_are_not_hashable_are_handled() -> None:
         await app.send_local(Job(2))
         await eventually(lambda: sorted(handled) == [1, 2], "both jobs handled")
         await eventually(lambda: app.in_flight == 0, "nothing in flight")
+
+
+POLICY = RetryPolicy(immediate=1, delayed=[0.05], error_queue="error")
+"""Two attempts in a row, one delayed attempt, then the error queue: three handler calls."""
+
+
+# A stop past the grace period, and one busy partition key holding back no other.
+
+
+async def test_stopping_past_the_grace_period_returns_the_message_without_counting_it() -> None:
+    started = asyncio.Event()
+    calls: list[int] = []
+
+    async def handle(message: Job) -> None:
+        calls.append(message.n)
+        started.set()
+        await asyncio.Event().wait()
+
+    app = App("stopping", retry=POLICY, grace_period=0.1)
+    app.register(Job, handle)
+    bus = Harness(app)
+    await bus.start()
+    try:
+        message_id = await app.send_local(Job(1))
+        async with asyncio.timeout(2):
+            await started.wait()
+    finally:
+        began = time.monotonic()
+        await bus.stop()
+    assert time.monotonic() - began < 2.0
+
+    queue = bus.broker.queues["stopping"]
+    assert queue.unacked == 0
+    [back] = in_queue(bus.broker, "stopping")
+    assert back.message_id == message_id
+    assert Header.ATTEMPT not in back.headers  # the cut-off attempt did not count
+    assert calls == [1]
+    assert bus.retried == []
+    assert bus.dead_lettered == []
+    assert in_queue(bus.broker, "error") == []
+
+
+async def test_a_hot_keys_backlog_does_not_hold_back_other_keys_and_keeps_its_order() -> None:
+    hot: list[int] = []
+    others: list[int] = []
+    began = 0.0
+    others_done = asyncio.Event()
+
+    async def handle(message: Job, context: MessageContext) -> None:
+        await asyncio.sleep(0.05)
+        if context.envelope.partition_key == "hot":
+            hot.append(message.n)
+            return
+        others.append(message.n)
+        if len(others) == 200:
+            others_done.set()
+
+    app = App("fair", concurrency=32, retry=POLICY, grace_period=1.0)
+    app.register(Job, handle)
+    async with Harness(app) as bus:
+        began = time.monotonic()
+        for n in range(200):
+            await app.send_local(Job(n), partition_key="hot")
+        for n in range(200):
+            await app.send_local(Job(n), partition_key=f"key-{n}")
+        async with asyncio.timeout(15):
+            await others_done.wait()
+        took = time.monotonic() - began
+
+    assert took < 2.0, f"the other keys took {took:.2f}s behind the hot key"
+    assert sorted(others) == list(range(200))
+    assert hot == list(range(len(hot)))
+    queue = bus.broker.queues["fair"]
+    assert queue.unacked == 0
+    # What the stop returned of the hot key waits in order, behind what was handled.
+    left = [json.loads(e.body)["n"] for e in in_queue(bus.broker, "fair")]
+    assert left == list(range(len(hot), 200))
+
+
+FAIL_FAST = RetryPolicy(immediate=0, delayed=[], error_queue=ERROR_QUEUE)
+"""One attempt, then the error queue."""
+
+
+class Broken(Exception):
+    """A handler failure on purpose."""
+
+
+ROUND_TRIP_HOPS = 20
+"""Event loop turns a nack takes on its way to the broker and back (a broker's is slower)."""
+
+
+class RoundTripDelivery:
+    """A delivery whose nack takes a round trip, as a broker's does."""
+
+    def __init__(self, inner: Delivery) -> None:
+        self.inner = inner
+        self.envelope = inner.envelope
+        self.queue = inner.queue
+        self.redelivered = inner.redelivered
+
+    async def ack(self) -> None:
+        """Ack."""
+        await self.inner.ack()
+
+    async def nack(self, requeue: bool = True) -> None:
+        """Nack, after a round trip through the event loop."""
+        for _ in range(ROUND_TRIP_HOPS):
+            await asyncio.sleep(0)
+        await self.inner.nack(requeue)
+
+
+class RoundTripConsumer:
+    """A consumer whose deliveries nack as a broker's do (not at once)."""
+
+    def __init__(self, inner: Consumer) -> None:
+        self.inner = inner
+
+    async def get(self) -> Delivery:
+        """The next delivery."""
+        return RoundTripDelivery(await self.inner.get())
+
+    async def close(self) -> None:
+        """Stop receiving."""
+        await self.inner.close()
+
+
+class StopWatcher(DelegatingTransport):
+    """A memory transport that notes how many deliveries of `queue` were owed when it stopped."""
+
+    def __init__(self, url: str, queue: str) -> None:
+        super().__init__(MemoryTransport(url))
+        self.queue = queue
+        self.owed_at_stop: int | None = None
+
+    async def consume(self, queue: str, *, prefetch: int) -> Consumer:
+        """Consume; deliveries nack through the event loop."""
+        return RoundTripConsumer(await self.inner.consume(queue, prefetch=prefetch))
+
+    async def stop(self) -> None:
+        """Note what the worker left unsettled, then stop (which returns it)."""
+        transport = self.inner
+        assert isinstance(transport, MemoryTransport)
+        queue = transport.broker.queues.get(self.queue)
+        if queue is not None and self.owed_at_stop is None:
+            self.owed_at_stop = queue.unacked
+        await super().stop()
+
+
+# A key's lane behind a dead letter that could not leave, handlers that ignore cancellation,
+# and a stop with a long lane.
+
+
+async def test_a_lane_waits_for_its_head_whose_dead_letter_was_refused_once(
+    memory_url: str,
+) -> None:
+    events: list[tuple[str, int]] = []
+
+    async def handle(message: Job) -> None:
+        events.append(("handled", message.n))
+        if message.n == 1 and events.count(("handled", 1)) == 1:
+            raise Broken("step 1 fails (fail-fast to the error queue)")
+
+    transport = RefusingErrorQueue(memory_url, refusals=1, error=OutcomeUnknown)
+    app = App("lane", transport=transport, retry=FAIL_FAST, concurrency=4)
+    app.register(Job, handle)
+    app.route(Job, "lane")
+    async with app:
+        app.settler.backoff = 0.01
+        broker = broker_of(app)
+        broker.observers.append(
+            lambda o: (
+                events.append(("dead", number_of(o.envelope))) if o.address == ERROR_QUEUE else None
+            )
+        )
+        async with app.transaction():  # one batch: the three wait in one lane
+            for n in (1, 2, 3):
+                await app.send(Job(n), partition_key="acct-1")
+        await eventually(
+            lambda: (
+                settled(broker, "lane")
+                and ("handled", 3) in events
+                and (("dead", 1) in events or events.count(("handled", 1)) > 1)
+            ),
+            "the lane's head dead-lettered or handled again, and message 3 handled",
+            timeout=5,
+        )
+
+    assert transport.refused == 1
+    # 1 is not handled again; its dead letter leaves before 2 and 3 are handled.
+    assert events == [("handled", 1), ("dead", 1), ("handled", 2), ("handled", 3)]
+    assert [number_of(e) for e in in_queue(broker, ERROR_QUEUE)] == [1]
+
+
+async def test_stop_returns_in_bounded_time_when_a_handler_ignores_every_cancellation(
+    memory_url: str,
+) -> None:
+    grace = 0.2
+    entered = asyncio.Event()
+    release = asyncio.Event()
+    cancellations = 0
+
+    async def handle(message: Job) -> None:
+        nonlocal cancellations
+        entered.set()
+        while not release.is_set():  # a careless retry loop: catches even cancellation
+            try:
+                await release.wait()
+            except BaseException:
+                cancellations += 1
+
+    app = App(
+        "stubborn",
+        transport=memory_url,
+        retry=FAIL_FAST,
+        handler_timeout=None,
+        grace_period=grace,
+    )
+    app.register(Job, handle)
+    app.route(Job, "stubborn")
+    await app.start()
+    broker = broker_of(app)
+    stopping: asyncio.Future[None] | None = None
+    try:
+        await app.send(Job(1))
+        await asyncio.wait_for(entered.wait(), 5)
+        started = time.monotonic()
+        stopping = asyncio.ensure_future(app.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=grace + 6)
+        took = time.monotonic() - started
+        assert stopping in done, f"app.stop() still running after {took:.1f}s"
+        stopping.result()
+        assert took <= grace + 6
+        assert cancellations >= 1
+        assert not app.running
+        # The message is not lost: the transport returned it when it stopped.
+        queue = broker.queues["stubborn"]
+        assert (len(queue.ready), queue.unacked) == (1, 0)
+    finally:
+        release.set()  # let the handler end, so that the test's event loop can close
+        if stopping is None:
+            await app.stop()
+        else:
+            await asyncio.wait_for(asyncio.shield(stopping), 10)
+
+
+async def test_a_stop_returns_a_long_lane_to_its_queue_in_order_before_it_returns(
+    memory_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="mersal")
+    count = 2_000
+    handled: list[int] = []
+    entered = asyncio.Event()
+
+    async def handle(message: Job) -> None:
+        handled.append(message.n)
+        entered.set()
+        await asyncio.Event().wait()  # busy until the stop cancels it
+
+    transport = StopWatcher(memory_url, "lanes")
+    app = App("lanes", transport=transport, concurrency=4, prefetch=count, grace_period=0.05)
+    app.register(Job, handle)
+    app.route(Job, "lanes")
+    await app.start()
+    try:
+        broker = broker_of(app)
+        async with app.transaction():
+            for n in range(count):
+                await app.send(Job(n), partition_key="one-key")
+        await asyncio.wait_for(entered.wait(), 5)
+        queue = broker.queues["lanes"]
+        await eventually(
+            lambda: queue.unacked == count, "every message waiting unacked in the lane", timeout=5
+        )
+    finally:
+        await app.stop()
+
+    assert transport.owed_at_stop == 0  # the worker returned every one before the transport
+    assert handled == [0]
+    assert queue.unacked == 0
+    assert [number_of(envelope) for envelope in in_queue(broker, "lanes")] == list(range(count))
+    assert not [r for r in caplog.records if "already settled" in r.getMessage()]

@@ -8,9 +8,17 @@ from unittest.mock import AsyncMock
 
 import pytest
 from lagom import Container, Singleton
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 from typing_extensions import TypeAliasType
 
-from mersal import App, ConfigurationError, MessageContext, RetryPolicy
+import mersal
+from mersal import (
+    App,
+    ConfigurationError,
+    MessageContext,
+    RetryPolicy,
+)
 from mersal.testing import Harness
 
 
@@ -480,7 +488,7 @@ async def string_annotations(message: "PlaceOrder", context: "MessageContext") -
 
 
 async def names_imported_for_type_checking_only(
-    context: "mersal.MessageContext",  # noqa: F821
+    context: "mersal.MessageContext",
     message: "OnlyForTypeCheckers",  # noqa: F821
 ) -> None:
     seen_by_form.append((message, context))
@@ -491,7 +499,7 @@ class ContextFirstObject:
         seen_by_form.append((message, context))
 
 
-class Orders:
+class OrderDesk:
     async def place(self, context: MessageContext, message: PlaceOrder) -> None:
         seen_by_form.append((message, context))
 
@@ -515,7 +523,7 @@ async def with_prefix(prefix: str, message: PlaceOrder, context: MessageContext)
         string_annotations,
         names_imported_for_type_checking_only,
         ContextFirstObject(),
-        Orders().place,
+        OrderDesk().place,
         functools.partial(with_prefix, "bound"),
     ],
     ids=lambda handler: getattr(handler, "__name__", type(handler).__name__),
@@ -1056,3 +1064,259 @@ def test_register_with_a_message_instance_says_to_pass_the_class() -> None:
         "app.register() takes a message class, not RushOrder(order_id='o-1', amount=2): "
         "pass the class itself"
     )
+
+
+class SessionHandler:
+    """Asks for the message's session, as the design's sample handler does."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.session = session
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        pass
+
+
+class Orders:
+    """A repository on the message's session."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.session = session
+
+
+class RepositoryHandler:
+    def __init__(self, orders: Orders) -> None:
+        self.orders = orders
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        pass
+
+
+# A handler needing the message's database session on an app without a database.
+
+
+@pytest.mark.parametrize(
+    ("handler", "trail"),
+    [
+        (SessionHandler, "session: AsyncSession"),
+        (RepositoryHandler, "orders: Orders -> session: AsyncSession"),
+    ],
+)
+async def test_a_handler_asking_for_a_session_without_a_database_is_told_to_pass_one(
+    handler: type, trail: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MERSAL_DATABASE", raising=False)
+    app = App("orders")
+    app.register(PlaceOrder, handler)
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    assert str(raised.value) == (
+        f"handler {handler.__qualname__} needs {trail}, the message's database session, but "
+        "the app has no database: pass App(database='postgresql+asyncpg://...') (or set "
+        "MERSAL_DATABASE), or drop the session from the handler"
+    )
+    assert not app.running
+
+
+async def test_a_session_bound_in_the_users_container_is_not_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lagom import Container
+
+    monkeypatch.delenv("MERSAL_DATABASE", raising=False)
+    container = Container()
+    container[AsyncSession] = lambda: None  # type: ignore[assignment,return-value]
+    app = App("orders", container=container)
+    app.register(PlaceOrder, SessionHandler)
+    async with Harness(app):
+        assert app.running
+
+
+class PaymentGateway:
+    """A dependency nobody binds; it needs a URL, which no container can invent."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+class ChargeHandler:
+    def __init__(self, gateway: PaymentGateway) -> None:
+        self.gateway = gateway
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        pass
+
+
+class NotCallable:
+    """A handler class someone forgot to give a `__call__`."""
+
+    def __init__(self) -> None:
+        pass
+
+
+async def noop(message: object) -> None:
+    pass
+
+
+class SyncSessionHandler:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        pass
+
+
+class LabelledHandler:
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        pass
+
+
+class Unresolvable:
+    """A library's class whose constructor's hints name what its module does not import."""
+
+    def __init__(self, mapper: "Mapper") -> None:  # noqa: F821
+        self.mapper = mapper
+
+
+class UnresolvableHandler:
+    def __init__(self, thing: Unresolvable) -> None:
+        self.thing = thing
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        pass
+
+
+class Unhinted:
+    """A library's class whose constructor's parameters carry no type hints."""
+
+    def __init__(self, url, timeout=5.0) -> None:  # type: ignore[no-untyped-def]
+        self.url = url
+
+
+class UnhintedHandler:
+    def __init__(self, client: Unhinted) -> None:
+        self.client = client
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        pass
+
+
+# Handlers whose dependencies or form cannot work, refused with what to change.
+
+
+async def test_a_handler_needing_an_unprovided_type_fails_at_start() -> None:
+    app = App("billing")
+    app.register(PlaceOrder, ChargeHandler)  # registering is fine; start() checks
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    assert str(raised.value) == (
+        "handler ChargeHandler needs gateway: PaymentGateway -> url: str, and a str cannot be "
+        "injected by its type: give `url` a default, or bind PaymentGateway in the lagom "
+        "Container passed as App(container=...), e.g. container[PaymentGateway] = "
+        "PaymentGateway(...)"
+    )
+    assert not app.running
+
+
+async def test_a_handler_asking_for_the_sync_session_is_told_to_ask_for_async_session() -> None:
+    app = App("a")
+    app.register(PlaceOrder, SyncSessionHandler)
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    assert str(raised.value) == (
+        "handler SyncSessionHandler needs session: Session, SQLAlchemy's synchronous session, "
+        "which Mersal does not provide: ask for the message's "
+        "sqlalchemy.ext.asyncio.AsyncSession instead"
+    )
+
+
+async def test_a_handler_needing_a_str_itself_is_to_take_a_default_or_be_an_instance() -> None:
+    app = App("billing")
+    app.register(PlaceOrder, LabelledHandler)
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    assert str(raised.value) == (
+        "handler LabelledHandler needs label: str, and a str cannot be injected by its type: "
+        "give `label` a default, or register an instance, LabelledHandler(...), in place of "
+        "the class"
+    )
+
+
+async def test_a_handler_instance_holding_its_str_runs() -> None:
+    got: list[str] = []
+
+    class Labelled:
+        def __init__(self, label: str) -> None:
+            self.label = label
+
+        async def __call__(self, message: PlaceOrder) -> None:
+            got.append(self.label)
+
+    app = App("billing")
+    app.register(PlaceOrder, Labelled("eu"))
+    app.route(PlaceOrder, "billing")
+    async with Harness(app) as bus:
+        await app.send(PlaceOrder("o-1", 10.0))
+        await bus.idle()
+    assert got == ["eu"]
+
+
+async def test_a_dependency_whose_hints_do_not_resolve_is_to_be_bound() -> None:
+    app = App("a")
+    app.register(PlaceOrder, UnresolvableHandler)
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    assert str(raised.value) == (
+        "handler UnresolvableHandler needs thing: Unresolvable, which nobody provides (nor can "
+        "it be built: Unresolvable.__init__'s type hints do not resolve): bind it in the lagom "
+        "Container passed as App(container=...), e.g. container[Unresolvable] = ..."
+    )
+
+
+async def test_a_dependency_without_type_hints_is_to_be_bound() -> None:
+    app = App("a")
+    app.register(PlaceOrder, UnhintedHandler)
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    assert str(raised.value) == (
+        "handler UnhintedHandler needs client: Unhinted, which nobody provides (nor can it be "
+        "built: Unhinted.__init__'s parameter 'url' has no type hint): bind it in the lagom "
+        "Container passed as App(container=...), e.g. container[Unhinted] = ..."
+    )
+
+
+def test_a_handler_class_without_call_is_refused() -> None:
+    app = App("a")
+    with pytest.raises(ConfigurationError, match="__call__"):
+        app.register(PlaceOrder, NotCallable)
+
+
+def test_a_handler_class_with_a_sync_call_is_refused() -> None:
+    app = App("a")
+    with pytest.raises(ConfigurationError, match="async def __call__"):
+        app.register(PlaceOrder, SyncCall)
+
+
+def test_a_non_async_function_handler_is_refused() -> None:
+    def handle(message: PlaceOrder) -> None:
+        pass
+
+    app = App("a")
+    with pytest.raises(ConfigurationError) as raised:
+        app.register(PlaceOrder, handle)
+    assert "async def" in str(raised.value)
+
+
+def test_the_same_handler_twice_for_one_type_is_refused() -> None:
+    app = App("a")
+    app.register(PlaceOrder, noop)
+    with pytest.raises(ConfigurationError, match="already registered"):
+        app.register(PlaceOrder, noop)
+
+
+def test_registering_something_that_is_not_a_class_is_refused() -> None:
+    app = App("a")
+    with pytest.raises(ConfigurationError, match="message class"):
+        app.register("PlaceOrder", noop)  # type: ignore[arg-type]

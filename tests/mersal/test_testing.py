@@ -9,12 +9,14 @@ import pytest
 from mersal import (
     App,
     ConfigurationError,
+    DecodeError,
     Envelope,
     Header,
     MersalError,
     MessageContext,
     RetryPolicy,
     Unroutable,
+    message,
 )
 from mersal.testing import DeadLetter, Harness, NotIdle
 from mersal.transport import Outgoing
@@ -329,3 +331,54 @@ async def test_a_message_the_broker_refused_is_not_recorded_as_sent() -> None:
             await app.send(PlaceOrder("o-1"))
 
     assert bus.sent_of(PlaceOrder) == []
+
+
+POLICY = RetryPolicy(immediate=1, delayed=[0.05], error_queue="error")
+"""Two attempts in a row, one delayed attempt, then the error queue: three handler calls."""
+
+
+@dataclass
+class Ask:
+    n: int
+
+
+@message("settle.Answer")
+@dataclass
+class Answer:
+    """The requester's reply class: a negative answer cannot be built."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n == -2:
+            raise asyncio.CancelledError()
+        if self.n == -3:
+            raise KeyboardInterrupt()
+        if self.n < 0:
+            raise RuntimeError(f"an answer cannot be negative ({self.n})")
+
+
+@message("settle.Answer")
+@dataclass
+class AnswerOut:
+    """The replier's class for the same wire name, which builds any answer."""
+
+    n: int
+
+
+async def test_the_harness_carries_a_reply_whose_class_cannot_be_built() -> None:
+    async def answer(message: Ask, context: MessageContext) -> None:
+        await context.app.reply(AnswerOut(message.n))
+
+    client = App("client", retry=POLICY)
+    client.route(Ask, "server")
+    client.types.add(Answer)
+    server = App("server", retry=POLICY)
+    server.register(Ask, answer)
+    async with Harness(client, server) as bus:
+        with pytest.raises(DecodeError):
+            await client.request(Ask(-1), reply_type=Answer, timeout=1)
+        await bus.idle(timeout=5)
+    [dead] = bus.dead_lettered
+    assert dead.source_queue.startswith("client.replies.")
+    assert dead.message == AnswerOut(-1)  # the app whose class can build it decoded it

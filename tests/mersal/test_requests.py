@@ -1,0 +1,120 @@
+"""Request/reply (app.request): a reply that cannot be built fails its request, not the app;
+a stop fails a pending request at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from mersal import (
+    App,
+    DecodeError,
+    Header,
+    MessageContext,
+    NotRunning,
+    RetryPolicy,
+    message,
+)
+from tests.mersal.support import assert_settled, in_queue, qualified, quiet
+from tests.support import eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+
+POLICY = RetryPolicy(immediate=1, delayed=[0.05], error_queue="error")
+"""Two attempts in a row, one delayed attempt, then the error queue: three handler calls."""
+
+
+@dataclass
+class Ask:
+    n: int
+
+
+@message("settle.Answer")
+@dataclass
+class Answer:
+    """The requester's reply class: a negative answer cannot be built."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n == -2:
+            raise asyncio.CancelledError()
+        if self.n == -3:
+            raise KeyboardInterrupt()
+        if self.n < 0:
+            raise RuntimeError(f"an answer cannot be negative ({self.n})")
+
+
+@message("settle.Answer")
+@dataclass
+class AnswerOut:
+    """The replier's class for the same wire name, which builds any answer."""
+
+    n: int
+
+
+@pytest.mark.parametrize(
+    ("n", "raised", "text"),
+    [
+        pytest.param(-1, RuntimeError, "cannot be negative", id="RuntimeError"),
+        pytest.param(
+            -2,
+            asyncio.CancelledError,
+            "",
+            id="CancelledError",
+        ),
+        pytest.param(-3, KeyboardInterrupt, "", id="KeyboardInterrupt"),
+    ],
+)
+async def test_a_reply_that_cannot_be_built_fails_its_request_and_later_requests_work(
+    memory_url: str, n: int, raised: type[BaseException], text: str
+) -> None:
+    async def answer(message: Ask, context: MessageContext) -> None:
+        await context.app.reply(AnswerOut(message.n))
+
+    client = App("client", transport=memory_url, retry=POLICY)
+    client.route(Ask, "server")
+    server = App("server", transport=memory_url, retry=POLICY)
+    server.register(Ask, answer)
+    async with server, client:
+        broker = client.transport.broker  # type: ignore[attr-defined]
+        began = time.monotonic()
+        with pytest.raises(DecodeError):
+            await client.request(Ask(n), reply_type=Answer, timeout=3)
+        assert time.monotonic() - began < 2.0
+        assert await client.request(Ask(2), reply_type=Answer, timeout=2) == Answer(2)
+        assert await client.request(Ask(3), reply_type=Answer, timeout=2) == Answer(3)
+        await eventually(
+            lambda: len(broker.queues["error"]) == 1, "the bad reply in the error queue", timeout=5
+        )
+        [dead] = in_queue(broker, "error")
+        [replies] = [name for name in broker.queues if name.startswith("client.replies.")]
+        await quiet(broker, client)
+        assert_settled(broker, replies)
+    assert dead.headers[Header.ERROR_QUEUE] == replies
+    assert dead.headers[Header.ERROR_TYPE] == qualified(raised)
+    assert text in dead.headers[Header.ERROR_MESSAGE]
+    assert dead.body == f'{{"n":{n}}}'.encode()
+
+
+async def test_stop_fails_a_pending_request_promptly_with_not_running(memory_url: str) -> None:
+    client = App("client", transport=memory_url)
+    client.route(Ask, "void")
+    await client.start()
+    try:
+        await client.transport.declare("void")  # nobody consumes it: no reply will come
+        void = client.transport.broker.queues["void"]  # type: ignore[attr-defined]
+        request = asyncio.create_task(client.request(Ask(1), reply_type=Answer, timeout=30))
+        await eventually(lambda: len(void) == 1, "the request waiting in its queue for a reply")
+        assert not request.done()
+    finally:
+        began = time.monotonic()
+        await client.stop()
+    with pytest.raises(NotRunning):
+        async with asyncio.timeout(2):
+            await request
+    assert time.monotonic() - began < 2.0

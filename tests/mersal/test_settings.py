@@ -1,0 +1,142 @@
+"""The app's settings checked at start (mersal/settings.py): a handled type that no route to
+this app's queue and no subscription brings is warned of, naming what to add."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from mersal import App, ConfigurationError, RetryPolicy
+from mersal.testing import Harness
+
+
+@dataclass
+class PlaceOrder:
+    order_id: str
+
+
+@dataclass
+class Animal:
+    name: str
+
+
+@dataclass
+class Dog(Animal):
+    breed: str
+
+
+async def noop(message: object) -> None:
+    pass
+
+
+UNDELIVERED = (
+    "app 'billing' handles PlaceOrder but neither routes it to its own queue nor subscribes to "
+    "it: its handler runs only for a PlaceOrder sent with send_local, routed here by another "
+    "app or replied to this app; app.route(PlaceOrder, 'billing') if this app receives it, "
+    "app.subscribe(PlaceOrder) if it is a published event"
+)
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "mersal.app" and r.levelno == logging.WARNING
+    ]
+
+
+async def test_a_handled_type_neither_routed_here_nor_subscribed_is_warned_of_at_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = App("billing")
+    app.register(PlaceOrder, noop)
+    app.route(PlaceOrder, "orders")  # routed, but elsewhere
+    with caplog.at_level(logging.WARNING, logger="mersal.app"):
+        async with Harness(app):
+            pass
+    assert _warnings(caplog) == [UNDELIVERED]
+
+
+@pytest.mark.parametrize(
+    "configure",
+    [
+        pytest.param(lambda app: app.route(PlaceOrder, "billing"), id="routed-here"),
+        pytest.param(lambda app: app.subscribe(PlaceOrder), id="subscribed"),
+    ],
+)
+async def test_a_handled_type_routed_here_or_subscribed_is_not_warned_of(
+    configure: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = App("billing")
+    app.register(PlaceOrder, noop)
+    configure(app)
+    with caplog.at_level(logging.WARNING, logger="mersal.app"):
+        async with Harness(app):
+            pass
+    assert _warnings(caplog) == []
+
+
+@pytest.mark.parametrize(
+    "configure",
+    [
+        pytest.param(lambda app: app.subscribe(Dog), id="a-subclass-subscribed"),
+        pytest.param(lambda app: app.route(Dog, "vet"), id="a-subclass-routed-here"),
+        pytest.param(lambda app: app.route(Animal, "vet"), id="a-base-routed-here"),
+    ],
+)
+async def test_a_handled_type_reached_through_a_related_class_is_not_warned_of(
+    configure: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = App("vet")
+    app.register(Animal, noop)  # a Dog is an Animal: Dog messages reach this handler
+    app.register(Dog, noop)  # a route for Animal covers Dog
+    configure(app)
+    with caplog.at_level(logging.WARNING, logger="mersal.app"):
+        async with Harness(app):
+            pass
+    assert _warnings(caplog) == []
+
+
+# Names, concurrency and subscriptions checked where they are given or at start.
+
+
+async def test_subscribing_without_a_handler_fails_at_start() -> None:
+    app = App("billing")
+    app.subscribe(PlaceOrder)
+    with pytest.raises(ConfigurationError) as raised:
+        await app.start()
+    text = str(raised.value)
+    assert "PlaceOrder" in text
+    assert "app.register(PlaceOrder" in text
+    assert not app.running
+
+
+@pytest.mark.parametrize("name", ["", "has space", "-leading-dash", "x" * 201, "semi;colon"])
+def test_invalid_app_names_are_refused(name: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        App(name)
+    assert "App(name)" in str(raised.value)
+    assert "letters, digits" in str(raised.value)
+
+
+@pytest.mark.parametrize("queue", ["", "two words", "#hash", "é"])
+def test_invalid_route_queue_names_are_refused(queue: str) -> None:
+    app = App("a")
+    with pytest.raises(ConfigurationError) as raised:
+        app.route(PlaceOrder, queue)
+    assert "route(PlaceOrder, queue)" in str(raised.value)
+    assert "not a usable queue name" in str(raised.value)
+
+
+def test_an_invalid_error_queue_name_is_refused() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        App("a", retry=RetryPolicy(error_queue="dead letters"))
+    assert "RetryPolicy(error_queue)" in str(raised.value)
+
+
+def test_an_invalid_concurrency_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="concurrency"):
+        App("a", concurrency=0)
