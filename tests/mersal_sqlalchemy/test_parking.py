@@ -28,17 +28,16 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMe
 from sqlalchemy import Table, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from mersal import App, Header, MessageContext, RetryPolicy, message
+from mersal import App, Header, MersalError, MessageContext, RetryPolicy, message
 from mersal.errors import OutcomeUnknown, RequestTimeout
 from mersal.messages import Envelope
 from mersal.outbox import OutboxRow
 from mersal.transport import Outgoing, Transport
 from mersal.transport.memory import MemoryTransport
 from mersal_sqlalchemy import SqlOutboxStore, SqlStorage, attach, make_engine
-from tests.cli.conftest import mersal
+from tests.mersal_sqlalchemy.support import Sink
 from tests.rabbitmq.rabbitmq_support import Broker
-from tests.sql.support import Sink
-from tests.support import DelegatingTransport, eventually
+from tests.support import DelegatingTransport, eventually, mersal
 
 SHIP = "tests.relay.Ship.v1"
 
@@ -973,3 +972,109 @@ async def test_a_reply_address_with_a_nul_character_is_parked_or_refused_at_the_
     else:  # written, tried and parked: nobody has that queue
         [row] = stored
         assert row.parked_reason is not None and "Unroutable" in row.parked_reason
+
+
+@dataclass
+class ToFull:
+    """A command to a queue that refuses everything."""
+
+    n: int
+
+
+# Rows the broker keeps refusing are tried again, not parked, and do not hold back the rows
+# written after them.
+
+
+class RefusingQueue(DelegatingTransport):
+    """A memory transport on which every send to `refused` fails as a broker's nack would."""
+
+    def __init__(self, url: str, refused: str) -> None:
+        super().__init__(MemoryTransport(url))
+        self.refused = refused
+        self.tries: Counter[str] = Counter()
+
+    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
+        """Refuse what goes to `refused`; send the rest."""
+        results: list[Exception | None] = []
+        for outgoing in messages:
+            if outgoing.address == self.refused:
+                self.tries[outgoing.envelope.message_id or ""] += 1
+                results.append(MersalError("RabbitMQ refused it (the queue is full), on purpose"))
+            else:
+                results.extend(await self.inner.send_each([outgoing]))
+        return results
+
+
+@pytest.mark.timeout(60)
+async def test_rows_the_broker_keeps_refusing_do_not_hold_back_the_rows_behind_them(
+    database: str, memory_url: str
+) -> None:
+    batch = 5
+    sink = await Sink(memory_url).start()
+    transport = RefusingQueue(memory_url, "full")
+    app = App("head-of-line", transport=transport, database=database)
+    attach(app, relay_batch=batch, poll_interval=0.5)
+    app.route(ToFull, "full")
+    app.route(Ship, "sink")
+    async with app:
+        storage = storage_of(app)
+        async with app.transaction():  # a batch's worth of rows that never go, first
+            for n in range(batch):
+                await app.send(ToFull(n))
+        async with app.transaction():
+            for n in range(3):
+                await app.send(Ship(n))
+        await eventually(lambda: len(sink.ids()) == 3, "the rows behind them leave", timeout=3)
+        # ... while the refused ones are still tried, not parked nor forgotten.
+        await eventually(
+            lambda: len(transport.tries) == batch and min(transport.tries.values()) >= 2,
+            "each refused row is tried again",
+            timeout=5,
+        )
+        assert await storage.pending() == batch
+        assert storage.parked == 0
+    assert sink.duplicates() == {}
+
+
+# After an operator purges or retries the parked rows, a busy app is healthy again within about
+# the relay's poll interval.
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("action", ["purge", "retry"])
+async def test_a_busy_app_is_healthy_again_soon_after_its_parked_rows_are_dealt_with(
+    database: str, memory_url: str, action: str
+) -> None:
+    poll_interval = 0.5
+    sink = await Sink(memory_url).start()
+    app = App("health", transport=memory_url, database=database)
+    attach(app, poll_interval=poll_interval)
+    app.route(Lost, "nobody-declared-this")
+    app.route(Ship, "sink")
+    async with app:
+        storage = storage_of(app)
+        table = storage.tables.outbox
+        async with app.transaction():
+            await app.send(Lost(1))
+        await eventually(lambda: not app.healthy, "the unroutable row is parked", timeout=5)
+        async with storage.engine.connect() as connection:
+            parked = (await connection.execute(select(table.c.id))).scalars().all()
+        assert len(parked) == 1
+
+        async def commit_a_row() -> bool:
+            """Keep the app busy: each commit wakes the relay."""
+            async with app.transaction():
+                await app.send(Ship(0))
+            return app.healthy
+
+        for _ in range(5):  # busy before the operator acts
+            await commit_a_row()
+        if action == "purge":
+            assert await mersal("outbox", "purge", str(parked[0]), "--database", database) == 0
+        else:
+            await sink.transport.declare("nobody-declared-this")
+            assert await mersal("outbox", "retry", "--all", "--database", database) == 0
+        await eventually(commit_a_row, "healthy while busy", timeout=4 * poll_interval)
+        assert storage.parked == 0
+        if action == "retry":
+            await eventually(lambda: len(sink.ids("nobody-declared-this")) == 1, "it leaves")

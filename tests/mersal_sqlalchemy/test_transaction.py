@@ -9,7 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from mersal import App, EncodeError
 from mersal_sqlalchemy import make_engine
-from tests.sql.support import (
+from tests.mersal_sqlalchemy.support import (
     ORDERS,
     Boom,
     Order,

@@ -34,10 +34,10 @@ from mersal.transport import Outgoing
 from mersal_sqlalchemy.cli import upgrade
 from mersal_sqlalchemy.engines import make_engine, sql_time
 from mersal_sqlalchemy.tables import make_tables
-from tests.cli.conftest import mersal
 from tests.support import (
     BACKENDS,
     eventually,
+    mersal,
     postgres_database,
     rabbitmqctl_rows,
     sqlite_file,
@@ -574,10 +574,11 @@ OLDEST = re.compile(r"\d+\.\ds")
 async def test_every_app_sharing_the_outbox_is_shown_with_the_one_asked_for_marked(
     status: Status,
     own_vhost: str,
-    database: str,
+    migrated_database: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    database = migrated_database
     module = f"shared_{uuid4().hex[:8]}"
     source = SHARED_MODULE.format(
         name="orders", sender="orders-web", transport=own_vhost, database=database

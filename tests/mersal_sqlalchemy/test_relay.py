@@ -15,7 +15,7 @@ from mersal.transport import Outgoing
 from mersal.transport.memory import MemoryTransport
 from mersal_sqlalchemy import SqlOutboxStore, make_engine, make_tables
 from mersal_sqlalchemy.outbox import write_outbox
-from tests.sql.support import (
+from tests.mersal_sqlalchemy.support import (
     FlakyTransport,
     Probe,
     Ship,
