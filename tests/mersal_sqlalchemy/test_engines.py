@@ -44,8 +44,9 @@ from tests.support import eventually
 MESSAGES = 400
 CONCURRENCY = 32
 SEED = 12
-OVERLAP_BOUND = 8.0
-"""Seconds: 400 handlers of 125 ms on average take 50 s one at a time, 1.6 s 32 at a time."""
+OVERLAP_BOUND = 25.0
+"""Seconds: 400 handlers of 125 ms on average take 50 s one at a time, 1.6 s 32 at a time
+(half of one at a time, so that a loaded machine still shows the overlap)."""
 
 
 def sqlite_app(path: Path, **options: object) -> App:

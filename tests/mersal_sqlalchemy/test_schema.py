@@ -574,12 +574,19 @@ async def handles_a_message(database: str, memory_url: str) -> bool:
     async with orders_app(database, memory_url, probe, create_tables=False) as app:
         async with app.transaction():
             await app.send(PlaceOrder("o-1"))
-        await eventually(lambda: probe.calls == 1, "the order was handled")
         engine = make_engine(database)
-        try:
+
+        async def stored() -> bool:
             return await count(engine, ORDERS) == 1
+
+        try:
+            # the row is there once the handler's transaction committed, after the handler ran
+            await eventually(stored, "the order was stored", timeout=20)
+        except AssertionError:
+            return False
         finally:
             await engine.dispose()
+        return probe.calls == 1
 
 
 async def test_an_additive_revision_of_a_newer_release_keeps_this_release_running(
