@@ -48,7 +48,7 @@ class Outbox:
 
 def outgoing(message_id: str, address: str = "sink") -> Outgoing:
     """A message to `address` with this id, as an app would have sent it."""
-    headers = {Header.MESSAGE_ID: message_id, Header.TYPE: "tests.cli.Ship.v1"}
+    headers = {Header.MESSAGE_ID: message_id, Header.TYPE: "tests.repairs.Ship.v1"}
     return Outgoing(address, Envelope(headers, b'{"n": 1}'))
 
 
@@ -97,7 +97,7 @@ async def test_list_shows_every_row_and_why_the_parked_ones_are_parked(
         "REASON",
     ]
     rows = {line.split()[0]: line for line in lines[1:5]}
-    assert rows["1"].split()[1:7] == ["orders", "send", "sink", "tests.cli.Ship.v1", "m1", "1"]
+    assert rows["1"].split()[1:7] == ["orders", "send", "sink", "tests.repairs.Ship.v1", "m1", "1"]
     assert rows["1"].split()[-2:] == ["-", "-"]
     assert rows["2"].split()[5] == "m2"
     assert rows["2"].endswith("Unroutable: no queue named 'sink': start the app that owns it")

@@ -1,4 +1,9 @@
-"""The tables: migrations, `mersal db upgrade`, the check at start, configurable names."""
+"""The tables: migrations, `mersal db upgrade`, the check at start, configurable names.
+
+Also two releases on one database: the schema table says which releases can run on a revision,
+so an additive revision of a newer release keeps this one running and a breaking one is refused
+with what it needs.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""The unit of work: a handler's rows, its outbox rows and its inbox row commit together or not."""
+"""The unit of work: a handler's rows, its outbox rows and its inbox row commit together or not.
+
+The message's session and transaction belong to Mersal: a handler may not commit, roll back or
+close the session (the attempt fails and is retried), a rollback behind Mersal's back fails the
+attempt at commit, `app.transaction(session)` on the message's own session joins the message's
+transaction and on another session inside a handler is refused, and savepoints in a handler
+commit or roll back without failing the message. On SQLite and PostgreSQL.
+"""
 
 from __future__ import annotations
 

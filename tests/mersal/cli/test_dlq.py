@@ -24,7 +24,7 @@ from tests.support import Queues, Terminal, eventually, mersal, queue_types, rab
 pytestmark = pytest.mark.integration
 
 
-@message("tests.cli.PlaceOrder.v1")
+@message("tests.dlq.PlaceOrder.v1")
 @dataclass
 class PlaceOrder:
     """A command that fails while the orders service is broken."""
@@ -97,7 +97,7 @@ async def test_list_show_and_replay_a_failed_message(
         cells = lines[1].split(maxsplit=6)
         assert cells[:5] == [
             message_id,
-            "tests.cli.PlaceOrder.v1",
+            "tests.dlq.PlaceOrder.v1",
             f"{__name__}.OutOfStock",
             "1",
             app.name,
@@ -120,7 +120,7 @@ async def test_list_show_and_replay_a_failed_message(
         orders.broken = False
         assert await mersal("dlq", "replay", message_id, *options) == 0
         out = capsys.readouterr().out
-        assert f"replayed {message_id} (tests.cli.PlaceOrder.v1) to {app.name!r}" in out
+        assert f"replayed {message_id} (tests.dlq.PlaceOrder.v1) to {app.name!r}" in out
         assert out.endswith(f"replayed 1 of 1 message(s) from {error!r}\n")
         await eventually(lambda: len(orders.handled) == 1, "the replayed message handled")
         await eventually(lambda: count_is(queues, error, 0), "the error queue empty")
@@ -146,7 +146,7 @@ async def test_replay_all_to_another_queue_and_what_cannot_be_found(
 
         assert await mersal("dlq", "replay", ids[0], "no-such-id", "--to", elsewhere, *options) == 1
         output = capsys.readouterr()
-        assert f"replayed {ids[0]} (tests.cli.PlaceOrder.v1) to {elsewhere!r}" in output.out
+        assert f"replayed {ids[0]} (tests.dlq.PlaceOrder.v1) to {elsewhere!r}" in output.out
         assert "no message 'no-such-id'" in output.err
         await eventually(lambda: count_is(queues, elsewhere, 1), "the message in the other queue")
         await eventually(lambda: count_is(queues, error, 1), "the other message left in error")
@@ -225,7 +225,7 @@ async def test_with_app_every_command_uses_its_error_queue_and_broker(
 
         orders.broken = False
         assert await mersal("dlq", "replay", ids[0], "--app", APP_TARGET) == 0
-        assert f"replayed {ids[0]} (tests.cli.PlaceOrder.v1) to {app.name!r}" in (
+        assert f"replayed {ids[0]} (tests.dlq.PlaceOrder.v1) to {app.name!r}" in (
             capsys.readouterr().out
         )
         await eventually(lambda: len(orders.handled) == 1, "the replayed message handled")
@@ -280,8 +280,8 @@ async def test_a_missing_default_error_queue_points_to_queue_and_app(
         "--app module:app\n"
     )
 
-    assert await mersal("dlq", "list", "--app", "tests.cli.no_such_module:app") == 2
-    assert "cannot import 'tests.cli.no_such_module'" in capsys.readouterr().err
+    assert await mersal("dlq", "list", "--app", "tests.no_such_module:app") == 2
+    assert "cannot import 'tests.no_such_module'" in capsys.readouterr().err
 
 
 @contextmanager
