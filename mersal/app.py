@@ -27,6 +27,7 @@ from mersal.handlers import Handler, Handlers, M
 from mersal.health import MAX_RELAY_LAG, Health, Parts, health_of
 from mersal.messages import Envelope, TypeRegistry, check_message_class
 from mersal.observer import Observer
+from mersal.observer import problems as observer_problems
 from mersal.outbox import Storage
 from mersal.pipeline import Pipeline, add_storage_steps, incoming_pipeline, outgoing_pipeline
 from mersal.receiving import Receiver
@@ -113,8 +114,8 @@ class App:
         self._stopping: asyncio.Future[None] | None = None
         self._starting: tuple[asyncio.Task[Any], asyncio.Event] | None = None  # a start's task
         self._waiting: tuple[asyncio.Task[Any], asyncio.Event] | None = None  # start(wait=...)
-        self.log_messages = False
-        """Log an INFO line per handled message (`mersal.handled`; `mersal run --log-messages`)."""
+        self._log_messages = False
+        self._receiving: Receiver | None = None
 
     def __repr__(self) -> str:
         return f"<App {self.name!r} on {mask(self._transport.address)}>"
@@ -270,6 +271,13 @@ class App:
         self._check_not_running("observe the app")
         if self._observer is not None:
             raise ConfigurationError(f"app {self.name!r} has an observer already")
+        lacking = observer_problems(observer)
+        if lacking:
+            raise ConfigurationError(
+                f"app.observe({type(observer).__name__}): an observer needs "
+                f"{', '.join(lacking)}: subclass mersal.observer.Observer, whose methods do "
+                "nothing (and send_each just sends) until you override them"
+            )
         self._observer = observer
 
     # Sending.
@@ -384,6 +392,17 @@ class App:
         return self._routes.queue_for(message_type)
 
     # Lifecycle.
+
+    @property
+    def log_messages(self) -> bool:
+        """Log an INFO line per handled message (`mersal.handled`; `mersal run --log-messages`)."""
+        return self._log_messages
+
+    @log_messages.setter
+    def log_messages(self, on: bool) -> None:
+        self._log_messages = on
+        if self._receiving is not None:  # running: from the next message on
+            self._receiving.log_messages = on
 
     @property
     def running(self) -> bool:
@@ -532,15 +551,16 @@ class App:
         def new_transaction(envelope: Envelope) -> Transaction:
             return Transaction(commit, owner, envelope, ids)
 
-        return Receiver(
+        self._receiving = Receiver(
             self,
             self._incoming,
             self.retry,
             self._settler,
             new_transaction,
             observer=self._observer,
-            log_messages=self.log_messages,
+            log_messages=self._log_messages,
         )
+        return self._receiving
 
     async def _declare_input(self, transport: Transport) -> None:
         """Declare the app's queue, and its partitions if it has any."""
@@ -577,10 +597,11 @@ class App:
                 await self._abort_start()
                 return
             self._stopping = asyncio.ensure_future(self._shut_down())
+        stopping = self._stopping
         try:
-            await asyncio.shield(self._stopping)
+            await asyncio.shield(stopping)
         finally:
-            if self._stopping.done():
+            if stopping.done() and self._stopping is stopping:
                 self._stopping = None
 
     async def _abort_start(self) -> None:

@@ -60,4 +60,12 @@ class ConsumerClosed(MersalError):
 
 
 class Duplicate(MersalError):
-    """The inbox holds the message's id: another copy of it was handled, so this one is acked."""
+    """The inbox holds the message's id: another copy of it was handled, so this one is acked.
+
+    Only a `Duplicate` of the message being handled is acked: one raised for another id (or
+    by a handler, for its own reasons) fails the attempt like any other error.
+    """
+
+    def __init__(self, message_id: str, when: str = "already") -> None:
+        super().__init__(f"message {message_id} was handled {when}")
+        self.message_id = message_id

@@ -56,6 +56,10 @@ class Handlers:
     """Which handlers run for which message type, and how each is built per message."""
 
     def __init__(self, container: Container | None) -> None:
+        if container is not None and not isinstance(container, Container):
+            raise ConfigurationError(
+                f"App(container={container!r}) must be a lagom.Container, or left out"
+            )
         self.container = container if container is not None else Container()
         self.scoped: dict[type, Provider] = {}
         self._registrations: list[_Registration] = []

@@ -44,6 +44,13 @@ def transport_from(value: str | Transport | None) -> Transport:
     if value is None:
         value = os.environ.get("MERSAL_TRANSPORT") or "memory://"
     if not isinstance(value, str):
+        if not callable(getattr(value, "start", None)) or not callable(
+            getattr(value, "stop", None)
+        ):
+            raise ConfigurationError(
+                f"transport={value!r} is neither a URL ('memory://', "
+                "'amqp://user:pass@host/vhost') nor a Transport object"
+            )
         return value
     scheme, separator, _ = value.partition("://")
     if not separator:

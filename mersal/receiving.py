@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 from mersal.context import MessageContext, NewTransaction, current_message
@@ -89,10 +89,8 @@ class Receiver:
         return self._receive(context)
 
     async def _receive(self, context: MessageContext) -> Outcome:
-        observer = self.observer
         started = time.perf_counter()
-        if observer is not None:
-            _tell(observer.received, context)
+        self._tell("received", context)
         try:
             outcome = await self._attempts(context)
         except asyncio.CancelledError:
@@ -102,8 +100,7 @@ class Receiver:
             outcome = _fault(context.delivery, "cancelled between attempts")
         except BaseException as error:
             outcome = _fault(context.delivery, Failure.of(error))
-        if observer is not None:
-            _tell(observer.decided, context, outcome)
+        self._tell("decided", context, outcome)
         if self.log_messages:
             log_handled(context, outcome, started)
         return outcome
@@ -123,7 +120,7 @@ class Receiver:
                 log.debug("%s: %s; running it again", describe(context.headers), error)
                 await asyncio.sleep(conflict_pause(conflicts))
                 continue
-            if isinstance(error, Duplicate):
+            if isinstance(error, Duplicate) and error.message_id == context.message_id:
                 return self._duplicate(context)
             made += 1
             outcome = after_failure(self.policy, error, made)
@@ -149,6 +146,8 @@ class Receiver:
             absorb_cancellation()
             return cancelled
         except BaseException as failed:
+            if cancelled_by_owner():  # the stop's cancellation, turned into another error
+                raise asyncio.CancelledError from failed
             return failed
         finally:
             transaction.rollback()
@@ -172,9 +171,17 @@ class Receiver:
             describe(context.headers),
             self.app.name,
         )
-        if self.observer is not None:
-            _tell(self.observer.skipped_duplicate, context)
+        self._tell("skipped_duplicate", context)
         return ACK
+
+    def _tell(self, event: str, *args: object) -> None:
+        """Report `event` to the observer, if any; its failure is logged, never the message's."""
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, event)(*args)
+        except BaseException as error:  # a report never decides what becomes of a message
+            log.warning("an observer failed (%s); the message goes on", Failure.of(error))
 
 
 def _fault(delivery: Delivery, why: object) -> Outcome:
@@ -186,14 +193,6 @@ def _fault(delivery: Delivery, why: object) -> Outcome:
         FAULT_PAUSE,
     )
     return Outcome.give_back(FAULT_PAUSE)
-
-
-def _tell(report: Callable[..., None], *args: object) -> None:
-    """Report to an observer; its failure is logged, never the message's."""
-    try:
-        report(*args)
-    except Exception as error:
-        log.warning("an observer failed (%s); the message goes on", Failure.of(error))
 
 
 async def _ready(outcome: Outcome) -> Outcome:

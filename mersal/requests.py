@@ -12,10 +12,17 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Mapping
+from math import inf
 from typing import Any
 
 from mersal.context import MessageContext
-from mersal.errors import DecodeError, NotRunning, RequestTimeout, UnexpectedReply
+from mersal.errors import (
+    ConfigurationError,
+    DecodeError,
+    NotRunning,
+    RequestTimeout,
+    UnexpectedReply,
+)
 from mersal.messages import Header, TypeRegistry, check_sendable, describe, new_id
 from mersal.pipeline import Next, Pipeline, check_headers, completed
 from mersal.receiving import Receiver
@@ -50,6 +57,7 @@ class Requests:
     def open(self, settler: Settler) -> None:
         """Settle replies through `settler` from now on (the app has started)."""
         self.settler = settler
+        self._opening = asyncio.Lock()  # of this start's loop: a later start may run in another
 
     async def request(
         self,
@@ -60,6 +68,7 @@ class Requests:
         partition_key: str | None,
     ) -> Any:
         """Send a command now and wait for its reply (the replier calls `app.reply`)."""
+        check_timeout(timeout)
         check_sendable(message, self.settings.codec)
         if reply_type is not None:
             self.types.add(reply_type)
@@ -104,6 +113,15 @@ class Requests:
             self.sender.check_running()  # stopped meanwhile: says so
             raise NotRunning(f"app {self.settings.name!r} is stopping")
         return self._replies
+
+
+def check_timeout(timeout: object) -> None:
+    """Refuse a request timeout that is not a number of seconds above 0."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < inf:
+        raise ConfigurationError(
+            f"request(timeout={timeout!r}): give the seconds to wait for the reply, a number "
+            "above 0 (30 by default)"
+        )
 
 
 class Replies:

@@ -131,6 +131,10 @@ class Sender:
     ) -> str:
         """Send a message to its route (or this app, `to_self`) to be delivered after `delay`."""
         check_sendable(message, self.settings.codec)
+        if isinstance(delay, bool) or not isinstance(delay, int | float | timedelta):
+            raise Unsendable(
+                f"defer({delay!r}, ...) needs a delay in seconds (a number) or a timedelta"
+            )
         seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
         limit = limits_of(self.transport).max_delay
         if not math.isfinite(seconds) or seconds > limit:

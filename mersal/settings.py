@@ -42,6 +42,7 @@ class Settings:
     def __post_init__(self) -> None:
         check_queue_name(self.name, "App(name)")
         check_concurrency(self.concurrency)
+        check_kinds(self)
         set_ = object.__setattr__
         set_(self, "prefetch", prefetch_of(self.prefetch, self.concurrency))
         set_(self, "handler_timeout", timeout_of(self.handler_timeout))
@@ -69,6 +70,42 @@ def check_concurrency(concurrency: int) -> None:
     """Fail with a `ConfigurationError` unless `concurrency` is an int >= 1."""
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ConfigurationError(f"App(concurrency={concurrency!r}) must be an int >= 1")
+
+
+def check_kinds(settings: Settings) -> None:
+    """Fail with a `ConfigurationError` for a setting of the wrong kind or out of range."""
+    if settings.database is not None and not isinstance(settings.database, str):
+        raise ConfigurationError(
+            f"App(database={settings.database!r}) must be a SQLAlchemy URL such as "
+            "'postgresql+asyncpg://user@host/db' or 'sqlite+aiosqlite:///app.db'"
+        )
+    if not isinstance(settings.retry, RetryPolicy):
+        raise ConfigurationError(
+            f"App(retry={settings.retry!r}) must be a mersal.RetryPolicy, e.g. "
+            "RetryPolicy(immediate=2, delayed=(1, 10))"
+        )
+    codec = settings.codec
+    if not (callable(getattr(codec, "encode", None)) and callable(getattr(codec, "decode", None))):
+        raise ConfigurationError(
+            f"App(codec={codec!r}) must be a codec with encode() and decode(), such as "
+            "mersal.serialization.JsonCodec(); leave it out for JSON"
+        )
+    size = settings.max_body_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigurationError(
+            f"App(max_body_size={size!r}) must be a number of bytes, an int >= 1 "
+            "(1048576 by default)"
+        )
+    grace = settings.grace_period
+    if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace < math.inf:
+        raise ConfigurationError(
+            f"App(grace_period={grace!r}) must be a number of seconds >= 0 (30 by default)"
+        )
+    if not isinstance(settings.consume, bool):
+        raise ConfigurationError(
+            f"App(consume={settings.consume!r}) must be True (the app receives) or False "
+            "(send-only)"
+        )
 
 
 def check_partitions(partitions: int | None, consume: bool) -> None:

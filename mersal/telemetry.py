@@ -434,8 +434,11 @@ class OpenTelemetry:
         started = time.perf_counter()
         try:
             await next(context)
-        except Duplicate:
-            span.set_attribute(DUPLICATE, True)
+        except Duplicate as duplicate:
+            if duplicate.message_id != context.message_id:
+                measured[ERROR_TYPE] = _fail(span, duplicate)
+            else:
+                span.set_attribute(DUPLICATE, True)
             raise
         except BaseException as error:
             measured[ERROR_TYPE] = _fail(span, error)

@@ -47,7 +47,13 @@ def _check_full(address: str, nodes: list[str], index: int) -> None:
             f"{mask(node)!r} in transport {mask(address)!r} is not an amqp:// or amqps:// URL: "
             "each node is a full URL (amqp://user:password@host:port/vhost), separated by ';'"
         )
-    parts = urlsplit(node)
+    try:
+        parts = urlsplit(node)
+    except ValueError as error:  # an unclosed IPv6 bracket
+        raise ConfigurationError(
+            f"{mask(node)!r} in transport {mask(address)!r} is not a URL ({error}): write it as "
+            "amqp://user:password@host:port/vhost, an IPv6 host in brackets ([::1])"
+        ) from None
     userinfo, at, host = parts.netloc.rpartition("@")
     tail = f"{host}{parts.path}{'?' if parts.query else ''}{parts.query}"
     if ";" not in tail:

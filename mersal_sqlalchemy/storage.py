@@ -393,7 +393,7 @@ class SqlStorage:
             else:
                 seen = not await self.inbox.record(self.session_of(context), message_id)
             if seen:
-                raise AlreadyHandled(f"message {message_id} was handled already")
+                raise AlreadyHandled(message_id)
         await next(context)
 
     # Outside handlers.
@@ -405,6 +405,12 @@ class SqlStorage:
         On a clean exit the rows are written and the session is committed; on an exception the
         session is rolled back and nothing is sent.
         """
+        if session is not None and not isinstance(session, AsyncSession | AsyncConnection):
+            raise ConfigurationError(
+                f"app.transaction({type(session).__qualname__}): give it the AsyncSession or "
+                "AsyncConnection of your own transaction (not an engine or a sync Session), or "
+                "nothing for a session of the app's own"
+            )
         executor: Executor = self.sessions() if session is None else session
         transaction = Transaction(self.commit, self.app, session=executor)
         try:
@@ -440,7 +446,7 @@ class SqlStorage:
             inbox_id = source.headers.get(Header.MESSAGE_ID, "") if source is not None else ""
             at_commit = inbox_id and self.inbox_at_commit and executor.info.get(GUARDED)
             if at_commit and not await self.inbox.record(executor, inbox_id):
-                raise AlreadyHandled(f"message {inbox_id} was handled meanwhile")
+                raise AlreadyHandled(inbox_id, "meanwhile")
             await write_outbox(executor, table, self.app.name, outgoing, channel)
             await executor.end(commit=True)
         else:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
+import aio_pika
 import pytest
 
 from mersal.transport import Transport
@@ -21,6 +22,7 @@ from tests.support import (
     BACKENDS,
     RABBITMQ_HOST,
     Queues,
+    Rabbit,
     add_vhost,
     delete_vhost,
     postgres_database,
@@ -47,6 +49,26 @@ def vhost() -> Iterator[str]:
 def amqp_url(vhost: str) -> str:
     """The AMQP URL of the session's RabbitMQ vhost."""
     return f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}"
+
+
+@pytest.fixture
+async def rabbit(amqp_url: str) -> AsyncIterator[Rabbit]:
+    """The session vhost's URL and a raw connection; the watched apps' queues go afterwards."""
+    connection = await aio_pika.connect(amqp_url)
+    helper = Rabbit(amqp_url, connection)
+    try:
+        yield helper
+    finally:
+        try:
+            await helper.cleanup()
+        finally:
+            await connection.close()
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A prefix that makes this test's app (queue) names unique on the shared vhost."""
+    return f"saga{uuid4().hex[:10]}"
 
 
 @pytest.fixture

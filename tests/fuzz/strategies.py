@@ -160,7 +160,8 @@ attempts = st.one_of(
 
 def _not_in_the_future(value: str) -> bool:
     # The memory transport honours deliver-at when a message is sent (as it should): a future
-    # value would delay the delivery itself. Forged future values are tested in tests/security.
+    # value would delay the delivery itself. Forged future values are tested in
+    # tests/mersal/test_header_trust.py.
     try:
         return not float(value) > time.time()
     except ValueError:

@@ -7,7 +7,7 @@
   for a message refused at decode and for one whose handler fails (a delayed retry copy first).
 - A body nested deeper than the decoder's recursion limit is refused for its nesting at once;
   and the RecursionError it raises in this process does not stop the source checks of
-  `tests/security/test_no_unsafe_code.py`, which parse in a fresh interpreter (CPython 3.11
+  `tests/test_no_unsafe_code.py`, which parse in a fresh interpreter (CPython 3.11
   can be left unable to parse after a RecursionError: `AST constructor recursion depth
   mismatch`).
 """
@@ -194,7 +194,7 @@ def test_the_source_checks_parse_in_a_fresh_interpreter_after_recursion_errors()
     )
     assert (parsed.returncode, parsed.stdout.strip()) == (0, "ok"), parsed.stderr
 
-    from tests.security import test_no_unsafe_code as checks
+    from tests import test_no_unsafe_code as checks
 
     report = checks.fresh_report.__wrapped__()  # not the cached report: a new interpreter now
     assert report["findings"] == []

@@ -14,18 +14,18 @@ from opentelemetry.trace import SpanKind, StatusCode
 from mersal import App, Outgoing, RetryPolicy, message
 from mersal.messages import Envelope, Header
 from mersal.plugins import transport_from
-from tests.support import eventually
-from tests.telemetry.conftest import RABBITMQ_HOST, RabbitMQ
-from tests.telemetry.support import Recorder, linked, parent_id, span_id, trace_id, value
+from tests.mersal.telemetry.conftest import RabbitMQ
+from tests.mersal.telemetry.support import Recorder, linked, parent_id, span_id, trace_id, value
+from tests.support import RABBITMQ_HOST, eventually
 
-BOOM = "tests.telemetry.test_failures.Boom"
+BOOM = "tests.mersal.telemetry.test_failures.Boom"
 
 
 class Boom(Exception):
     """The handler's failure."""
 
 
-@message("tests.telemetry.Charge.v1")
+@message("tests.mersal.telemetry.Charge.v1")
 @dataclass
 class Charge:
     amount: int

@@ -13,7 +13,7 @@ from mersal import App, ConfigurationError, MersalError, OutgoingContext
 from mersal.pipeline import Next
 from mersal.telemetry import RABBITMQ_EVENTS_EXCHANGE, instrument
 from mersal_rabbitmq.topology import EVENTS
-from tests.telemetry.support import Recorder
+from tests.mersal.telemetry.support import Recorder
 
 
 def memory_app() -> App:

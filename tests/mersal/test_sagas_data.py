@@ -11,9 +11,10 @@ import asyncio
 import datetime
 import time
 import zoneinfo
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -26,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from mersal import App, RetryPolicy
 from mersal.sagas import MemorySagaStore, Saga
 from mersal.testing import Harness
+from tests.conftest import a_database
 
 NAME = "tests.data.Account"
 QUEUE = "accounts"
@@ -133,6 +135,18 @@ def account_app(saga: type[Saga[object]], database: str | None, seen: Seen | Non
 Phase = Callable[[type[Saga[object]]], App]
 
 
+@pytest.fixture(
+    params=["memory", "sqlite", pytest.param("postgresql", marks=pytest.mark.integration)]
+)
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str | None]:
+    """Where the sagas are kept: one process's memory (None), or a database of the test's own."""
+    if request.param == "memory":
+        yield None
+        return
+    async with a_database(request.param, tmp_path, tables="app") as url:
+        yield url
+
+
 def phases(database: str | None) -> Phase:
     """Apps of either release on one store: the database, or one shared memory store."""
     memory = MemorySagaStore()
@@ -160,7 +174,8 @@ async def read(app: App, saga: type[Saga[object]], key: str) -> object:
         return await bus.saga_data(saga, key)
 
 
-async def check_a_newer_releases_field_survives_an_older_release(app_of: Phase) -> None:
+async def test_a_newer_releases_field_survives_an_older_release(store: str | None) -> None:
+    app_of = phases(store)
     bus = await run(app_of(Account2), Open("a-1"), Label("a-1", "gold"))
     assert bus.dead_lettered == []
 
@@ -174,15 +189,10 @@ async def check_a_newer_releases_field_survives_an_older_release(app_of: Phase) 
     assert await read(app_of(Account1), Account1, "a-1") == Release1("a-1", balance=6)
 
 
-async def test_a_newer_releases_field_survives_an_older_release_in_memory() -> None:
-    await check_a_newer_releases_field_survives_an_older_release(phases(None))
-
-
-async def test_a_newer_releases_field_survives_an_older_release_in_sql(database: str) -> None:
-    await check_a_newer_releases_field_survives_an_older_release(phases(database))
-
-
-async def check_a_method_storing_what_its_class_cannot_read_fails_itself(app_of: Phase) -> None:
+async def test_a_method_storing_what_its_class_cannot_read_fails_itself(
+    store: str | None,
+) -> None:
+    app_of = phases(store)
     assert (await run(app_of(Account1), Open("a-1"))).dead_lettered == []
 
     bus = await run(app_of(Account1), Spoil("a-1", 2.5), Spoil("a-1", 2.0))
@@ -199,16 +209,6 @@ async def check_a_method_storing_what_its_class_cannot_read_fails_itself(app_of:
     bus = await run(app_of(Account2), Deposit("a-1", 3.0))  # the saga is not poisoned
     assert bus.dead_lettered == []
     assert await read(app_of(Account1), Account1, "a-1") == Release1("a-1", balance=3)
-
-
-async def test_a_method_storing_what_its_class_cannot_read_fails_itself_in_memory() -> None:
-    await check_a_method_storing_what_its_class_cannot_read_fails_itself(phases(None))
-
-
-async def test_a_method_storing_what_its_class_cannot_read_fails_itself_in_sql(
-    database: str,
-) -> None:
-    await check_a_method_storing_what_its_class_cannot_read_fails_itself(phases(database))
 
 
 class Peeker:
@@ -273,9 +273,9 @@ class Follower:
         self.seen.data.append(await self.app.saga_data(Account2, message.key))
 
 
-async def check_saga_data_in_a_handler_sees_what_its_message_wrote(database: str | None) -> None:
+async def test_saga_data_in_a_handler_sees_what_its_message_wrote(store: str | None) -> None:
     seen = Seen()
-    app = account_app(Account2, database, seen)
+    app = account_app(Account2, store, seen)
     app.register(Open, Follower)
     app.register(Label, Follower)
     async with Harness(app) as bus:
@@ -285,14 +285,6 @@ async def check_saga_data_in_a_handler_sees_what_its_message_wrote(database: str
 
     assert bus.dead_lettered == []
     assert seen.data == [Release2("a-1"), Release2("a-1", label="gold", tags=["gold"])]
-
-
-async def test_saga_data_in_a_handler_sees_what_its_message_wrote_in_memory() -> None:
-    await check_saga_data_in_a_handler_sees_what_its_message_wrote(None)
-
-
-async def test_saga_data_in_a_handler_sees_what_its_message_wrote_in_sql(database: str) -> None:
-    await check_saga_data_in_a_handler_sees_what_its_message_wrote(database)
 
 
 class Gatherer:

@@ -17,22 +17,22 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from mersal import App, RetryPolicy, message
 from mersal_sqlalchemy import make_engine
+from tests.mersal.telemetry.conftest import RabbitMQ
+from tests.mersal.telemetry.support import Recorder, linked, parent_id, span_id, trace_id, value
 from tests.support import eventually
-from tests.telemetry.conftest import RabbitMQ
-from tests.telemetry.support import Recorder, linked, parent_id, span_id, trace_id, value
 
 pytestmark = pytest.mark.integration
 
 EVENTS = "mersal.events"
 
 
-@message("tests.telemetry.PlaceOrder.v1")
+@message("tests.mersal.telemetry.PlaceOrder.v1")
 @dataclass
 class PlaceOrder:
     order_id: str
 
 
-@message("tests.telemetry.OrderPlaced.v1")
+@message("tests.mersal.telemetry.OrderPlaced.v1")
 @dataclass
 class OrderPlaced:
     order_id: str
@@ -76,7 +76,7 @@ async def test_an_order_makes_one_trace_from_the_request_to_billing(
     apps = shop(rabbitmq, postgres_url)
     otel.instrument(apps.web, apps.orders, apps.billing)
     engine = make_engine(postgres_url)
-    topic = "tests.telemetry.OrderPlaced.v1"
+    topic = "tests.mersal.telemetry.OrderPlaced.v1"
     orders_queue, billing_queue = apps.orders.name, apps.billing.name
     try:
         async with apps.billing, apps.orders, apps.web, AsyncSession(engine) as session:
@@ -136,7 +136,7 @@ async def test_an_order_makes_one_trace_from_the_request_to_billing(
         "messaging.rabbitmq.destination.routing_key": orders_queue,
         "messaging.message.id": placed,
         "messaging.message.conversation_id": placed,
-        "mersal.message.type": "tests.telemetry.PlaceOrder.v1",
+        "mersal.message.type": "tests.mersal.telemetry.PlaceOrder.v1",
     }
     send_attributes = dict(send_order.attributes or {})
     assert send_attributes.pop("messaging.message.body.size") == len(b'{"order_id":"o-1"}')
@@ -153,7 +153,7 @@ async def test_an_order_makes_one_trace_from_the_request_to_billing(
         "messaging.message.id": placed,
         "messaging.message.conversation_id": placed,
         "messaging.message.body.size": len(b'{"order_id":"o-1"}'),
-        "mersal.message.type": "tests.telemetry.PlaceOrder.v1",
+        "mersal.message.type": "tests.mersal.telemetry.PlaceOrder.v1",
         "mersal.attempt": 1,
     }
 

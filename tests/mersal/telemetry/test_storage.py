@@ -15,11 +15,11 @@ from mersal import App, Header, OutcomeUnknown, Outgoing, message
 from mersal.transport import Transport
 from mersal.transport.memory import MemoryTransport
 from mersal_sqlalchemy import attach
+from tests.mersal.telemetry.support import Recorder, value
 from tests.support import DelegatingTransport, eventually
-from tests.telemetry.support import Recorder, value
 
 
-@message("tests.telemetry.Refund.v1")
+@message("tests.mersal.telemetry.Refund.v1")
 @dataclass
 class Refund:
     amount: int

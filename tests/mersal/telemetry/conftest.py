@@ -11,8 +11,8 @@ import pytest
 
 from mersal import App
 from mersal_rabbitmq import RabbitMQTransport
+from tests.mersal.telemetry.support import Recorder
 from tests.support import RABBITMQ_HOST
-from tests.telemetry.support import Recorder
 
 
 @pytest.fixture

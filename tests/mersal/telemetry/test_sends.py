@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from opentelemetry.trace import SpanKind
 
 from mersal import App, message
+from tests.mersal.telemetry.support import Recorder, linked, parent_id, span_id, trace_id, value
 from tests.support import eventually
-from tests.telemetry.support import Recorder, linked, parent_id, span_id, trace_id, value
 
-TOPIC = "tests.telemetry.Shipped.v1"
+TOPIC = "tests.mersal.telemetry.Shipped.v1"
 
 
-@message("tests.telemetry.Ship.v1")
+@message("tests.mersal.telemetry.Ship.v1")
 @dataclass
 class Ship:
     parcel: str
@@ -166,13 +166,13 @@ async def test_the_metrics_have_the_units_and_buckets_of_the_conventions(otel: R
         ]
 
 
-@message("tests.telemetry.Quote.v1")
+@message("tests.mersal.telemetry.Quote.v1")
 @dataclass
 class Quote:
     parcel: str
 
 
-@message("tests.telemetry.Priced.v1")
+@message("tests.mersal.telemetry.Priced.v1")
 @dataclass
 class Priced:
     parcel: str

@@ -1,9 +1,9 @@
 """Forged control headers from a raw producer on RabbitMQ steer nothing into silence.
 
 RabbitMQ hands over what another client published as it is: a `deliver-at` header on it delays
-nothing (only a Mersal sender turns deliver-at into a wait queue). Before the fix, a dead letter
-kept the forged header and was parked in `<error queue>.wait.<ms>` for as long as it said, or,
-past the 48 days RabbitMQ can wait, returned to its queue every second without end.
+nothing (only a Mersal sender turns deliver-at into a wait queue). A dead letter drops the forged
+header: it is neither parked in `<error queue>.wait.<ms>` for as long as the header says nor, past
+the 48 days RabbitMQ can wait, returned to its queue every second without end.
 """
 
 from __future__ import annotations

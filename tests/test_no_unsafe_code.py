@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("mersal", "mersal_rabbitmq", "mersal_sqlalchemy")
 
-# What the brief greps for, as regular expressions, and the only lines allowed to match.
+# The forms searched for, as regular expressions, and the only lines allowed to match.
 PATTERNS = {
     "pickle": re.compile(r"pickle", re.IGNORECASE),
     "marshal": re.compile(r"marshal", re.IGNORECASE),
@@ -207,7 +207,7 @@ def fresh_report() -> dict[str, list[Any]]:
     mismatch`) by a RecursionError earlier in the process, such as the decode fuzz provokes.
     """
     result = subprocess.run(
-        [sys.executable, "-m", "tests.security.test_no_unsafe_code"],
+        [sys.executable, "-m", "tests.test_no_unsafe_code"],
         cwd=ROOT,
         capture_output=True,
         text=True,
