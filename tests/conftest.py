@@ -21,6 +21,7 @@ from mersal_rabbitmq import RabbitMQTransport
 from tests.support import (
     BACKENDS,
     RABBITMQ_HOST,
+    Queues,
     Rabbit,
     add_vhost,
     delete_vhost,
@@ -221,3 +222,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section(LEDGER)
         for line in ledger_lines:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture
+async def queues(amqp_url: str) -> AsyncIterator[Queues]:
+    """Count RabbitMQ queues; the names added to `queues.names` are deleted afterwards."""
+    helper = Queues(amqp_url)
+    yield helper
+    await helper.delete(sorted(helper.names))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import io
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 import aio_pika
 import pytest
 
+from mersal.cli import main
 from mersal.transport import Consumer, Outgoing, Transport, first_failure
 from mersal.transport.limits import Limits
 from mersal_rabbitmq import RabbitMQTransport
@@ -362,3 +364,44 @@ async def forwarding(port: int, to: int) -> AsyncIterator[None]:
         yield
     finally:
         server.close()
+
+
+async def mersal(*argv: str) -> int:
+    """Run `mersal ARGV` in this process (in a thread: it runs an event loop of its own)."""
+    return await asyncio.to_thread(main, list(argv))
+
+
+class Queues:
+    """The test's view of RabbitMQ queues from outside: counts; deleted after the test."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.names: set[str] = set()
+
+    async def count(self, queue: str) -> int:
+        """How many messages are ready in `queue`."""
+        async with await aio_pika.connect(self.url) as connection:
+            channel = await connection.channel()
+            declared = await channel.declare_queue(queue, passive=True)
+            return int(declared.declaration_result.message_count or 0)
+
+    async def delete(self, names: Sequence[str]) -> None:
+        """Delete the queues (missing ones are fine)."""
+        async with await aio_pika.connect(self.url) as connection:
+            channel = await connection.channel()
+            for name in names:
+                await channel.queue_delete(name)
+
+
+async def queue_types(vhost: str) -> dict[str, str]:
+    """Each queue's type in the vhost."""
+    rows = await asyncio.to_thread(rabbitmqctl_rows, "list_queues", "-p", vhost, "name", "type")
+    return {row["name"]: row["type"] for row in rows}
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal: what a person at the keyboard types, or sees."""
+
+    def isatty(self) -> bool:
+        """Yes, a terminal."""
+        return True

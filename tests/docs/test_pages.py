@@ -107,11 +107,11 @@ def test_a_copy_comes_from_tested_code(page: Path, target: str) -> None:
             "examples/fastapi_orders/",
             "examples/shop/",
             "tests/examples/",
-            "tests/sql/alembic_project/",
+            "tests/mersal_sqlalchemy/alembic_project/",
         )
     ), (
         f"{name(page)} shows {path}: samples live in docs/samples (run by tests/docs), "
-        "the examples (run by tests/examples) or the Alembic project of tests/sql"
+        "the examples (run by tests/examples) or the Alembic project of tests/mersal_sqlalchemy"
     )
 
 

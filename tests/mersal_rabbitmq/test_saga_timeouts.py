@@ -18,7 +18,7 @@ from lagom import Container
 
 from mersal import App, Header, RetryPolicy
 from mersal.sagas import Saga, StoredSaga, saga_check
-from tests.sql.support import count, storage_of
+from tests.mersal_sqlalchemy.support import count, storage_of
 from tests.support import Rabbit, eventually
 
 pytestmark = pytest.mark.integration

@@ -26,7 +26,14 @@ from mersal.serialization import JsonCodec
 from mersal.transport import Outgoing
 from mersal.transport.memory import MemoryTransport
 from mersal_sqlalchemy import SqlStorage, attach, make_engine
-from tests.sql.support import ORDERS, Order, Ship, count, create_business_tables, storage_of
+from tests.mersal_sqlalchemy.support import (
+    ORDERS,
+    Order,
+    Ship,
+    count,
+    create_business_tables,
+    storage_of,
+)
 from tests.support import DelegatingTransport, Rabbit, eventually
 
 EVENTS = 100

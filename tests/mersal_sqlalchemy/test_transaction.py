@@ -9,7 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from mersal import App, EncodeError
 from mersal_sqlalchemy import make_engine
-from tests.sql.support import (
+from tests.mersal_sqlalchemy.support import (
     ORDERS,
     Boom,
     Order,
@@ -40,27 +40,18 @@ async def nothing_left(app: App) -> bool:
     return await relay.flush() == 0
 
 
-async def test_orm_rows_and_messages_commit_together(
-    database: str, user_engine: AsyncEngine, memory_url: str
+@pytest.mark.parametrize("written", ["by the ORM", "by a Core statement"])
+async def test_rows_on_the_session_and_messages_commit_together(
+    database: str, user_engine: AsyncEngine, memory_url: str, written: str
 ) -> None:
     sink = await Sink(memory_url).start()
     app = orders_app(database, memory_url, Probe())
     async with app, AsyncSession(user_engine) as session:
         async with app.transaction(session):
-            session.add(Order(order_id="o-1"))
-            sent = await app.send(Ship(1))
-        await eventually(lambda: sink.ids() == [sent], "the message leaves after the commit")
-    assert await count(user_engine, ORDERS) == 1
-
-
-async def test_core_statements_on_the_session_commit_with_the_messages(
-    database: str, user_engine: AsyncEngine, memory_url: str
-) -> None:
-    sink = await Sink(memory_url).start()
-    app = orders_app(database, memory_url, Probe())
-    async with app, AsyncSession(user_engine) as session:
-        async with app.transaction(session):
-            await session.execute(ORDERS.insert().values(order_id="o-1"))
+            if written == "by the ORM":
+                session.add(Order(order_id="o-1"))
+            else:
+                await session.execute(ORDERS.insert().values(order_id="o-1"))
             sent = [await app.send(Ship(n)) for n in range(2)]
         await eventually(lambda: sink.ids() == sent, "both messages leave after the commit")
     assert await count(user_engine, ORDERS) == 1

@@ -34,7 +34,7 @@ from mersal.cli.probes import prometheus_metrics
 from mersal.cli.run import serve, stop_within
 from mersal.errors import ConfigurationError, Unreachable
 from mersal.starting import start_once
-from tests.support import eventually, forwarding, free_port, postgres_database
+from tests.support import eventually, forwarding, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -144,18 +144,12 @@ async def ended(run: Run, timeout: float = 20.0) -> int:
         return await run.process.wait()
 
 
-@pytest.fixture
-async def postgres() -> AsyncIterator[str]:
-    async with postgres_database(migrate=True) as url:
-        yield url
-
-
 async def test_a_running_app_answers_its_probes_logs_json_lines_and_stops_on_sigterm(
-    tmp_path: Path, amqp_url: str, postgres: str
+    tmp_path: Path, amqp_url: str, postgres_url: str
 ) -> None:
     name = f"run-{uuid4().hex[:8]}"
     port = free_port()
-    env = {"MERSAL_TRANSPORT": amqp_url, "MERSAL_DATABASE": postgres}
+    env = {"MERSAL_TRANSPORT": amqp_url, "MERSAL_DATABASE": postgres_url}
     options = ("--health-port", str(port), "--log-format", "json", "--log-messages")
     async with mersal_run(tmp_path, name, env, *options) as run:
         status, body = await eventually(
@@ -204,7 +198,7 @@ async def test_a_running_app_answers_its_probes_logs_json_lines_and_stops_on_sig
 
 
 async def test_an_unreachable_broker_is_waited_for_then_one_line_and_exit_2(
-    tmp_path: Path, postgres: str
+    tmp_path: Path, postgres_url: str
 ) -> None:
     env = {"MERSAL_TRANSPORT": f"amqp://guest:secret@127.0.0.1:{free_port()}/"}
     async with mersal_run(tmp_path, "run-nobroker", env, "--wait", "1.5") as run:
@@ -559,7 +553,7 @@ def test_a_module_that_fails_to_load_is_one_line_and_exit_2(
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])},
         check=False,
     )
     assert result.returncode == 2

@@ -28,7 +28,7 @@ from tests.support import eventually
 IDLE = 0.1
 
 
-@message("tests.cli.Charge.v1")
+@message("tests.dead_letters.Charge.v1")
 @dataclass
 class Charge:
     """A command that fails while the card service is broken."""
@@ -103,14 +103,20 @@ async def test_peek_shows_why_messages_failed_and_leaves_them_in_place(
 
     assert [letter.message_id for letter in letters] == ids
     first = letters[0]
-    assert first.type_name == "tests.cli.Charge.v1"
+    assert first.type_name == "tests.dead_letters.Charge.v1"
     assert first.error_type == f"{__name__}.CardDeclined"
     assert first.error_message == "card declined for o-1\nsecond line"
     assert first.attempts == 1
     assert first.source_queue == "payments"
     assert first.failed_at is not None and abs(first.failed_at.timestamp() - time.time()) < 60
     cells = summary(first)
-    assert cells[:5] == (ids[0], "tests.cli.Charge.v1", f"{__name__}.CardDeclined", "1", "payments")
+    assert cells[:5] == (
+        ids[0],
+        "tests.dead_letters.Charge.v1",
+        f"{__name__}.CardDeclined",
+        "1",
+        "payments",
+    )
     assert cells[6] == "card declined for o-1"
     queue = error_queue(transport)
     assert ids_in(queue) == ids  # all back, in their order

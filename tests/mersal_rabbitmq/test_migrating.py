@@ -13,16 +13,9 @@ import pytest
 from mersal import App, MersalError, RetryPolicy, Unsendable
 from mersal.transport import partition_queue
 from mersal_rabbitmq.topology import EVENTS
-from tests.cli.conftest import Queues, mersal
-from tests.support import eventually, rabbitmqctl_rows
+from tests.support import Queues, eventually, mersal, queue_types, rabbitmqctl_rows
 
 pytestmark = pytest.mark.integration
-
-
-async def queue_types(vhost: str) -> dict[str, str]:
-    """Each queue's type in the vhost."""
-    rows = await asyncio.to_thread(rabbitmqctl_rows, "list_queues", "-p", vhost, "name", "type")
-    return {row["name"]: row["type"] for row in rows}
 
 
 async def fill(url: str, queue: str, count: int, *, arguments: dict[str, object]) -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import uuid
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 from lagom import Container
 from sqlalchemy import String, Table, func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
@@ -21,6 +23,7 @@ from mersal.messages import Envelope
 from mersal.transport import Outgoing
 from mersal.transport.memory import MemoryTransport
 from mersal_sqlalchemy import SqlStorage, attach, make_engine
+from tests.rabbitmq.rabbitmq_support import Broker
 from tests.support import DelegatingTransport
 
 
@@ -256,3 +259,116 @@ async def run_process(command: Sequence[str], cwd: Path, **environment: str) -> 
         timeout=60,
     )
     return Ran(done.returncode, done.stdout, done.stderr)
+
+
+# The test's own view of RabbitMQ, and of the outbox table.
+
+
+class Recorder:
+    """Every message a raw consumer received from one queue, counted by message id."""
+
+    def __init__(self) -> None:
+        self.ids: Counter[str] = Counter()
+        self.messages: dict[str, AbstractIncomingMessage] = {}
+
+    async def on_message(self, incoming: AbstractIncomingMessage) -> None:
+        """Count one delivery (auto-acked)."""
+        header = (incoming.headers or {}).get(Header.MESSAGE_ID)  # an id too long for the property
+        message_id = header if isinstance(header, str) else incoming.message_id or ""
+        self.ids[message_id] += 1
+        self.messages[message_id] = incoming
+
+    def duplicates(self) -> dict[str, int]:
+        """Message ids that arrived more than once, with how often."""
+        return {message_id: n for message_id, n in self.ids.items() if n > 1}
+
+
+class Raw(Broker):
+    """An aio-pika connection of the test's own: a producer that is not Mersal, and a watcher.
+
+    The queues it declares, and those of the apps it watches, are deleted after the test.
+    """
+
+    def __init__(self, url: str, connection: AbstractConnection, channel: AbstractChannel) -> None:
+        super().__init__(connection, channel)
+        self.url = url
+        self.apps: list[App] = []
+
+    def watch(self, app: App) -> App:  # type: ignore[override]
+        """Stop `app` and delete the queues it declares after the test."""
+        self.apps.append(app)
+        super().watch(app.transport)
+        return app
+
+    async def declare(self, name: str, **options: Any) -> str:  # type: ignore[override]
+        """Declare a durable queue (deleted after the test); its name."""
+        await super().declare(name, durable=True, **options)
+        return name
+
+    async def record(self, queue: str) -> Recorder:
+        """Consume `queue` (auto-ack) into a Recorder."""
+        recorder = Recorder()
+        channel = await self.connection.channel()
+        amqp_queue = await channel.get_queue(queue, ensure=False)
+        await amqp_queue.consume(recorder.on_message, no_ack=True)
+        return recorder
+
+
+def unique_name(what: str) -> str:
+    """An app or queue name no other test uses."""
+    return f"{what}-{uuid.uuid4().hex[:10]}"
+
+
+@dataclass
+class Stored:
+    """An outbox row as the table holds it."""
+
+    id: int
+    address: str
+    headers: str
+    parked_reason: str | None
+    parked_at: object
+    leased: bool
+    attempts: int
+
+
+async def stored_rows(engine: AsyncEngine, table: Table) -> dict[int, Stored]:
+    """Every row of the outbox table, by id; `leased` if its lease lies in the future."""
+    now = func.now() if engine.dialect.name == "postgresql" else func.datetime("now")
+    leased = table.c.lease_until.is_not(None) & (table.c.lease_until > now)
+    query = select(
+        table.c.id,
+        table.c.address,
+        table.c.headers,
+        table.c.parked_reason,
+        table.c.parked_at,
+        leased.label("leased"),
+        table.c.attempts,
+    ).order_by(table.c.id)
+    async with engine.connect() as connection:
+        return {
+            record.id: Stored(
+                record.id,
+                record.address,
+                record.headers,
+                record.parked_reason,
+                record.parked_at,
+                bool(record.leased),
+                record.attempts,
+            )
+            for record in await connection.execute(query)
+        }
+
+
+async def unparked(engine: AsyncEngine, table: Table) -> int:
+    """How many rows wait to be sent (neither sent nor parked)."""
+    return sum(row.parked_at is None for row in (await stored_rows(engine, table)).values())
+
+
+def none_waiting(engine: AsyncEngine, table: Table) -> Any:
+    """A predicate: no row of the outbox waits to be sent."""
+
+    async def check() -> bool:
+        return await unparked(engine, table) == 0
+
+    return check

@@ -12,7 +12,7 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,20 +24,14 @@ import aiormq
 import pytest
 from sqlalchemy import insert, inspect
 
-from mersal import App, RetryPolicy
 from mersal.cli import load_app
-from mersal.inspection import AppRows, StorageStatus
-from mersal.messages import Envelope
-from mersal.status import Naming, app_status
-from mersal.status import Status as Seen
-from mersal.transport import Outgoing
 from mersal_sqlalchemy.cli import upgrade
 from mersal_sqlalchemy.engines import make_engine, sql_time
 from mersal_sqlalchemy.tables import make_tables
-from tests.cli.conftest import mersal
 from tests.support import (
     BACKENDS,
     eventually,
+    mersal,
     postgres_database,
     rabbitmqctl_rows,
     sqlite_file,
@@ -178,26 +172,19 @@ async def add_rows(database: str, app: str, *, pending: int, parked: int, age: f
         await engine.dispose()
 
 
-@pytest.fixture
-async def postgres() -> AsyncIterator[str]:
-    """A migrated PostgreSQL database of this test's own."""
-    async with postgres_database(migrate=True) as url:
-        yield url
-
-
 @pytest.mark.integration
 async def test_a_healthy_app_shows_its_queues_counts_and_exits_0(
-    status: Status, own_vhost: str, postgres: str, app_module: Callable[..., str]
+    status: Status, own_vhost: str, postgres_url: str, app_module: Callable[..., str]
 ) -> None:
     name = "orders"
-    target = app_module(name, own_vhost, postgres)
+    target = app_module(name, own_vhost, postgres_url)
     async with load_app(target):
         pass  # declares the app's input and error queues, as `mersal run` would
     await declare(own_vhost, f"{name}.wait.500", f"{name}.wait.7000")
     await put(own_vhost, f"{name}.wait.7000", 1)
     await put(own_vhost, name, 5)
-    await add_rows(postgres, "billing", pending=2, parked=1, age=1.0)  # another app's rows
-    await add_rows(postgres, name, pending=1, parked=0, age=0.0)
+    await add_rows(postgres_url, "billing", pending=2, parked=1, age=1.0)  # another app's rows
+    await add_rows(postgres_url, name, pending=1, parked=0, age=0.0)
     async with AsyncExitStack() as stack:
         connection = await stack.enter_async_context(await aio_pika.connect(own_vhost))
         channel = await connection.channel()
@@ -252,7 +239,7 @@ async def test_a_healthy_app_shows_its_queues_counts_and_exits_0(
         )
         assert run.queue(f"{name}.wait.7000")["ready"] == 1
         assert run.queue(f"{name}.wait.7000")["wait_of"] == name
-        assert report["database"] == postgres
+        assert report["database"] == postgres_url
         assert report["outbox"]["app"] == name
         assert (report["outbox"]["pending"], report["outbox"]["parked"]) == (1, 0)
         assert 0 <= report["outbox"]["oldest_pending_age"] < 60
@@ -353,15 +340,30 @@ async def test_an_in_process_broker_is_refused(
     assert "in-process broker" in run.err[0] and "--transport amqp://" in run.err[0]
 
 
-async def test_an_unreachable_broker_is_one_line_with_the_password_masked(status: Status) -> None:
-    run = await status("--transport", "amqp://guest:s3cret@127.0.0.1:1/vh", "--queue", "orders")
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        pytest.param(
+            ("--transport", "amqp://guest:s3cret@127.0.0.1:1/vh", "--queue", "orders"),
+            "mersal: cannot connect to RabbitMQ at amqp://guest:***@127.0.0.1:1/vh",
+            id="broker",
+        ),
+        pytest.param(
+            ("--database", "postgresql+asyncpg://root:s3cret@127.0.0.1:1/orders"),
+            "mersal: cannot look at the database postgresql+asyncpg://root:***@",
+            id="database",
+        ),
+    ],
+)
+async def test_an_unreachable_broker_or_database_is_one_line_with_the_password_masked(
+    status: Status, arguments: tuple[str, ...], said: str
+) -> None:
+    run = await status(*arguments)
 
     assert run.code == 2
     assert run.out == ""
     assert len(run.err) == 1, run.err
-    assert run.err[0].startswith(
-        "mersal: cannot connect to RabbitMQ at amqp://guest:***@127.0.0.1:1/vh"
-    )
+    assert run.err[0].startswith(said)
     assert "s3cret" not in run.err[0]
 
 
@@ -391,20 +393,6 @@ async def test_a_broker_that_does_not_answer_is_given_up_on_after_the_timeout(
         "(--timeout SECONDS to wait longer)"
     ]
     assert elapsed < 10
-
-
-async def test_an_unreachable_database_is_one_line_with_the_password_masked(
-    status: Status,
-) -> None:
-    run = await status("--database", "postgresql+asyncpg://root:s3cret@127.0.0.1:1/orders")
-
-    assert run.code == 2
-    assert run.out == ""
-    assert len(run.err) == 1, run.err
-    assert run.err[0].startswith(
-        "mersal: cannot look at the database postgresql+asyncpg://root:***@"
-    )
-    assert "s3cret" not in run.err[0]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -482,24 +470,6 @@ async def test_without_the_management_api_unacked_is_unknown_and_it_says_how_onc
     assert "rabbitmq-plugins enable rabbitmq_management" in run.report["unacked_note"]
 
 
-async def test_app_status_counts_an_in_process_app_on_the_memory_transport() -> None:
-    transport = f"memory://status-{uuid4().hex}"
-    app = App("orders", transport=transport, retry=RetryPolicy(error_queue="orders.error"))
-    async with app:
-        dead = Outgoing("orders.error", Envelope({"message-id": "m-1"}, b"{}"))
-        await app.transport.send([dead])
-
-        status = await app_status(app)
-
-    assert [(q.name, q.role, q.ready, q.unacked, q.consumers) for q in status.queues] == [
-        ("orders", "input", 0, 0, 1),
-        ("orders.error", "error", 1, 0, 0),
-    ]
-    assert status.storage is None
-    assert status.exit_code == 1
-    assert status.reasons()[0].startswith("1 message(s) in the error queue 'orders.error'")
-
-
 def suggested(reason: str, command: str) -> list[str]:
     """The arguments of the `mersal COMMAND ...` a reason suggests, as a shell would split them."""
     found = re.search(rf"`mersal {command} ([^`]*)`", reason)
@@ -574,10 +544,11 @@ OLDEST = re.compile(r"\d+\.\ds")
 async def test_every_app_sharing_the_outbox_is_shown_with_the_one_asked_for_marked(
     status: Status,
     own_vhost: str,
-    database: str,
+    migrated_database: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    database = migrated_database
     module = f"shared_{uuid4().hex[:8]}"
     source = SHARED_MODULE.format(
         name="orders", sender="orders-web", transport=own_vhost, database=database
@@ -622,70 +593,3 @@ async def test_every_app_sharing_the_outbox_is_shown_with_the_one_asked_for_mark
         "  orders-web  2        1       N.Ns",
         "  (* is app 'orders': the outbox line above and the exit status count its rows only)",
     ]
-
-
-def test_an_app_name_in_the_outbox_is_shown_escaped_one_word_and_cut() -> None:
-    hostile = "evil\x1b[2J\nmersal 9 9"
-    apps = (
-        AppRows("orders", 1, 0, None),
-        AppRows(hostile, 0, 0, None),
-        AppRows("é" * 150, 0, 0, None),
-    )
-    seen = Seen(app="orders", database="db", storage=StorageStatus(1, 0, None, 0, "orders", apps))
-
-    lines = seen.lines()
-
-    start = lines.index(f"{'  APP':<102}  PENDING  PARKED  OLDEST PENDING")
-    assert lines[start + 1 : start + 4] == [
-        f"{'* orders':<102}  1        0       -",
-        r"  evil\x1b[2J\nmersal\x209\x209".ljust(102) + "  0        0       -",
-        f"  {'é' * 97}...  0        0       -",
-    ]
-    assert seen.as_json()["outbox"]["apps"][1]["app"] == hostile
-
-
-@pytest.mark.parametrize(
-    ("database", "environment", "table", "command"),
-    [
-        (
-            "postgresql+asyncpg://app:secret@db/shop",
-            None,
-            None,
-            "`mersal outbox retry 7 --database 'postgresql+asyncpg://app@db/shop'` (its URL "
-            "without the password: add the password, or set MERSAL_DATABASE to the URL and "
-            "leave --database out)",
-        ),
-        (
-            "postgresql+asyncpg://app:secret@db/shop",
-            "postgresql+asyncpg://app:secret@db/shop",
-            "shop_outbox",
-            "`mersal outbox retry 7 --outbox-table shop_outbox`",
-        ),
-        (
-            "postgresql+asyncpg://app:***@db/shop",
-            "postgresql+asyncpg://app:secret@db/shop",
-            None,
-            "`mersal outbox retry 7 --database 'postgresql+asyncpg://app@db/shop'` (its URL "
-            "without the password: add the password, or set MERSAL_DATABASE to the URL and "
-            "leave --database out)",
-        ),
-        (
-            "sqlite+aiosqlite:///shop.db",
-            None,
-            None,
-            "`mersal outbox retry 7 --database 'sqlite+aiosqlite:///shop.db'`",
-        ),
-    ],
-)
-def test_the_retry_command_for_a_parked_row_never_shows_a_password(
-    database: str,
-    environment: str | None,
-    table: str | None,
-    command: str,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    if environment is None:
-        monkeypatch.delenv("MERSAL_DATABASE", raising=False)
-    else:
-        monkeypatch.setenv("MERSAL_DATABASE", environment)
-    assert Naming(database=database).outbox_retry(7, table) == command

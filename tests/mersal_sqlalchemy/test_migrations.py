@@ -9,7 +9,6 @@ shows.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import sys
 from dataclasses import dataclass
@@ -21,10 +20,10 @@ from alembic.util import coerce_resource_to_filename
 from sqlalchemy import inspect
 
 from mersal import ConfigurationError
-from mersal.cli import main
 from mersal_sqlalchemy import make_engine
 from mersal_sqlalchemy.migrations import VERSIONS, VERSIONS_RESOURCE
-from tests.sql.support import Probe, Ran, orders_app, run_process
+from tests.mersal_sqlalchemy.support import Probe, Ran, orders_app, run_process
+from tests.support import mersal
 
 HERE = Path(__file__).parent
 ENV = HERE / "alembic_project" / "env.py"
@@ -155,11 +154,6 @@ async def table_names(database: str) -> set[str]:
             return set(await connection.run_sync(lambda c: inspect(c).get_table_names()))
     finally:
         await engine.dispose()
-
-
-async def mersal(*arguments: str) -> int:
-    """Run `mersal ARGUMENTS` in process."""
-    return await asyncio.to_thread(main, list(arguments))
 
 
 async def app_starts(database: str, memory_url: str, **options: str) -> bool:

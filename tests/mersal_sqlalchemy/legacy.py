@@ -1,4 +1,4 @@
-"""Databases as the release before per-pair version tables migrated them (tests/sql/data)."""
+"""Databases as the release before per-pair version tables migrated them (the files in data/)."""
 
 from __future__ import annotations
 

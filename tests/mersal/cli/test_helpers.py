@@ -7,14 +7,7 @@ import io
 import pytest
 
 from mersal.cli import ProgressLine
-
-
-class Terminal(io.StringIO):
-    """A stream that says it is a terminal, and keeps what was written to it."""
-
-    def isatty(self) -> bool:
-        """Yes, a terminal."""
-        return True
+from tests.support import Terminal
 
 
 class Clock:

@@ -4,7 +4,7 @@ An App on `memory://` with `database=sqlite+aiosqlite:///<file>` and 32 concurre
 sleep 50-200 ms and add one ORM row (the workload of `bench/sqlite.py`): writers queue in the
 process, so no attempt fails with "database is locked", nothing is dead-lettered, every message
 leaves exactly one row, and the handlers overlap (400 messages one at a time would take 50 s;
-overlapping, under 2 s; the bound of 8 s is about correctness, not speed). The inbox row is
+overlapping, under 2 s; the bound of 25 s is about correctness, not speed). The inbox row is
 written at commit on SQLite: a copy of a handled message is skipped, and two copies handled at
 the same time leave one row (the second's commit finds the first's inbox row).
 """

@@ -1,12 +1,13 @@
-"""The relay judges each outbox row; a stop leaves nothing half done.
+"""The relay parks the outbox rows that can never go, and sends every other row once.
 
 Rows that can never go (written by an older version, by hand, refused by the transport's limits
 or by the broker itself) are parked with a reason while every other row of their batch leaves
-once; a reply to a requester that is gone is dropped, not parked; a stop releases what it
-claimed and deletes what the broker confirmed; a dead letter with thousands of headers leaves
-once; and what a hostile producer puts in a message id or reply address never turns into a
-database error. On RabbitMQ and PostgreSQL, and on SQLite with the memory transport where no
-broker is needed.
+once; a reply to a requester that is gone is dropped, not parked; a dead letter with thousands
+of headers leaves once; what a hostile producer puts in a message id or reply address never
+turns into a database error; rows the broker keeps refusing are tried again without holding
+back the rows behind them; and once an operator deals with the parked rows the app is healthy
+again. On RabbitMQ and PostgreSQL, and on SQLite with the memory transport where no broker is
+needed.
 """
 
 from __future__ import annotations
@@ -18,27 +19,31 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import aio_pika
 import pytest
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
-from sqlalchemy import Table, func, select
+from sqlalchemy import Table, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from mersal import App, Header, MessageContext, RetryPolicy, message
-from mersal.errors import OutcomeUnknown, RequestTimeout
+from mersal import App, Header, MersalError, MessageContext, RetryPolicy, message
+from mersal.errors import RequestTimeout
 from mersal.messages import Envelope
-from mersal.outbox import OutboxRow
-from mersal.transport import Outgoing, Transport
+from mersal.transport import Outgoing
 from mersal.transport.memory import MemoryTransport
-from mersal_sqlalchemy import SqlOutboxStore, SqlStorage, attach, make_engine
-from tests.cli.conftest import mersal
-from tests.rabbitmq.rabbitmq_support import Broker
-from tests.sql.support import Sink
-from tests.support import DelegatingTransport, eventually
+from mersal_sqlalchemy import SqlStorage, attach
+from tests.mersal_sqlalchemy.support import (
+    Raw,
+    Recorder,
+    Sink,
+    Stored,
+    none_waiting,
+    stored_rows,
+    unique_name,
+)
+from tests.support import DelegatingTransport, eventually, mersal
 
 SHIP = "tests.relay.Ship.v1"
 
@@ -82,79 +87,6 @@ class Poison:
     """A command whose handler always fails."""
 
     n: int
-
-
-# The test's own view of RabbitMQ.
-
-
-class Recorder:
-    """Every message a raw consumer received from one queue, counted by message id."""
-
-    def __init__(self) -> None:
-        self.ids: Counter[str] = Counter()
-        self.messages: dict[str, AbstractIncomingMessage] = {}
-
-    async def on_message(self, incoming: AbstractIncomingMessage) -> None:
-        """Count one delivery (auto-acked)."""
-        header = (incoming.headers or {}).get(Header.MESSAGE_ID)  # an id too long for the property
-        message_id = header if isinstance(header, str) else incoming.message_id or ""
-        self.ids[message_id] += 1
-        self.messages[message_id] = incoming
-
-    def duplicates(self) -> dict[str, int]:
-        """Message ids that arrived more than once, with how often."""
-        return {message_id: n for message_id, n in self.ids.items() if n > 1}
-
-
-class Raw(Broker):
-    """An aio-pika connection of the test's own: a producer that is not Mersal, and a watcher.
-
-    The queues it declares, and those of the apps it watches, are deleted after the test.
-    """
-
-    def __init__(self, url: str, connection: AbstractConnection, channel: AbstractChannel) -> None:
-        super().__init__(connection, channel)
-        self.url = url
-        self.apps: list[App] = []
-
-    def watch(self, app: App) -> App:  # type: ignore[override]
-        """Stop `app` and delete the queues it declares after the test."""
-        self.apps.append(app)
-        super().watch(app.transport)
-        return app
-
-    async def declare(self, name: str, **options: Any) -> str:  # type: ignore[override]
-        """Declare a durable queue (deleted after the test); its name."""
-        await super().declare(name, durable=True, **options)
-        return name
-
-    async def record(self, queue: str) -> Recorder:
-        """Consume `queue` (auto-ack) into a Recorder."""
-        recorder = Recorder()
-        channel = await self.connection.channel()
-        amqp_queue = await channel.get_queue(queue, ensure=False)
-        await amqp_queue.consume(recorder.on_message, no_ack=True)
-        return recorder
-
-
-@pytest.fixture
-async def raw(amqp_url: str) -> AsyncIterator[Raw]:
-    """The test's raw connection; the queues it knows of are deleted afterwards."""
-    connection = await aio_pika.connect(amqp_url)
-    helper = Raw(amqp_url, connection, await connection.channel())
-    try:
-        yield helper
-    finally:
-        for app in helper.apps:
-            await app.stop()
-        await connection.close()
-        async with await aio_pika.connect(amqp_url) as cleanup:
-            await Broker(cleanup, await cleanup.channel()).delete(sorted(helper.leftovers()))
-
-
-def unique_name(what: str) -> str:
-    """An app or queue name no other test uses."""
-    return f"{what}-{uuid.uuid4().hex[:10]}"
 
 
 def storage_of(app: App) -> SqlStorage:
@@ -264,52 +196,6 @@ async def insert_rows(
         return sorted(result.scalars().all())
 
 
-@dataclass
-class Stored:
-    """An outbox row as the table holds it."""
-
-    id: int
-    address: str
-    headers: str
-    parked_reason: str | None
-    parked_at: object
-    leased: bool
-    attempts: int
-
-
-async def stored_rows(engine: AsyncEngine, table: Table) -> dict[int, Stored]:
-    """Every row of the outbox table, by id; `leased` if its lease lies in the future."""
-    now = func.now() if engine.dialect.name == "postgresql" else func.datetime("now")
-    leased = table.c.lease_until.is_not(None) & (table.c.lease_until > now)
-    query = select(
-        table.c.id,
-        table.c.address,
-        table.c.headers,
-        table.c.parked_reason,
-        table.c.parked_at,
-        leased.label("leased"),
-        table.c.attempts,
-    ).order_by(table.c.id)
-    async with engine.connect() as connection:
-        return {
-            record.id: Stored(
-                record.id,
-                record.address,
-                record.headers,
-                record.parked_reason,
-                record.parked_at,
-                bool(record.leased),
-                record.attempts,
-            )
-            for record in await connection.execute(query)
-        }
-
-
-async def unparked(engine: AsyncEngine, table: Table) -> int:
-    """How many rows wait to be sent (neither sent nor parked)."""
-    return sum(row.parked_at is None for row in (await stored_rows(engine, table)).values())
-
-
 def check_parking(rows: Sequence[Row], ids: Sequence[int], stored: dict[int, Stored]) -> None:
     """Every bad row is parked with its reason, unleased; no good row is left."""
     for row, row_id in zip(rows, ids, strict=True):
@@ -351,7 +237,7 @@ async def still_handles(raw: Raw, app: App, handled: list[int]) -> None:
     assert handled[before:] == [-1]
 
 
-# Case 4: rows that cannot go.
+# Rows that cannot go are parked with their reason; the rest of their batch leaves once.
 
 
 @pytest.mark.integration
@@ -377,7 +263,7 @@ async def test_rows_that_cannot_go_are_parked_and_the_rest_of_their_batch_leaves
         await eventually(
             lambda: all(received.ids[i] for i in good_ids), "every good row leaves", timeout=10
         )
-        await eventually(_none_waiting(engine, table), "no row is left unparked", timeout=10)
+        await eventually(none_waiting(engine, table), "no row is left unparked", timeout=10)
         bad = [row for row in rows if row.reason]
         relay = storage.relay
         assert relay is not None
@@ -420,17 +306,8 @@ async def relay_moved_on(
     await insert_rows(engine, table, app, [Row(marker, sink, headers_json(marker))])
     storage.wake()
     await eventually(lambda: marker in arrived(), "a row relayed after the batch", timeout=10)
-    await eventually(_none_waiting(engine, table), "the later row deleted", timeout=10)
+    await eventually(none_waiting(engine, table), "the later row deleted", timeout=10)
     return marker
-
-
-def _none_waiting(engine: AsyncEngine, table: Table) -> Any:
-    """A predicate: no row of the outbox waits to be sent."""
-
-    async def check() -> bool:
-        return await unparked(engine, table) == 0
-
-    return check
 
 
 @pytest.mark.timeout(30)
@@ -450,7 +327,7 @@ async def test_rows_that_cannot_go_are_parked_without_a_broker(
         ids = await insert_rows(engine, table, name, rows)
         storage.wake()
         good_ids = [json.loads(row.headers)[Header.MESSAGE_ID] for row in rows if not row.reason]
-        await eventually(_none_waiting(engine, table), "no row is left unparked", timeout=10)
+        await eventually(none_waiting(engine, table), "no row is left unparked", timeout=10)
         relay = storage.relay
         assert relay is not None
         bad = [row for row in rows if row.reason]
@@ -531,7 +408,7 @@ async def test_a_row_the_broker_refuses_is_parked_and_its_batch_leaves_once(
         ]
         ids = await insert_rows(engine, table, name, rows)
         storage.wake()
-        await eventually(_none_waiting(engine, table), "no row is left unparked", timeout=10)
+        await eventually(none_waiting(engine, table), "no row is left unparked", timeout=10)
         good_ids = {f"good-{n}" for n in range(40)}
         await eventually(lambda: set(received.ids) >= good_ids, "every good row", timeout=10)
         marker = await relay_moved_on(storage, name, sink, lambda: received.ids)
@@ -585,7 +462,7 @@ async def test_a_body_over_the_brokers_limit_is_parked_not_sent_again_and_again(
         ids = await insert_rows(engine, table, name, rows)
         del huge
         storage.wake()
-        await eventually(_none_waiting(engine, table), "no row is left unparked", timeout=30)
+        await eventually(none_waiting(engine, table), "no row is left unparked", timeout=30)
         good_ids = {f"good-{n}" for n in range(10)}
         await eventually(lambda: set(received.ids) >= good_ids, "every good row", timeout=10)
         marker = await relay_moved_on(storage, name, sink, lambda: received.ids)
@@ -596,7 +473,7 @@ async def test_a_body_over_the_brokers_limit_is_parked_not_sent_again_and_again(
     check_unknown_outcomes(received, before_refused)
 
 
-# Case 7: a reply to a requester that is gone.
+# A reply to a requester that is gone is dropped; a send nobody can route is parked.
 
 
 @pytest.mark.integration
@@ -667,176 +544,7 @@ async def _missing(raw: Raw, queue: str) -> bool:
     return not await raw.exists(queue)
 
 
-# Case 11: a stop leaves no lease behind.
-
-ROWS = 3_000
-BATCH = 500
-ROUNDS = [(0, 0.0), (1, 0.0), (400, 0.0), (1_000, 0.02), (1_700, 0.05), (2_400, 0.0)]
-"""(rows delivered before the stop begins, seconds the relay may drain) for each round."""
-
-
-def stopping_app(name: str, url: str, database: str, drain: float) -> App:
-    """An app whose relay sends BATCH rows at a time and may drain for `drain` seconds."""
-    app = App(name, transport=url, database=database)
-    attach(app, relay_batch=BATCH, drain_timeout=drain, poll_interval=0.2)
-    return app
-
-
-def message_id_of(row: Stored) -> str:
-    """The message id in a stored row's headers."""
-    return str(json.loads(row.headers)[Header.MESSAGE_ID])
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(150)
-async def test_a_stop_mid_relay_leaves_no_lease_and_a_restart_sends_the_rest(
-    postgres_url: str, amqp_url: str, raw: Raw
-) -> None:
-    name = unique_name("stopper")
-    sink = await raw.declare(f"{name}.sink")
-    received = await raw.record(sink)
-    seen: list[tuple[int, float, int, int]] = []
-    for stop_after, drain in ROUNDS:
-        app = raw.watch(stopping_app(name, amqp_url, postgres_url, drain))
-        app.route(Ship, sink)
-        await app.start()
-        table = storage_of(app).tables.outbox
-        async with app.transaction():
-            ids = [await app.send(Ship(n)) for n in range(ROWS)]
-        await eventually(
-            lambda: sum(1 for i in ids if received.ids[i]) >= stop_after,  # noqa: B023
-            f"{stop_after} rows delivered",
-            timeout=20,
-        )
-        await app.stop()
-
-        engine = make_engine(postgres_url)
-        try:
-            stored = await stored_rows(engine, table)
-        finally:
-            await engine.dispose()
-        leased = [row.id for row in stored.values() if row.leased]
-        assert leased == [], f"stop after {stop_after} left {len(leased)} rows leased"
-        assert all(row.parked_at is None for row in stored.values())
-        left = {message_id_of(row) for row in stored.values()}
-        sent = set(ids) - left
-        await eventually(
-            lambda: sent <= set(received.ids),  # noqa: B023
-            "every deleted row was delivered",
-            timeout=10,
-        )
-
-        again = raw.watch(stopping_app(name, amqp_url, postgres_url, 5.0))
-        async with again:
-            await eventually(
-                lambda: all(received.ids[i] for i in ids),  # noqa: B023
-                "a fresh start sends the rest",
-                timeout=30,
-            )
-            await eventually(
-                _none_waiting(storage_of(again).engine, table),
-                "no row is left unparked",
-                timeout=10,
-            )
-        duplicates = sum(1 for i in ids if received.ids[i] > 1)
-        seen.append((stop_after, drain, len(left), duplicates))
-        # Rows of the batch the stop cut off may arrive twice: see
-        # test_a_stop_mid_batch_deletes_the_rows_the_broker_confirmed for why they should not.
-        assert duplicates <= BATCH, seen
-        assert all(received.ids[i] <= 2 for i in ids), seen
-
-
-class SlowClaims(SqlOutboxStore):
-    """The SQL store, pausing after each claim has committed: a stop lands inside the claim."""
-
-    def __init__(self, *args: Any, **options: Any) -> None:
-        super().__init__(*args, **options)
-        self.claimed = asyncio.Event()
-
-    async def claim(self, limit: int) -> list[OutboxRow]:
-        """Claim (and commit the leases), then take half a second before returning."""
-        rows = await super().claim(limit)
-        if rows:
-            self.claimed.set()
-            await asyncio.sleep(0.5)
-        return rows
-
-
-@pytest.mark.timeout(30)
-async def test_a_stop_that_lands_in_a_claim_releases_the_claimed_rows(
-    database: str, memory_url: str
-) -> None:
-    sink = await Sink(memory_url).start()
-    app = App("stopper", transport=memory_url, database=database)
-    app.route(Ship, "sink")
-    storage = attach(app, drain_timeout=0.1, poll_interval=0.2)
-    store = storage.store = SlowClaims(storage.engine, storage.tables.outbox, app.name)
-    async with app:
-        engine, table = storage.engine, storage.tables.outbox
-        async with app.transaction():
-            ids = [await app.send(Ship(n)) for n in range(10)]
-        await store.claimed.wait()
-    engine = make_engine(database)
-    try:
-        stored = await stored_rows(engine, table)
-    finally:
-        await engine.dispose()
-    leased = sorted(message_id_of(row) for row in stored.values() if row.leased)
-    assert leased == [], f"{len(leased)} rows stay leased for 30 s after the stop"
-    assert {message_id_of(row) for row in stored.values()} == set(ids) - set(sink.ids())
-
-
-class ConfirmsAllButLast(DelegatingTransport):
-    """A transport whose broker confirms every message of a batch at once but the last, late."""
-
-    def __init__(self, inner: Transport, late: float) -> None:
-        super().__init__(inner)
-        self.late = late
-        self.confirmed: list[str] = []
-        self.waiting = asyncio.Event()
-
-    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
-        """Send all but the last (confirmed); the last one's outcome is unknown after `late`."""
-        results = await self.inner.send_each(messages[:-1])
-        self.confirmed += [
-            str(outgoing.envelope.message_id)
-            for outgoing, result in zip(messages, results, strict=False)
-            if result is None
-        ]
-        self.waiting.set()
-        await asyncio.sleep(self.late)
-        return [*results, OutcomeUnknown("no confirm within the publish timeout: send it again")]
-
-
-@pytest.mark.timeout(30)
-async def test_a_stop_mid_batch_deletes_the_rows_the_broker_confirmed(
-    database: str, memory_url: str
-) -> None:
-    await Sink(memory_url).start()
-    transport = ConfirmsAllButLast(MemoryTransport(memory_url), late=1.0)
-    app = App("stopper", transport=cast(Transport, transport), database=database)
-    app.route(Ship, "sink")
-    storage = attach(app, drain_timeout=0.1, poll_interval=0.2)
-    async with app:
-        engine, table = storage.engine, storage.tables.outbox
-        async with app.transaction():
-            ids = [await app.send(Ship(n)) for n in range(10)]
-        await transport.waiting.wait()
-        assert transport.confirmed == ids[:-1]
-    engine = make_engine(database)
-    try:
-        stored = await stored_rows(engine, table)
-    finally:
-        await engine.dispose()
-    assert not any(row.leased for row in stored.values()), "the stop left leased rows"
-    left = [message_id_of(row) for row in stored.values()]
-    assert left == ids[-1:], (
-        f"the stop gave back {len(left) - 1} rows the broker had confirmed: the next start "
-        "sends them again"
-    )
-
-
-# Case 6, on RabbitMQ: a dead letter with thousands of headers still leaves, once.
+# On RabbitMQ, a dead letter with thousands of headers still leaves, once.
 
 TINY_HEADERS = 12_000
 """Headers of 4 bytes each (a 3-byte name, a 1-byte value): 10 bytes each in an AMQP table, so
@@ -960,7 +668,7 @@ async def test_a_reply_address_with_a_nul_character_is_parked_or_refused_at_the_
         await eventually(lambda: bool(handled), "the handler ran", timeout=5)
         await eventually(lambda: app.in_flight == 0, "the delivery is settled", timeout=5)
         await eventually(
-            _none_waiting(storage.engine, storage.tables.outbox),
+            none_waiting(storage.engine, storage.tables.outbox),
             "no row is left unparked",
             timeout=5,
         )
@@ -973,3 +681,109 @@ async def test_a_reply_address_with_a_nul_character_is_parked_or_refused_at_the_
     else:  # written, tried and parked: nobody has that queue
         [row] = stored
         assert row.parked_reason is not None and "Unroutable" in row.parked_reason
+
+
+@dataclass
+class ToFull:
+    """A command to a queue that refuses everything."""
+
+    n: int
+
+
+# Rows the broker keeps refusing are tried again, not parked, and do not hold back the rows
+# written after them.
+
+
+class RefusingQueue(DelegatingTransport):
+    """A memory transport on which every send to `refused` fails as a broker's nack would."""
+
+    def __init__(self, url: str, refused: str) -> None:
+        super().__init__(MemoryTransport(url))
+        self.refused = refused
+        self.tries: Counter[str] = Counter()
+
+    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
+        """Refuse what goes to `refused`; send the rest."""
+        results: list[Exception | None] = []
+        for outgoing in messages:
+            if outgoing.address == self.refused:
+                self.tries[outgoing.envelope.message_id or ""] += 1
+                results.append(MersalError("RabbitMQ refused it (the queue is full), on purpose"))
+            else:
+                results.extend(await self.inner.send_each([outgoing]))
+        return results
+
+
+@pytest.mark.timeout(60)
+async def test_rows_the_broker_keeps_refusing_do_not_hold_back_the_rows_behind_them(
+    database: str, memory_url: str
+) -> None:
+    batch = 5
+    sink = await Sink(memory_url).start()
+    transport = RefusingQueue(memory_url, "full")
+    app = App("head-of-line", transport=transport, database=database)
+    attach(app, relay_batch=batch, poll_interval=0.5)
+    app.route(ToFull, "full")
+    app.route(Ship, "sink")
+    async with app:
+        storage = storage_of(app)
+        async with app.transaction():  # a batch's worth of rows that never go, first
+            for n in range(batch):
+                await app.send(ToFull(n))
+        async with app.transaction():
+            for n in range(3):
+                await app.send(Ship(n))
+        await eventually(lambda: len(sink.ids()) == 3, "the rows behind them leave", timeout=3)
+        # ... while the refused ones are still tried, not parked nor forgotten.
+        await eventually(
+            lambda: len(transport.tries) == batch and min(transport.tries.values()) >= 2,
+            "each refused row is tried again",
+            timeout=5,
+        )
+        assert await storage.pending() == batch
+        assert storage.parked == 0
+    assert sink.duplicates() == {}
+
+
+# After an operator purges or retries the parked rows, a busy app is healthy again within about
+# the relay's poll interval.
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("action", ["purge", "retry"])
+async def test_a_busy_app_is_healthy_again_soon_after_its_parked_rows_are_dealt_with(
+    database: str, memory_url: str, action: str
+) -> None:
+    poll_interval = 0.5
+    sink = await Sink(memory_url).start()
+    app = App("health", transport=memory_url, database=database)
+    attach(app, poll_interval=poll_interval)
+    app.route(Lost, "nobody-declared-this")
+    app.route(Ship, "sink")
+    async with app:
+        storage = storage_of(app)
+        table = storage.tables.outbox
+        async with app.transaction():
+            await app.send(Lost(1))
+        await eventually(lambda: not app.healthy, "the unroutable row is parked", timeout=5)
+        async with storage.engine.connect() as connection:
+            parked = (await connection.execute(select(table.c.id))).scalars().all()
+        assert len(parked) == 1
+
+        async def commit_a_row() -> bool:
+            """Keep the app busy: each commit wakes the relay."""
+            async with app.transaction():
+                await app.send(Ship(0))
+            return app.healthy
+
+        for _ in range(5):  # busy before the operator acts
+            await commit_a_row()
+        if action == "purge":
+            assert await mersal("outbox", "purge", str(parked[0]), "--database", database) == 0
+        else:
+            await sink.transport.declare("nobody-declared-this")
+            assert await mersal("outbox", "retry", "--all", "--database", database) == 0
+        await eventually(commit_a_row, "healthy while busy", timeout=4 * poll_interval)
+        assert storage.parked == 0
+        if action == "retry":
+            await eventually(lambda: len(sink.ids("nobody-declared-this")) == 1, "it leaves")

@@ -8,7 +8,7 @@ from sqlalchemy import insert, select
 
 from mersal_sqlalchemy.engines import sql_time
 from mersal_sqlalchemy.inbox import inbox_key
-from tests.sql.support import Probe, orders_app, storage_of
+from tests.mersal_sqlalchemy.support import Probe, orders_app, storage_of
 
 DAY = 86_400.0
 

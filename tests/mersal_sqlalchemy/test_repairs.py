@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +19,7 @@ from mersal.transport import Outgoing
 from mersal.transport.memory import MemoryTransport
 from mersal_sqlalchemy import SqlOutboxStore, make_engine, make_tables
 from mersal_sqlalchemy.outbox import write_outbox
-from tests.cli.conftest import mersal
-from tests.support import postgres_database
+from tests.support import Terminal, mersal, postgres_database
 
 REASON = "Unroutable: no queue named 'sink': start the app that owns it\n(second line)"
 
@@ -48,13 +48,15 @@ class Outbox:
 
 def outgoing(message_id: str, address: str = "sink") -> Outgoing:
     """A message to `address` with this id, as an app would have sent it."""
-    headers = {Header.MESSAGE_ID: message_id, Header.TYPE: "tests.cli.Ship.v1"}
+    headers = {Header.MESSAGE_ID: message_id, Header.TYPE: "tests.repairs.Ship.v1"}
     return Outgoing(address, Envelope(headers, b'{"n": 1}'))
 
 
 @pytest.fixture
-async def outbox(database: str) -> AsyncIterator[Outbox]:
-    """The test's database with four outbox rows, two of them parked."""
+async def outbox(migrated_database: str) -> AsyncIterator[Outbox]:
+    """The test's database (made by `mersal db upgrade`, as an operator's is) with four outbox
+    rows, two of them parked."""
+    database = migrated_database
     engine = make_engine(database)
     table = make_tables().outbox
     async with engine.begin() as connection:
@@ -95,7 +97,7 @@ async def test_list_shows_every_row_and_why_the_parked_ones_are_parked(
         "REASON",
     ]
     rows = {line.split()[0]: line for line in lines[1:5]}
-    assert rows["1"].split()[1:7] == ["orders", "send", "sink", "tests.cli.Ship.v1", "m1", "1"]
+    assert rows["1"].split()[1:7] == ["orders", "send", "sink", "tests.repairs.Ship.v1", "m1", "1"]
     assert rows["1"].split()[-2:] == ["-", "-"]
     assert rows["2"].split()[5] == "m2"
     assert rows["2"].endswith("Unroutable: no queue named 'sink': start the app that owns it")
@@ -285,3 +287,58 @@ async def test_retry_on_postgresql_wakes_the_apps_relays(
         finally:
             await engine.dispose()
     assert capsys.readouterr().out.startswith("un-parked 1 row(s): 1;")
+
+
+# `mersal outbox purge` of many rows: batched deletes, a progress line on a terminal only.
+
+
+async def park_rows(database: str, count: int) -> list[int]:
+    """Write `count` outbox rows and park them all, as a relay would; their ids."""
+    engine = make_engine(database)
+    table = make_tables().outbox
+    messages = [
+        Outgoing("sink", Envelope({Header.MESSAGE_ID: f"m{n}", Header.TYPE: "t.Ship.v1"}, b"{}"))
+        for n in range(count)
+    ]
+    try:
+        async with engine.begin() as connection:
+            await write_outbox(connection, table, "orders", messages, None)
+        store = SqlOutboxStore(engine, table, "orders")
+        ids = [row.id for row in await store.claim(count)]
+        for row_id in ids:
+            await store.park(row_id, "Unroutable: no queue named 'sink'")
+        return ids
+    finally:
+        await engine.dispose()
+
+
+async def row_ids(database: str) -> list[int]:
+    """The ids of the outbox rows, in order."""
+    engine = make_engine(database)
+    table = make_tables().outbox
+    try:
+        async with engine.connect() as connection:
+            return list(
+                (await connection.execute(select(table.c.id).order_by(table.c.id))).scalars()
+            )
+    finally:
+        await engine.dispose()
+
+
+async def test_a_long_purge_shows_its_progress_on_a_terminal_only(
+    migrated_database: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    database = migrated_database
+    ids = await park_rows(database, 200)
+
+    assert await mersal("outbox", "purge", *map(str, ids[:60]), "--database", database) == 0
+    output = capsys.readouterr()
+    assert output.out.startswith("purged 60 parked row(s): ")
+    assert output.err == ""  # no terminal: no progress
+
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    assert await mersal("outbox", "purge", *map(str, ids[60:190]), "--database", database) == 0
+    assert screen.getvalue() == "\rpurged 100/130\rpurged 130/130\n"  # a batch is 100 rows
+    assert capsys.readouterr().out.startswith("purged 130 parked row(s): ")
+    assert await row_ids(database) == ids[190:]
