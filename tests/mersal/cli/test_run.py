@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import logging
 import os
@@ -19,8 +18,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-import warnings
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from uuid import uuid4
@@ -29,10 +27,9 @@ import aio_pika
 import pytest
 
 from mersal import App, MersalError, message
-from mersal.cli import load_app, open_app
 from mersal.cli.probes import prometheus_metrics
 from mersal.cli.run import serve, stop_within
-from mersal.errors import ConfigurationError, Unreachable
+from mersal.errors import Unreachable
 from mersal.starting import start_once
 from tests.support import eventually, forwarding, free_port
 
@@ -423,25 +420,13 @@ async def _delete_queues(url: str, name: str) -> None:
         await connection.close()
 
 
-ASYNC_SERVICE = """
-import asyncio
-
-from mersal import App
-
-
-async def make_app() -> App:
-    await asyncio.sleep(0)  # runs in the loop that serves the app
-    return App("{name}", transport="memory://")
-"""
-
-
 async def test_an_async_factory_is_awaited_in_the_serving_loop_and_a_stop_says_how_it_went(
-    tmp_path: Path,
+    tmp_path: Path, async_factory: Callable[[str], str]
 ) -> None:
     name = f"run-{uuid4().hex[:8]}"
-    (tmp_path / "factory.py").write_text(ASYNC_SERVICE.format(name=name))
+    target = async_factory(name)
     options = ("-W", "error::RuntimeWarning")
-    async with running("factory:make_app", tmp_path, {}, python=options) as run:
+    async with running(target, tmp_path, {}, python=options) as run:
         await eventually(
             lambda: any(f"app '{name}' started on memory://" in line for line in run.lines),
             "the app started",
@@ -453,52 +438,6 @@ async def test_an_async_factory_is_awaited_in_the_serving_loop_and_a_stop_says_h
     assert f"stopping app '{name}': nothing in flight" in messages, run.lines
     assert f"app '{name}' stopped in 0.0 s" in messages, run.lines
     assert not [line for line in run.lines if "never awaited" in line or "Warning" in line]
-
-
-def test_commands_that_read_an_app_await_an_async_factory_in_a_loop_of_their_own(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    module = f"factory_{uuid4().hex[:8]}"
-    (tmp_path / f"{module}.py").write_text(ASYNC_SERVICE.format(name="orders"))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, module, raising=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        app = load_app(f"{module}:make_app")
-    assert (app.name, app.running) == ("orders", False)
-
-
-def test_an_app_held_by_a_class_in_the_module_is_named_with_a_dot(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    module = f"holder_{uuid4().hex[:8]}"
-    (tmp_path / f"{module}.py").write_text(
-        "from mersal import App\n\nclass Service:\n    app = App('orders')\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, module, raising=False)
-
-    assert load_app(f"{module}:Service.app").name == "orders"
-
-
-async def test_in_a_running_loop_an_async_factory_is_opened_not_loaded(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    module = f"factory_{uuid4().hex[:8]}"
-    (tmp_path / f"{module}.py").write_text(ASYNC_SERVICE.format(name="orders"))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, module, raising=False)
-    target = f"{module}:make_app"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with pytest.raises(ConfigurationError) as raised:
-            load_app(target)
-        gc.collect()  # a coroutine left unawaited would warn when collected
-    assert str(raised.value) == (
-        f"{target} is an async function: in a running event loop, "
-        f"`await mersal.cli.open_app('{target}')`"
-    )
-    assert (await open_app(target)).name == "orders"
 
 
 @pytest.mark.parametrize(
