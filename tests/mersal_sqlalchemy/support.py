@@ -1,4 +1,5 @@
-"""Helpers for the SQL outbox tests: a business table, the apps, a broker sink, counting."""
+"""Helpers for the SQL storage tests: a business table, the apps, a broker sink, counting, a raw
+RabbitMQ connection, outbox rows as stored, and databases the release before migrated."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import asyncpg  # type: ignore[import-untyped]
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 from lagom import Container
 from sqlalchemy import String, Table, func, select, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -372,3 +375,18 @@ def none_waiting(engine: AsyncEngine, table: Table) -> Any:
         return await unparked(engine, table) == 0
 
     return check
+
+
+# Databases as the release before per-pair version tables migrated them (the files in data/).
+
+DATA = Path(__file__).parent / "data"
+
+
+async def migrate_as_before(database: str, name: str) -> None:
+    """Run `data/legacy_<name>.sql` (what that release's `mersal db upgrade` ran) on PostgreSQL."""
+    url = make_url(database).set(drivername="postgresql").render_as_string(hide_password=False)
+    connection = await asyncpg.connect(url, timeout=5)
+    try:
+        await connection.execute((DATA / f"legacy_{name}.sql").read_text())
+    finally:
+        await connection.close()

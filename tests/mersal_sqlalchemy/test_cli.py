@@ -26,8 +26,14 @@ from mersal import ConfigurationError
 from mersal.cli import main
 from mersal_sqlalchemy import make_engine, make_tables
 from mersal_sqlalchemy.tables import version_table_name
-from tests.mersal_sqlalchemy.legacy import migrate_as_before
-from tests.mersal_sqlalchemy.support import Probe, Ran, execute, orders_app, storage_of
+from tests.mersal_sqlalchemy.support import (
+    Probe,
+    Ran,
+    execute,
+    migrate_as_before,
+    orders_app,
+    storage_of,
+)
 from tests.support import sqlite_file
 
 Mersal = Callable[..., Awaitable[Ran]]

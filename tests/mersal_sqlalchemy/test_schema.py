@@ -33,7 +33,6 @@ from mersal_sqlalchemy.tables import (
     schema_table_name,
     version_table_name,
 )
-from tests.mersal_sqlalchemy.legacy import migrate_as_before
 from tests.mersal_sqlalchemy.support import (
     ORDERS,
     PlaceOrder,
@@ -44,6 +43,7 @@ from tests.mersal_sqlalchemy.support import (
     count,
     create_business_tables,
     execute,
+    migrate_as_before,
     orders_app,
     run_process,
     storage_of,
