@@ -22,10 +22,12 @@ from mersal import (
     MessageContext,
     RetryPolicy,
 )
+from mersal.errors import Duplicate
 from mersal.pipeline import HandlerTimeout, Next
 from mersal.settle import ACK, ERROR_HEADERS
 from mersal.testing import Harness
 from mersal.transport import Outgoing
+from mersal.transport.memory import MemoryTransport
 from tests.mersal.support import (
     ERROR_QUEUE,
     assert_settled,
@@ -578,3 +580,56 @@ async def test_a_handler_cancelling_its_own_task_fails_each_attempt_then_dead_le
     assert calls == THREE_ATTEMPTS.max_attempts
     assert dead.headers[Header.ERROR_TYPE].endswith("CancelledError")
     assert dead.headers[Header.ERROR_ATTEMPTS] == str(THREE_ATTEMPTS.max_attempts)
+
+
+# What is and is not a duplicate; a stop is never a failure.
+
+
+async def test_a_duplicate_a_handler_raises_fails_its_attempts(memory_url: str) -> None:
+    """Only the inbox's `Duplicate` of the message being handled is acked unhandled."""
+    app = App("dups", transport=memory_url, retry=RetryPolicy(immediate=1, delayed=()))
+    calls: list[int] = []
+
+    async def handle(message: Ping) -> None:
+        calls.append(message.n)
+        raise Duplicate("some-other-id")
+
+    app.register(Ping, handle)
+    app.route(Ping, "dups")
+    async with Harness(app) as bus:
+        await app.send(Ping(1))
+        await bus.idle(10)
+
+    assert calls == [1, 1]
+    assert [d.error_type for d in bus.dead_lettered] == ["mersal.errors.Duplicate"]
+
+
+async def test_a_stop_the_handler_turns_into_another_error_gives_the_message_back(
+    memory_url: str,
+) -> None:
+    app = App(
+        "stopped",
+        transport=memory_url,
+        retry=RetryPolicy(immediate=0, delayed=()),
+        grace_period=0.1,
+    )
+    started = asyncio.Event()
+
+    async def handle(message: Ping) -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise RuntimeError("the cleanup after the cancellation failed") from None
+
+    app.register(Ping, handle)
+    app.route(Ping, "stopped")
+    await app.start()
+    await app.send(Ping(1))
+    await asyncio.wait_for(started.wait(), 10)
+    await app.stop()
+
+    broker = MemoryTransport(memory_url).broker
+    assert len(broker.queues["stopped"]) == 1
+    error_queue = broker.queues.get("error")
+    assert error_queue is None or len(error_queue) == 0

@@ -4,6 +4,7 @@ a stop fails a pending request at once."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ import pytest
 
 from mersal import (
     App,
+    ConfigurationError,
     DecodeError,
     Header,
     MessageContext,
@@ -19,7 +21,7 @@ from mersal import (
     message,
 )
 from tests.mersal.support import assert_settled, in_queue, qualified, quiet
-from tests.support import eventually
+from tests.support import eventually, unique
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,3 +120,49 @@ async def test_stop_fails_a_pending_request_promptly_with_not_running(memory_url
         async with asyncio.timeout(2):
             await request
     assert time.monotonic() - began < 2.0
+
+
+@dataclass
+class Question:
+    n: int
+
+
+@dataclass
+class Reply:
+    n: int
+
+
+def test_requests_at_once_work_in_each_event_loop_the_app_runs_in(amqp_url: str) -> None:
+    """An app started again in another loop (pytest's loop per test, say) opens its reply
+    queue again in that loop, many requests at once."""
+    server = App(unique("replier"), transport=amqp_url)
+    client = App(unique("requester"), transport=amqp_url)
+
+    async def answer(message: Question, context: MessageContext) -> None:
+        await context.app.reply(Reply(message.n))
+
+    server.register(Question, answer)
+    client.route(Question, server.name)
+
+    async def ask() -> list[int]:
+        async with server, client:
+            replies = await asyncio.gather(
+                *(client.request(Question(n), timeout=20, reply_type=Reply) for n in range(3))
+            )
+        return [reply.n for reply in replies]
+
+    assert asyncio.run(ask()) == [0, 1, 2]
+    assert asyncio.run(ask()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("timeout", [0, -1, math.nan, math.inf, "5", True])
+async def test_a_request_timeout_that_is_not_seconds_above_zero_is_refused(
+    timeout: object, memory_url: str
+) -> None:
+    app = App("asking", transport=memory_url)
+    app.route(Question, "elsewhere")
+    async with app:
+        with pytest.raises(ConfigurationError) as refused:
+            await app.request(Question(1), timeout=timeout)  # type: ignore[arg-type]
+
+    assert str(refused.value).startswith(f"request(timeout={timeout!r}): give the seconds")

@@ -786,3 +786,22 @@ async def test_sending_an_unrouted_type_says_to_call_app_route() -> None:
             await app.send(Unrouted(1))
     assert "Unrouted" in str(raised.value)
     assert "app.route(Unrouted" in str(raised.value)
+
+
+@dataclass
+class Later:
+    n: int
+
+
+@pytest.mark.parametrize("delay", ["10", None, True])
+async def test_a_delay_that_is_not_seconds_or_a_timedelta_is_refused(
+    delay: object, memory_url: str
+) -> None:
+    app = App("deferring", transport=memory_url)
+    async with app:
+        with pytest.raises(Unsendable) as refused:
+            await app.defer(delay, Later(1), to_self=True)  # type: ignore[arg-type]
+
+    assert str(refused.value) == (
+        f"defer({delay!r}, ...) needs a delay in seconds (a number) or a timedelta"
+    )

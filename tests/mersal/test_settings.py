@@ -4,6 +4,7 @@ this app's queue and no subscription brings is warned of, naming what to add."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,3 +141,30 @@ def test_an_invalid_error_queue_name_is_refused() -> None:
 def test_an_invalid_concurrency_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="concurrency"):
         App("a", concurrency=0)
+
+
+WRONG_KIND = [
+    ({"grace_period": -1}, "App(grace_period=-1) must be a number of seconds >= 0"),
+    ({"grace_period": "30"}, "App(grace_period='30') must be a number of seconds >= 0"),
+    ({"grace_period": math.nan}, "App(grace_period=nan) must be a number of seconds >= 0"),
+    ({"max_body_size": -1}, "App(max_body_size=-1) must be a number of bytes"),
+    ({"max_body_size": "1MB"}, "App(max_body_size='1MB') must be a number of bytes"),
+    ({"max_body_size": 1.5}, "App(max_body_size=1.5) must be a number of bytes"),
+    ({"consume": "no"}, "App(consume='no') must be True"),
+    ({"container": "x"}, "App(container='x') must be a lagom.Container"),
+    ({"retry": "x"}, "App(retry='x') must be a mersal.RetryPolicy"),
+    ({"codec": "json"}, "App(codec='json') must be a codec with encode() and decode()"),
+    ({"database": 123}, "App(database=123) must be a SQLAlchemy URL"),
+    ({"transport": 5}, "transport=5 is neither a URL"),
+    ({"transport": "amqp://u:p@[::1/vh"}, "'amqp://u:***@[::1/vh' in transport"),
+]
+
+
+@pytest.mark.parametrize(("options", "said"), WRONG_KIND, ids=[str(o) for o, _ in WRONG_KIND])
+def test_a_setting_of_the_wrong_kind_is_refused_saying_what_to_give(
+    options: dict[str, Any], said: str
+) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        App("orders", **options)
+
+    assert str(refused.value).startswith(said)

@@ -15,13 +15,14 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 from lagom import Container
 from sqlalchemy import insert, select, text
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from mersal import App, ConfigurationError, MersalError, MessageContext, RetryPolicy
 from mersal.pipeline import Next
@@ -632,3 +633,27 @@ async def test_savepoints_in_a_handler_commit_or_roll_back_and_the_message_commi
     assert shipped == [0, 1, 2, 3, 100, 101]  # not 102, 103: sent in savepoints rolled back
     assert sink.duplicates() == {}
     assert handled == len(STYLES)
+
+
+@dataclass
+class Entry:
+    n: int
+
+
+async def test_a_transaction_given_an_engine_is_refused_saying_what_to_give(
+    memory_url: str, tmp_path: Path
+) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'app.db'}"
+    app = App("writing", transport=memory_url, database=url)
+    app.route(Entry, "writing")
+    engine = create_async_engine(url)
+    try:
+        async with app:
+            with pytest.raises(ConfigurationError) as refused:
+                async with app.transaction(engine):  # type: ignore[arg-type]
+                    await app.send(Entry(1))
+            assert await app.storage.pending() == 0
+    finally:
+        await engine.dispose()
+
+    assert str(refused.value).startswith("app.transaction(AsyncEngine): give it the AsyncSession")
