@@ -70,9 +70,9 @@ $(LOWEST_STAMP): pyproject.toml Makefile
 	touch $@
 
 test-lowest: $(LOWEST_STAMP) services
-	$(LOWEST_VENV)/bin/pytest -p no:cacheprovider tests/rabbitmq/test_failover.py \
-		tests/rabbitmq/test_recovery.py tests/rabbitmq/test_library_workarounds.py \
-		tests/rabbitmq/test_aio_pika_restoration.py $(PYTEST_ARGS)
+	$(LOWEST_VENV)/bin/pytest -p no:cacheprovider tests/mersal_rabbitmq/test_connection.py \
+		tests/mersal_rabbitmq/test_recovery.py tests/mersal_rabbitmq/test_patches.py \
+		tests/mersal_rabbitmq/test_aio_pika_restoration.py $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)

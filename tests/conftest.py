@@ -68,7 +68,7 @@ async def rabbit(amqp_url: str) -> AsyncIterator[Rabbit]:
 @pytest.fixture
 def prefix() -> str:
     """A prefix that makes this test's app (queue) names unique on the shared vhost."""
-    return f"saga{uuid4().hex[:10]}"
+    return f"t{uuid4().hex[:10]}"
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from mersal import App, MessageContext, RetryPolicy
 from tests.fuzz.amqp import headers_of
 from tests.fuzz.corpus import PICKLE_BOMB, canaries_imported, nested
 from tests.fuzz.rig import CAP, DECODE_ERROR, JSON, ORDER, Order
-from tests.rabbitmq.rabbitmq_support import Broker
+from tests.mersal_rabbitmq.support import Broker
 from tests.support import RABBITMQ_HOST, eventually
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ import pytest
 from mersal import App, MessageContext, RetryPolicy
 from tests.fuzz.amqp import headers_of
 from tests.fuzz.rig import DOOMED, JSON, ORDER, Doom, Doomed, Order
-from tests.rabbitmq.rabbitmq_support import Broker
+from tests.mersal_rabbitmq.support import Broker
 from tests.support import RABBITMQ_HOST, eventually
 
 pytestmark = pytest.mark.integration

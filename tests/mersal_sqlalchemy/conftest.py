@@ -5,8 +5,8 @@ from collections.abc import AsyncIterator
 import aio_pika
 import pytest
 
+from tests.mersal_rabbitmq.support import Broker
 from tests.mersal_sqlalchemy.support import Raw
-from tests.rabbitmq.rabbitmq_support import Broker
 
 
 @pytest.fixture

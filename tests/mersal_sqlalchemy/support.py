@@ -26,7 +26,7 @@ from mersal.messages import Envelope
 from mersal.transport import Outgoing
 from mersal.transport.memory import MemoryTransport
 from mersal_sqlalchemy import SqlStorage, attach, make_engine
-from tests.rabbitmq.rabbitmq_support import Broker
+from tests.mersal_rabbitmq.support import Broker
 from tests.support import DelegatingTransport
 
 

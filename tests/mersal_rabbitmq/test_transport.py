@@ -13,7 +13,6 @@ from decimal import Decimal
 import aio_pika
 import aiormq
 import pytest
-from rabbitmq_support import Broker, rabbitmqctl
 
 from mersal import (
     ConfigurationError,
@@ -29,6 +28,7 @@ from mersal.dead_letters import LookingWouldLose
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_rabbitmq.delays import wait_milliseconds, wait_queue_name
 from mersal_rabbitmq.publishing import Publisher, distinct_runs
+from tests.mersal_rabbitmq.support import Broker, rabbitmqctl
 from tests.support import eventually, rabbitmqctl_rows
 
 pytestmark = pytest.mark.integration

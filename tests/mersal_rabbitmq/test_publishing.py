@@ -1,10 +1,10 @@
-"""Regressions of an adversarial review on RabbitMQ: publishes the broker refuses, odd frames.
+"""Publishes the broker refuses, and frames a raw producer makes odd, on RabbitMQ.
 
 A publish RabbitMQ refuses by closing its channel (a `CC` header that is not an array: 406; a
 topic permission: 403) fails alone: the good messages of its batch, and of the batches sent at
-the same time, are confirmed and arrive, and the connection (with the consumers on it) survives
-(p05, p06, p04). A raw producer's message whose header name or message id is not UTF-8 does not
-cost the consumer its connection (p15).
+the same time, are confirmed and arrive, and the connection (with the consumers on it)
+survives. A raw producer's message whose header name or message id is not UTF-8 does not
+cost the consumer its connection.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import uuid
+import urllib.parse
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
@@ -23,14 +23,19 @@ import pamqp.encode
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 from pamqp import common
-from rabbitmq_support import Broker, rabbitmqctl
 
 from mersal import App, Envelope, Header, MessageContext, RetryPolicy, Unsendable, message
 from mersal.pipeline import Next
 from mersal.transport import Outgoing
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy import SqlStorage, attach
-from tests.support import RABBITMQ_HOST, eventually, postgres_database
+from tests.mersal_rabbitmq.support import Broker
+from tests.support import (
+    eventually,
+    management,
+    postgres_database,
+    private_vhost,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -204,16 +209,11 @@ async def test_a_publish_the_broker_refuses_costs_batches_sent_beside_it_nothing
 @pytest.fixture(scope="module")
 def refusing_vhost() -> Iterator[str]:
     """A private vhost where guest may publish only `ok.*` and `work.*` topics (403 else)."""
-    name = f"mersal-refusals-{uuid.uuid4().hex[:8]}"
-    rabbitmqctl("add_vhost", name)
-    try:
-        rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
-        rabbitmqctl(
-            "set_topic_permissions", "-p", name, "guest", "mersal.events", r"^(ok|work)\.", ".*"
-        )
-        yield f"amqp://guest:guest@{RABBITMQ_HOST}/{name}"
-    finally:
-        rabbitmqctl("delete_vhost", name)
+    with private_vhost("mersal-refusals") as url:
+        vhost = urllib.parse.quote(url.rsplit("/", 1)[1], safe="")
+        topics = {"exchange": "mersal.events", "write": r"^(ok|work)\.", "read": ".*"}
+        management("PUT", f"topic-permissions/{vhost}/guest", topics)
+        yield url
 
 
 @pytest.fixture

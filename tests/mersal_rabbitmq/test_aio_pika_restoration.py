@@ -23,8 +23,8 @@ from typing import Any
 import aio_pika
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
-from rabbitmq_support import Broker, consumers_of, rabbitmqctl, relay
 
+from tests.mersal_rabbitmq.support import Broker, consumers_of, rabbitmqctl, relay
 from tests.support import eventually
 
 pytestmark = pytest.mark.integration

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import aio_pika
 import pytest
-from rabbitmq_support import Broker, Relay, rabbitmqctl, relay
 
 from mersal import App, ConfigurationError, MessageContext, OutcomeUnknown, RetryPolicy
 from mersal_rabbitmq import RabbitMQTransport, topology
 from mersal_rabbitmq.topology import PartitionsMigrating, RingLocked, Topology
+from tests.mersal_rabbitmq.support import Broker, Relay, rabbitmqctl, relay
 from tests.support import eventually, rabbitmqctl_rows
 
 pytestmark = pytest.mark.integration

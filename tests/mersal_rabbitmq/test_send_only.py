@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from rabbitmq_support import Broker
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from mersal import App, ConfigurationError, Header, MessageContext, RetryPolicy, message
+from tests.mersal_rabbitmq.support import Broker
 from tests.support import eventually, postgres_database
 
 pytestmark = pytest.mark.integration

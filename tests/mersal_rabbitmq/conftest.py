@@ -1,33 +1,25 @@
-"""Fixtures for the RabbitMQ tests: one vhost per session, unique queue names per test.
+"""Fixtures for the RabbitMQ transport's tests: the session's vhost, a raw broker, transports.
 
-A vhost costs three `rabbitmqctl` calls (about 2 s), so the session shares one (deleted at the
-end) and each test names its queues with its own prefix and deletes them afterwards.
+The tests share the session's vhost (tests/conftest.py), name their queues with their own
+`prefix` and delete them afterwards.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aio_pika
 import pytest
-from rabbitmq_support import Broker
 
 from mersal_rabbitmq import RabbitMQTransport
-from tests.support import RABBITMQ_HOST
+from tests.mersal_rabbitmq.support import Broker
 
 
 @pytest.fixture
-def url(vhost: str) -> str:
-    """The AMQP URL of the session's vhost."""
-    return f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}"
-
-
-@pytest.fixture
-def prefix() -> str:
-    """A prefix that makes this test's queue and app names unique."""
-    return f"t{uuid.uuid4().hex[:10]}"
+def url(amqp_url: str) -> str:
+    """The AMQP URL of the session's vhost (`amqp_url`), as these tests call it."""
+    return amqp_url
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import aio_pika
 import aiormq.channel
 import pamqp.decode
 import pytest
-from rabbitmq_support import rabbitmqctl
 
 from mersal_rabbitmq import RabbitMQTransport, patches
+from tests.mersal_rabbitmq.support import rabbitmqctl
 from tests.support import eventually
 
 pytestmark = pytest.mark.integration

@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import random
 
-from rabbitmq_support import Broker
-from test_rabbitmq_transport import Make, envelope, started
-
 from mersal.transport import Outgoing
 from mersal_rabbitmq.acks import Acks
 from mersal_rabbitmq.consuming import RabbitMQConsumer, RabbitMQDelivery
+from tests.mersal_rabbitmq.support import Broker
+from tests.mersal_rabbitmq.test_transport import Make, envelope, started
 from tests.support import eventually
 
 

@@ -7,31 +7,31 @@ import socket
 from dataclasses import dataclass
 
 import pytest
-from rabbitmq_support import Broker
 
 from mersal import App, RetryPolicy, message
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_rabbitmq.management import Management
 from mersal_rabbitmq.topology import EVENTS
+from tests.mersal_rabbitmq.support import Broker
 from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 
 
-@message("tests.rabbitmq.Shipped.v1")
+@message("tests.mersal_rabbitmq.Shipped.v1")
 @dataclass
 class Shipped:
     parcel: str
 
 
-@message("tests.rabbitmq.Cancelled.v1")
+@message("tests.mersal_rabbitmq.Cancelled.v1")
 @dataclass
 class Cancelled:
     parcel: str
 
 
-SHIPPED = "tests.rabbitmq.Shipped.v1"
-CANCELLED = "tests.rabbitmq.Cancelled.v1"
+SHIPPED = "tests.mersal_rabbitmq.Shipped.v1"
+CANCELLED = "tests.mersal_rabbitmq.Cancelled.v1"
 
 
 async def ignore(event: object) -> None:

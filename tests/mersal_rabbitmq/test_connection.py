@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
-from rabbitmq_support import Broker, rabbitmqctl, relay
 
 from mersal import App, ConfigurationError, MersalError, RetryPolicy
 from mersal.errors import Unreachable
 from mersal_rabbitmq import RabbitMQTransport, connection
+from tests.mersal_rabbitmq.support import Broker, rabbitmqctl, relay
 from tests.support import eventually
 
 pytestmark = pytest.mark.integration

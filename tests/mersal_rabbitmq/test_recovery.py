@@ -13,14 +13,14 @@ import logging
 from collections.abc import AsyncIterator, Awaitable
 
 import pytest
-from rabbitmq_support import Broker, bindings_of, consumers_of, rabbitmqctl, relay
-from test_rabbitmq_transport import Make, envelope, started
 
 from mersal import App, OutcomeUnknown, Outgoing, RetryPolicy, Unroutable
 from mersal_rabbitmq import ConsumerLost, RabbitMQTransport
 from mersal_rabbitmq.connection import Connection
 from mersal_rabbitmq.recovery import Recovery
 from mersal_rabbitmq.topology import EVENTS
+from tests.mersal_rabbitmq.support import Broker, bindings_of, consumers_of, rabbitmqctl, relay
+from tests.mersal_rabbitmq.test_transport import Make, envelope, started
 from tests.support import eventually
 
 pytestmark = pytest.mark.integration
