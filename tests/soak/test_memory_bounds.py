@@ -6,7 +6,7 @@ read from /proc/self/statm after a full collection) at the end must stay within 
 of memory after the first tenth of the messages, and the per-key and per-consumer structures
 (the worker's lanes, the transport's consumers, the queues' waiters) must be back to what one
 idle app needs. It runs at two sizes: `reduced` (30,000 messages, 300 consumers; `make test`)
-and `full` (200,000 messages, 2,000 consumers,; `make chaos`).
+and `full` (200,000 messages, 2,000 consumers; `make chaos`).
 
 The other tests look at one structure each that a message, a key, a consumer or a hostile
 producer could make grow: RabbitMQ's consumers, a RabbitMQ consumer's buffer, a memory queue's
