@@ -39,6 +39,7 @@ class Observer(Protocol):
 
 
 REPORTS = ("received", "decided", "skipped_duplicate", "outbox_measured")
+"""The reports every observer takes (beside `send_each`)."""
 
 
 def problems(observer: object) -> list[str]:
