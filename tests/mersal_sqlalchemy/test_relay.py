@@ -329,9 +329,9 @@ async def test_the_listen_connection_comes_back_after_it_is_lost(
 # A stop leaves no lease behind: what it claimed is released, what the broker confirmed is
 # deleted, and a restart sends the rest.
 
-ROWS = 3_000
-BATCH = 500
-ROUNDS = [(0, 0.0), (1, 0.0), (400, 0.0), (1_000, 0.02), (1_700, 0.05), (2_400, 0.0)]
+ROWS = 1_200
+BATCH = 200
+ROUNDS = [(0, 0.0), (1, 0.0), (160, 0.0), (400, 0.02), (680, 0.05), (960, 0.0)]
 """(rows delivered before the stop begins, seconds the relay may drain) for each round."""
 
 
