@@ -2,8 +2,9 @@
 
 A scenario (`Scenario`, an async context manager) creates a PostgreSQL database of its own
 (migrated with `mersal_sqlalchemy.cli.upgrade`, plus the ledger tables) and a RabbitMQ vhost of
-its own, runs the programs of `tests.chaos.worker` as OS processes in fleets (`Fleet`: keeps N
-processes of one kind alive, restarting those that die, with a budget of faulty ones), injects
+its own, runs the programs of `tests.chaos.worker` as OS processes (forked by `Zygote`) in fleets
+(`Fleet`: keeps N processes of one kind alive, restarting those that die, with a budget of faulty
+ones), injects
 faults from outside (broker connections closed, RabbitMQ or PostgreSQL stopped, backends
 terminated), waits until everything drained, and counts:
 
@@ -203,95 +204,166 @@ async def ensure_rabbitmq() -> None:
 # Processes.
 
 
-class Proc:
-    """One program of `tests.chaos.worker`, run as an OS process; READY on stdout when it runs."""
+class Zygote:
+    """`tests.chaos.zygote` in a process of its own: starts the programs, each one a fork."""
 
-    def __init__(self, role: str, argv: Sequence[str], log_path: Path, faulty: bool) -> None:
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self.process: asyncio.subprocess.Process | None = None
+        self.procs: dict[int, Proc] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._ids = 0
+
+    async def open(self) -> None:
+        """Start it: it imports the programs once."""
+        environment = dict(os.environ)
+        environment["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(ROOT), environment.get("PYTHONPATH")) if p
+        )
+        with self.log_path.open("ab") as log:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "tests.chaos.zygote",
+                cwd=ROOT,
+                env=environment,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                limit=2**20,
+            )
+        self._reader = asyncio.create_task(self._read())
+
+    def spawn(self, proc: Proc) -> None:
+        """Ask for `proc`'s program; its pid, lines and end come to it as they happen."""
+        assert self.process is not None and self.process.stdin is not None
+        if self.process.returncode is not None or self._reader is None or self._reader.done():
+            raise RuntimeError(f"the chaos zygote ended; its log:\n{tail(self.log_path, 30)}")
+        self._ids += 1
+        self.procs[self._ids] = proc
+        request = {"id": self._ids, "argv": proc.argv, "log": str(proc.log_path)}
+        self.process.stdin.write(json.dumps(request).encode() + b"\n")
+
+    async def _read(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        try:
+            async for raw in self.process.stdout:
+                event = json.loads(raw)
+                proc = self.procs[event["id"]]
+                if "pid" in event:
+                    proc.started(event["pid"])
+                elif "line" in event:
+                    proc.printed(event["line"])
+                else:
+                    proc.ended(event["code"])
+        finally:
+            for proc in self.procs.values():
+                proc.ended(-signal.SIGKILL)  # the zygote went: it killed what it had started
+
+    async def close(self) -> None:
+        """Close its stdin (it kills what is left) and wait for it."""
+        if self.process is None:
+            return
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            async with asyncio.timeout(30):
+                await self.process.wait()
+        except TimeoutError:
+            self.process.kill()
+            await self.process.wait()
+        if self._reader is not None:
+            with contextlib.suppress(Exception):
+                await self._reader
+
+
+def tail(path: Path, lines: int) -> str:
+    """The last lines of a log file."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class Proc:
+    """One program of `tests.chaos.worker`, a process forked by the zygote; READY once it runs."""
+
+    def __init__(
+        self, zygote: Zygote, role: str, argv: Sequence[str], log_path: Path, faulty: bool
+    ) -> None:
+        self.zygote = zygote
         self.role = role
         self.argv = list(argv)
         self.log_path = log_path
         self.faulty = faulty
         self.lines: list[str] = []
         self.ready = asyncio.Event()
-        self.process: asyncio.subprocess.Process | None = None
         self.pid = 0
+        self.code: int | None = None
         self.signalled: int | None = None
         self.signalled_at = 0.0
         self.ended_at = 0.0
-        self._log = log_path.open("ab")
-        self._reader: asyncio.Task[None] | None = None
+        self._forked = asyncio.Event()
+        self._ended = asyncio.Event()
 
     async def start(self, timeout: float = 60.0) -> bool:
         """Start the process; True once it printed READY, False if it ended (or hung) first."""
-        environment = dict(os.environ)
-        environment["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(ROOT), environment.get("PYTHONPATH")) if p
-        )
-        self.process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "tests.chaos.worker",
-            *self.argv,
-            cwd=ROOT,
-            env=environment,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-        )
-        self.pid = self.process.pid
-        self._reader = asyncio.create_task(self._read())
-        ended = asyncio.ensure_future(self.process.wait())
+        self.zygote.spawn(self)
+        await asyncio.wait_for(self._forked.wait(), timeout)  # the zygote answers at once
+        ended = asyncio.ensure_future(self._ended.wait())
         ready = asyncio.ensure_future(self.ready.wait())
         try:
             await asyncio.wait({ended, ready}, timeout=timeout, return_when="FIRST_COMPLETED")
         finally:
             ready.cancel()
-        if not self.ready.is_set() and self.process.returncode is None:
+            ended.cancel()
+        if not self.ready.is_set() and self.running:
             self.signal(signal.SIGKILL)
         return self.ready.is_set()
 
-    async def _read(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        async for raw in self.process.stdout:
-            line = raw.decode(errors="replace").strip()
-            self.lines.append(line)
-            if line == "READY":
-                self.ready.set()
+    def started(self, pid: int) -> None:
+        """The zygote forked it."""
+        self.pid = pid
+        self._forked.set()
+
+    def printed(self, line: str) -> None:
+        """A line it printed on stdout."""
+        self.lines.append(line.strip())
+        if line.strip() == "READY":
+            self.ready.set()
+
+    def ended(self, code: int) -> None:
+        """It ended with `code` (negative: the signal that ended it)."""
+        if self.code is None:
+            self.code = code
+            self.ended_at = time.monotonic()
+            self._ended.set()
+            self._forked.set()
 
     @property
     def running(self) -> bool:
         """Whether the process has not ended yet."""
-        return self.process is not None and self.process.returncode is None
+        return self.code is None
 
     def signal(self, signum: int) -> None:
         """Send a signal, if it still runs."""
-        if self.running:
-            assert self.process is not None
+        if self.running and self.pid:
             with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signum)
+                os.kill(self.pid, signum)
                 if self.signalled is None:
                     self.signalled = signum
                     self.signalled_at = time.monotonic()
 
     async def wait(self) -> int:
         """Wait for the end; the exit code (negative: the signal that ended it)."""
-        assert self.process is not None
-        code = await self.process.wait()
-        if not self.ended_at:
-            self.ended_at = time.monotonic()
-        if self._reader is not None:
-            with contextlib.suppress(Exception):
-                await self._reader
-        self._log.close()
-        return code
+        await self._ended.wait()
+        assert self.code is not None
+        return self.code
 
     def tail(self, lines: int = 12) -> str:
         """The last lines of its log."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return tail(self.log_path, lines)
 
 
 @dataclass
@@ -370,6 +442,7 @@ class Fleet:
             if faulty:
                 self.faults_left -= 1
             proc = Proc(
+                self.scenario.zygote,
                 self.role,
                 [*self.argv, *(self.faulty if faulty else ())],
                 self.scenario.log_path(self.role),
@@ -568,6 +641,7 @@ class Scenario:
         )
         self.transport = f"amqp://guest:guest@{RABBITMQ_HOST}/{self.vhost}"
         self.db = Database(self.dsn)
+        self.zygote = Zygote(logs / "zygote.log")
         self.fleets: list[Fleet] = []
         self.stopped_rabbitmq = False
         self.stopped_postgres = False
@@ -585,7 +659,7 @@ class Scenario:
     async def __aenter__(self) -> Scenario:
         self.started = time.monotonic()
         try:
-            await asyncio.gather(self._create_database(), self._create_vhost())
+            await asyncio.gather(self._create_database(), self._create_vhost(), self.zygote.open())
             await self._declare_queues()
         except BaseException:
             await self._teardown()
@@ -644,6 +718,7 @@ class Scenario:
 
         for fleet in self.fleets:
             await attempt(f"killing the {fleet.role} fleet", fleet.kill())
+        await attempt("closing the zygote", self.zygote.close())
         await self.db.close()
         if self.stopped_rabbitmq:
             await attempt("starting RabbitMQ", ensure_rabbitmq())
