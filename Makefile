@@ -3,6 +3,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+# Bytecode caches on, whatever the shell says: without them every process of the tests (each
+# pytest worker, each program a test runs) compiles the checkout and rewrites the test modules
+# again, about 10 s of CPU per pytest process. __pycache__/ is ignored by git.
+unexport PYTHONDONTWRITEBYTECODE
+
 # Paths that ruff looks at; ones that do not exist (yet) are left out.
 LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples \
 	scripts/docs-samples)
