@@ -4,9 +4,8 @@ A scenario (`Scenario`, an async context manager) creates a PostgreSQL database 
 (migrated with `mersal_sqlalchemy.cli.upgrade`, plus the ledger tables) and a RabbitMQ vhost of
 its own, runs the programs of `tests.chaos.worker` as OS processes (forked by `Zygote`) in fleets
 (`Fleet`: keeps N processes of one kind alive, restarting those that die, with a budget of faulty
-ones), injects
-faults from outside (broker connections closed, RabbitMQ or PostgreSQL stopped, backends
-terminated), waits until everything drained, and counts:
+ones), injects faults from outside (broker connections closed, RabbitMQ or PostgreSQL stopped,
+backends terminated), waits until everything drained, and counts:
 
 - lost: committed Work intents without an effect;
 - duplicated_effects: effect applications beyond one per intent (`effects.applied` counts the
@@ -257,8 +256,11 @@ class Zygote:
                 else:
                     proc.ended(event["code"])
         finally:
+            # The zygote went (closed, or killed before it could kill its programs): kill what
+            # still runs, since nothing reports their ends any more.
             for proc in self.procs.values():
-                proc.ended(-signal.SIGKILL)  # the zygote went: it killed what it had started
+                proc.signal(signal.SIGKILL)
+                proc.ended(-signal.SIGKILL)
 
     async def close(self) -> None:
         """Close its stdin (it kills what is left) and wait for it."""
@@ -297,7 +299,6 @@ class Proc:
         self.argv = list(argv)
         self.log_path = log_path
         self.faulty = faulty
-        self.lines: list[str] = []
         self.ready = asyncio.Event()
         self.pid = 0
         self.code: int | None = None
@@ -329,7 +330,6 @@ class Proc:
 
     def printed(self, line: str) -> None:
         """A line it printed on stdout."""
-        self.lines.append(line.strip())
         if line.strip() == "READY":
             self.ready.set()
 
@@ -450,7 +450,13 @@ class Fleet:
             )
             self.live.append(proc)
             self.started.append(proc)
-            ready = await proc.start()
+            try:
+                ready = await proc.start()
+            except (RuntimeError, TimeoutError) as error:  # the zygote is gone or mute
+                self.live.remove(proc)
+                self.started.remove(proc)
+                self.broken = f"{self.role} could not be started: {error}"
+                return
             if ready:
                 first.set()
                 failures = 0

@@ -44,7 +44,7 @@ def run_child(argv: list[str], log: str, out: int) -> None:
     try:
         code = worker.main(argv)
     except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
+        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
     except BaseException:
         traceback.print_exc()
     finally:
