@@ -6,17 +6,22 @@ which remembers its QoS, the queues looked up on it and its consumers (their tag
 arguments), and reopens with all of them: by itself when the broker closed the channel alone,
 and when its consumer calls `restore()` after a reconnect. `RestoredChannel` adds what Mersal
 needs of every underlying channel that aio-pika opens for it: the guard of `patches`, and an
-ear for the broker's cancels of its consumers, which aio-pika does not consume again.
+ear for the broker's cancels of its consumers, which aio-pika does not consume again. Its
+queues (`RestoredQueue`) hand each delivery to the consumer as aiormq read it: aio-pika's
+`Queue.consume` would wrap every message in an `IncomingMessage` and a task of its own, a
+tenth of the CPU a round trip costs, for nothing Mersal reads.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractChannel, AbstractConnection
+from aio_pika.abc import AbstractChannel, AbstractConnection, ConsumerTag
+from aiormq.abc import DeliveredMessage
 
 from mersal_rabbitmq import patches
 
@@ -24,10 +29,57 @@ log = logging.getLogger("mersal.rabbitmq")
 
 Cancelled = Callable[[str], None]
 """Hears the tag of a consumer that the broker cancelled (its queue was deleted)."""
+Take = Callable[[DeliveredMessage], Coroutine[Any, Any, None]]
+"""Takes each delivery of a consumer, as aiormq read it."""
+
+
+class RestoredQueue(aio_pika.RobustQueue):
+    """aio-pika's robust queue, whose consumers take aiormq's deliveries as they are."""
+
+    async def consume(  # type: ignore[override]
+        self,
+        callback: Take,
+        no_ack: bool = False,
+        exclusive: bool = False,
+        arguments: dict[str, Any] | None = None,
+        consumer_tag: ConsumerTag | None = None,
+        timeout: float | None = None,
+        robust: bool = True,
+    ) -> ConsumerTag:
+        """Consume the queue with `callback`; aio-pika consumes with it again on restoring."""
+        underlay = await self.channel.get_underlay_channel()
+        consuming = await underlay.basic_consume(
+            queue=self.name,
+            consumer_callback=callback,
+            exclusive=exclusive,
+            no_ack=no_ack,
+            arguments=arguments,
+            consumer_tag=consumer_tag,
+            timeout=timeout,
+        )
+        tag = consuming.consumer_tag
+        if tag is None:
+            raise aiormq.exceptions.AMQPError(f"RabbitMQ named no consumer tag for {self.name!r}")
+        if robust:
+            self._consumers[tag] = {
+                "callback": callback,
+                "no_ack": no_ack,
+                "exclusive": exclusive,
+                "arguments": arguments,
+            }
+        return tag
 
 
 class RestoredChannel(aio_pika.RobustChannel):
     """aio-pika's robust channel, each underlying channel guarded and heard for cancels."""
+
+    QUEUE_CLASS = RestoredQueue
+
+    async def existing_queue(self, name: str) -> RestoredQueue:
+        """The queue `name`, looked up (not made): restored with the channel from now on."""
+        queue = await self.declare_queue(name, passive=True)
+        assert isinstance(queue, RestoredQueue)
+        return queue
 
     def __init__(self, connection: AbstractConnection, cancelled: Cancelled) -> None:
         super().__init__(connection, publisher_confirms=False)

@@ -23,13 +23,13 @@ from functools import partial
 from typing import Protocol
 
 import aiormq
-from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
+from aiormq.abc import DeliveredMessage
 
 from mersal.errors import ConsumerClosed, MersalError, Unroutable
 from mersal.messages import describe
 from mersal.transport import partition_queue
 from mersal_rabbitmq.acks import Acks
-from mersal_rabbitmq.channels import Cancelled, RestoredChannel, close_quietly
+from mersal_rabbitmq.channels import Cancelled, RestoredChannel, RestoredQueue, close_quietly
 from mersal_rabbitmq.connection import Connection
 from mersal_rabbitmq.failures import CHANNEL_ERRORS, why
 from mersal_rabbitmq.recovery import Lost, Recovery, Restore
@@ -98,12 +98,12 @@ class RabbitMQConsumer:
         self._host = host
         self._ack_mode = ack_mode
         self._channel: RestoredChannel | None = None
-        self._consumers: dict[str, AbstractQueue] = {}  # consumer tag -> its queue
+        self._consumers: dict[str, RestoredQueue] = {}  # consumer tag -> its queue
         self._cancelled: set[str] = set()  # tags the broker cancelled on `_underlay`
         self._underlay: Underlay | None = None  # the underlying channel consumed on
         self._acks: Acks | None = None
         self._consuming = False
-        self._buffer: deque[tuple[Underlay, str, AbstractIncomingMessage]] = deque()
+        self._buffer: deque[tuple[Underlay, str, DeliveredMessage]] = deque()
         self._ready = asyncio.Event()
         self._outstanding: set[RabbitMQDelivery] = set()
         self._closed = False
@@ -190,12 +190,11 @@ class RabbitMQConsumer:
         channel.close_callbacks.add(self._on_channel_close)
         await channel.set_qos(prefetch_count=self.prefetch)
         for queue in self.queues:
-            amqp_queue = await channel.declare_queue(queue, passive=True)
-            await self._consume(amqp_queue)
+            await self._consume(await channel.existing_queue(queue))
         self._underlay = await channel.get_underlay_channel()
         self._consuming = True
 
-    async def _consume(self, amqp_queue: AbstractQueue, tag: str | None = None) -> None:
+    async def _consume(self, amqp_queue: RestoredQueue, tag: str | None = None) -> None:
         """Consume `amqp_queue` (again, with the same `tag`): aio-pika remembers it."""
         no_ack = self._ack_mode == "none"
         tag = await amqp_queue.consume(self._on_message, no_ack=no_ack, consumer_tag=tag)
@@ -227,11 +226,8 @@ class RabbitMQConsumer:
         self._consuming = True
         log.info("consuming %r again", self.queue)
 
-    async def _on_message(self, message: AbstractIncomingMessage) -> None:
-        try:
-            underlay = message.channel
-        except aiormq.exceptions.ChannelInvalidStateError:
-            return  # its channel closed meanwhile: the broker delivers it again
+    async def _on_message(self, message: DeliveredMessage) -> None:
+        underlay = message.channel
         acks = self._acks_for(underlay)
         if acks is not None:
             acks.received(_tag(message))
@@ -239,7 +235,7 @@ class RabbitMQConsumer:
             return  # arrived after the cancel: the channel's close returns it to its place
         if self._ack_mode == "on_receive":
             await _ack(underlay, _tag(message))
-        amqp_queue = self._consumers.get(message.consumer_tag or "")
+        amqp_queue = self._consumers.get(getattr(message.delivery, "consumer_tag", None) or "")
         queue = self.queue if amqp_queue is None else amqp_queue.name
         self._buffer.append((underlay, queue, message))
         self._ready.set()
@@ -334,7 +330,7 @@ class RabbitMQDelivery:
     def __init__(
         self,
         consumer: RabbitMQConsumer,
-        message: AbstractIncomingMessage,
+        message: DeliveredMessage,
         channel: Underlay,
         acks: Acks | None = None,
         queue: str | None = None,
@@ -349,7 +345,7 @@ class RabbitMQDelivery:
         self.redelivered = redelivered(message)
 
     @property
-    def message(self) -> AbstractIncomingMessage:
+    def message(self) -> DeliveredMessage:
         """The AMQP message as received: channel, delivery tag, properties; settle with ack/nack."""
         return self._message
 
@@ -482,7 +478,7 @@ async def _left_to_the_close() -> None:
     """Settle nothing now: the channel's close returns the delivery to its place in the queue."""
 
 
-def _tag(message: AbstractIncomingMessage) -> int:
+def _tag(message: DeliveredMessage) -> int:
     assert message.delivery_tag is not None
     return message.delivery_tag
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractConnection, AbstractIncomingMessage
+from aio_pika.abc import AbstractConnection
+from aiormq.abc import DeliveredMessage
 
 from mersal.messages import Envelope, Header
 from mersal.transport.limits import Limits
@@ -26,11 +27,11 @@ SHORT_STRING = 255  # bytes in an AMQP short string (message_id, type, reply_to,
 PROPERTY_HEADERS = (
     ("message_id", Header.MESSAGE_ID),
     ("correlation_id", Header.CORRELATION_ID),
-    ("type", Header.TYPE),
+    ("message_type", Header.TYPE),
     ("reply_to", Header.REPLY_TO),
     ("content_type", Header.CONTENT_TYPE),
 )
-"""(AMQP property, as aio-pika names it; Mersal header): the headers that travel as properties."""
+"""(AMQP property, Mersal header) pairs: the headers that travel as properties."""
 IN_PROPERTIES = frozenset(header for _, header in PROPERTY_HEADERS)
 """Headers carried by AMQP properties alone (the receiver restores them from there)."""
 BROKER_HEADERS = ("x-death", "x-first-death-", "x-last-death-", "x-delivery-count")
@@ -57,26 +58,27 @@ def amqp_properties(envelope: Envelope) -> aiormq.spec.Basic.Properties:
     )
 
 
-def envelope_of(message: AbstractIncomingMessage) -> Envelope:
+def envelope_of(message: DeliveredMessage) -> Envelope:
     """Our envelope for a received message: its headers, else its properties; then its body."""
+    properties = message.header.properties
     headers: dict[str, str] = {}
-    for key, value in (message.headers or {}).items():
+    for key, value in (properties.headers or {}).items():
         text = header_text(value)
         if text is not None and not key.startswith(BROKER_HEADERS):
             headers[key] = text
     for name, header in PROPERTY_HEADERS:
-        value = getattr(message, name, None)
+        value = getattr(properties, name, None)
         if value and header not in headers:
             headers[header] = str(value)
-    timestamp = message.timestamp
+    timestamp = properties.timestamp
     if Header.SENT_AT not in headers and isinstance(timestamp, datetime):
         headers[Header.SENT_AT] = f"{timestamp.timestamp():.6f}"
     return Envelope(headers, message.body)
 
 
-def redelivered(message: AbstractIncomingMessage) -> bool:
+def redelivered(message: DeliveredMessage) -> bool:
     """Whether the broker delivered the message before (a quorum queue counts deliveries)."""
-    count = (message.headers or {}).get("x-delivery-count")
+    count = (message.header.properties.headers or {}).get("x-delivery-count")
     return bool(message.redelivered) or (isinstance(count, int) and count > 0)
 
 
