@@ -26,6 +26,7 @@ from mersal.errors import ConfigurationError
 from mersal.handlers import Handler, Handlers, M
 from mersal.health import MAX_RELAY_LAG, Health, Parts, health_of
 from mersal.messages import Envelope, TypeRegistry, check_message_class
+from mersal.numbers import is_seconds
 from mersal.observer import Observer
 from mersal.observer import problems as observer_problems
 from mersal.outbox import Storage
@@ -454,7 +455,7 @@ class App:
         """
         if self._running:
             return
-        if isinstance(wait, bool) or not isinstance(wait, int | float) or not wait >= 0:
+        if not is_seconds(wait, infinite=True):
             raise ConfigurationError(
                 f"start(wait={wait!r}) must be a number of seconds >= 0 (0: do not wait)"
             )

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from mersal.errors import ConfigurationError, MersalError, Unroutable
 from mersal.messages import Envelope, Header
+from mersal.numbers import is_count
 from mersal.settle import ERROR_HEADERS
 from mersal.text import first_line, iso
 from mersal.transport import Delivery, Outgoing, Transport
@@ -410,5 +411,5 @@ async def one_by_one(
 
 def check_limit(limit: int) -> None:
     """A ConfigurationError unless 1 <= limit <= MAX_TAKE."""
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_TAKE:
+    if not is_count(limit, 1, MAX_TAKE):
         raise ConfigurationError(f"limit={limit!r} must be a whole number from 1 to {MAX_TAKE}")

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Mapping
-from math import inf
 from typing import Any
 
 from mersal.context import MessageContext
@@ -24,6 +23,7 @@ from mersal.errors import (
     UnexpectedReply,
 )
 from mersal.messages import Header, TypeRegistry, check_sendable, describe, new_id
+from mersal.numbers import is_seconds
 from mersal.pipeline import Next, Pipeline, check_headers, completed
 from mersal.receiving import Receiver
 from mersal.retry import RetryPolicy
@@ -117,7 +117,7 @@ class Requests:
 
 def check_timeout(timeout: object) -> None:
     """Refuse a request timeout that is not a number of seconds above 0."""
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < inf:
+    if not is_seconds(timeout, zero=False):
         raise ConfigurationError(
             f"request(timeout={timeout!r}): give the seconds to wait for the reply, a number "
             "above 0 (30 by default)"

@@ -7,7 +7,6 @@ The policy says how often; `after_failure` decides, attempt by attempt, for the 
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from mersal.context import MessageContext
 from mersal.errors import ConfigurationError, DecodeError
 from mersal.logs import message_fields
 from mersal.messages import Envelope, Header, describe
+from mersal.numbers import is_count, is_seconds
 from mersal.settle import Failure, Outcome, Verdict
 
 log = logging.getLogger("mersal.retry")
@@ -42,19 +42,12 @@ class RetryPolicy:
     fail_fast: tuple[type[BaseException], ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.immediate, bool)
-            or not isinstance(self.immediate, int)
-            or self.immediate < 0
-        ):
+        if not is_count(self.immediate):
             raise ConfigurationError(
                 f"RetryPolicy(immediate={self.immediate!r}) must be an int >= 0"
             )
         delays = _as_tuple(self.delayed, "delayed", "seconds")
-        if any(
-            isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d < math.inf
-            for d in delays
-        ):
+        if not all(is_seconds(d) for d in delays):
             raise ConfigurationError(
                 f"RetryPolicy(delayed={list(self.delayed)!r}) must list seconds >= 0"
             )

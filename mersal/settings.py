@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from mersal.errors import ConfigurationError
+from mersal.numbers import is_count, is_seconds
 from mersal.retry import RetryPolicy
 from mersal.serialization import Codec, JsonCodec
 from mersal.transport.limits import Limits
@@ -68,7 +69,7 @@ class Settings:
 
 def check_concurrency(concurrency: int) -> None:
     """Fail with a `ConfigurationError` unless `concurrency` is an int >= 1."""
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+    if not is_count(concurrency, 1):
         raise ConfigurationError(f"App(concurrency={concurrency!r}) must be an int >= 1")
 
 
@@ -91,13 +92,13 @@ def check_kinds(settings: Settings) -> None:
             "mersal.serialization.JsonCodec(); leave it out for JSON"
         )
     size = settings.max_body_size
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    if not is_count(size, 1):
         raise ConfigurationError(
             f"App(max_body_size={size!r}) must be a number of bytes, an int >= 1 "
             "(1048576 by default)"
         )
     grace = settings.grace_period
-    if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace < math.inf:
+    if not is_seconds(grace):
         raise ConfigurationError(
             f"App(grace_period={grace!r}) must be a number of seconds >= 0 (30 by default)"
         )
@@ -112,13 +113,9 @@ def check_partitions(partitions: int | None, consume: bool) -> None:
     """Fail with a `ConfigurationError` unless `partitions` is None or a usable number."""
     if partitions is None:
         return
-    if isinstance(partitions, bool) or not isinstance(partitions, int):
+    if not is_count(partitions, 1, MAX_PARTITIONS):
         raise ConfigurationError(
             f"App(partitions={partitions!r}) must be an int from 1 to {MAX_PARTITIONS}"
-        )
-    if not 1 <= partitions <= MAX_PARTITIONS:
-        raise ConfigurationError(
-            f"App(partitions={partitions!r}) must be from 1 to {MAX_PARTITIONS}"
         )
     if not consume:
         raise ConfigurationError(
@@ -131,7 +128,7 @@ def prefetch_of(prefetch: int | None, concurrency: int) -> int:
     """The deliveries an app takes at once: handled, or waiting behind their partition key."""
     if prefetch is None:
         return min(MAX_PREFETCH, concurrency * (1 + WAITING_PER_SLOT))
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < concurrency:
+    if not is_count(prefetch, concurrency):
         raise ConfigurationError(
             f"App(prefetch={prefetch!r}) must be an int >= concurrency ({concurrency})"
         )
@@ -142,7 +139,7 @@ def timeout_of(timeout: float | None) -> float | None:
     """A handler timeout in seconds (None: none), or a `ConfigurationError`."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+    if not is_seconds(timeout, zero=False, infinite=True):
         raise ConfigurationError(
             f"App(handler_timeout={timeout!r}) must be a number of seconds > 0, or None"
         )

@@ -19,6 +19,7 @@ from mersal.context import MessageContext
 from mersal.errors import ConfigurationError, Duplicate, MersalError
 from mersal.inspection import StorageStatus
 from mersal.messages import Header
+from mersal.numbers import is_seconds
 from mersal.outbox import Relay
 from mersal.pipeline import Next
 from mersal.settle import run_to_end
@@ -492,6 +493,6 @@ def _seconds(value: timedelta | float) -> float:
 
 
 def _positive(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    if not is_seconds(value, zero=False, infinite=True):
         raise ConfigurationError(f"attach(app, {name}={value!r}) must be a number > 0")
     return value
