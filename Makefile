@@ -101,7 +101,7 @@ cluster-test: $(STAMP) services
 
 # The checks docs/security.md points to.
 SECURITY_TESTS = tests/mersal/test_header_trust.py tests/mersal_rabbitmq/test_header_trust.py \
-	tests/mersal/test_urls_masking.py tests/mersal/test_settings_queue_names.py \
+	tests/mersal/test_urls.py tests/mersal/test_settings.py \
 	tests/test_no_unsafe_code.py
 
 # make test runs the property tests derandomized (the same examples everywhere); this explores.
