@@ -1206,42 +1206,67 @@ class UnhintedHandler:
 # Handlers whose dependencies or form cannot work, refused with what to change.
 
 
-async def test_a_handler_needing_an_unprovided_type_fails_at_start() -> None:
+@pytest.mark.parametrize(
+    ("handler", "told"),
+    [
+        pytest.param(
+            ChargeHandler,
+            (
+                "handler ChargeHandler needs gateway: PaymentGateway -> url: str, and a str "
+                "cannot be injected by its type: give `url` a default, or bind PaymentGateway in "
+                "the lagom Container passed as App(container=...), e.g. "
+                "container[PaymentGateway] = PaymentGateway(...)"
+            ),
+            id="unprovided-type",
+        ),
+        pytest.param(
+            SyncSessionHandler,
+            (
+                "handler SyncSessionHandler needs session: Session, SQLAlchemy's synchronous "
+                "session, which Mersal does not provide: ask for the message's "
+                "sqlalchemy.ext.asyncio.AsyncSession instead"
+            ),
+            id="sync-session",
+        ),
+        pytest.param(
+            LabelledHandler,
+            (
+                "handler LabelledHandler needs label: str, and a str cannot be injected by its "
+                "type: give `label` a default, or register an instance, LabelledHandler(...), in "
+                "place of the class"
+            ),
+            id="str-itself",
+        ),
+        pytest.param(
+            UnresolvableHandler,
+            (
+                "handler UnresolvableHandler needs thing: Unresolvable, which nobody provides "
+                "(nor can it be built: Unresolvable.__init__'s type hints do not resolve): bind "
+                "it in the lagom Container passed as App(container=...), e.g. "
+                "container[Unresolvable] = ..."
+            ),
+            id="hints-unresolved",
+        ),
+        pytest.param(
+            UnhintedHandler,
+            (
+                "handler UnhintedHandler needs client: Unhinted, which nobody provides (nor can "
+                "it be built: Unhinted.__init__'s parameter 'url' has no type hint): bind it in "
+                "the lagom Container passed as App(container=...), e.g. container[Unhinted] = ..."
+            ),
+            id="no-type-hints",
+        ),
+    ],
+)
+async def test_a_handler_whose_dependencies_cannot_be_provided_fails_at_start_saying_what_to_do(
+    handler: type, told: str
+) -> None:
     app = App("billing")
-    app.register(PlaceOrder, ChargeHandler)  # registering is fine; start() checks
+    app.register(PlaceOrder, handler)  # registering is fine; start() checks
     with pytest.raises(ConfigurationError) as raised:
         await app.start()
-    assert str(raised.value) == (
-        "handler ChargeHandler needs gateway: PaymentGateway -> url: str, and a str cannot be "
-        "injected by its type: give `url` a default, or bind PaymentGateway in the lagom "
-        "Container passed as App(container=...), e.g. container[PaymentGateway] = "
-        "PaymentGateway(...)"
-    )
+    assert str(raised.value) == told
     assert not app.running
-
-
-async def test_a_handler_asking_for_the_sync_session_is_told_to_ask_for_async_session() -> None:
-    app = App("a")
-    app.register(PlaceOrder, SyncSessionHandler)
-    with pytest.raises(ConfigurationError) as raised:
-        await app.start()
-    assert str(raised.value) == (
-        "handler SyncSessionHandler needs session: Session, SQLAlchemy's synchronous session, "
-        "which Mersal does not provide: ask for the message's "
-        "sqlalchemy.ext.asyncio.AsyncSession instead"
-    )
-
-
-async def test_a_handler_needing_a_str_itself_is_to_take_a_default_or_be_an_instance() -> None:
-    app = App("billing")
-    app.register(PlaceOrder, LabelledHandler)
-    with pytest.raises(ConfigurationError) as raised:
-        await app.start()
-    assert str(raised.value) == (
-        "handler LabelledHandler needs label: str, and a str cannot be injected by its type: "
-        "give `label` a default, or register an instance, LabelledHandler(...), in place of "
-        "the class"
-    )
 
 
 async def test_a_handler_instance_holding_its_str_runs() -> None:
@@ -1261,30 +1286,6 @@ async def test_a_handler_instance_holding_its_str_runs() -> None:
         await app.send(PlaceOrder("o-1", 10.0))
         await bus.idle()
     assert got == ["eu"]
-
-
-async def test_a_dependency_whose_hints_do_not_resolve_is_to_be_bound() -> None:
-    app = App("a")
-    app.register(PlaceOrder, UnresolvableHandler)
-    with pytest.raises(ConfigurationError) as raised:
-        await app.start()
-    assert str(raised.value) == (
-        "handler UnresolvableHandler needs thing: Unresolvable, which nobody provides (nor can "
-        "it be built: Unresolvable.__init__'s type hints do not resolve): bind it in the lagom "
-        "Container passed as App(container=...), e.g. container[Unresolvable] = ..."
-    )
-
-
-async def test_a_dependency_without_type_hints_is_to_be_bound() -> None:
-    app = App("a")
-    app.register(PlaceOrder, UnhintedHandler)
-    with pytest.raises(ConfigurationError) as raised:
-        await app.start()
-    assert str(raised.value) == (
-        "handler UnhintedHandler needs client: Unhinted, which nobody provides (nor can it be "
-        "built: Unhinted.__init__'s parameter 'url' has no type hint): bind it in the lagom "
-        "Container passed as App(container=...), e.g. container[Unhinted] = ..."
-    )
 
 
 def test_a_handler_class_without_call_is_refused() -> None:
