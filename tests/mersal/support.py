@@ -1,13 +1,13 @@
-"""Helpers the tests of tests/mersal share: looking into a memory broker, and an error queue
-that refuses dead letters for a while."""
+"""Helpers the tests of tests/mersal share: looking into a memory broker, an error queue
+that refuses dead letters for a while, and a transport that counts every ack and nack."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 
-from mersal import App, Envelope, MersalError
-from mersal.transport import Outgoing
+from mersal import App, Delivery, Envelope, MersalError
+from mersal.transport import Consumer, Outgoing
 from mersal.transport.memory import MemoryBroker, MemoryTransport
 from tests.support import DelegatingTransport, eventually
 
@@ -87,4 +87,81 @@ class RefusingErrorQueue(DelegatingTransport):
                 results.append(self.error("the error queue is full (reject-publish), on purpose"))
             else:
                 results.extend(await self.inner.send_each([outgoing]))
+        return results
+
+
+class CountedDelivery:
+    """A delivery that writes down every ack and nack it gets."""
+
+    def __init__(self, inner: Delivery, settles: list[str]) -> None:
+        self.inner = inner
+        self.envelope = inner.envelope
+        self.queue = inner.queue
+        self.redelivered = inner.redelivered
+        self.settles = settles
+
+    async def ack(self) -> None:
+        """Ack, written down."""
+        self.settles.append("ack")
+        await self.inner.ack()
+
+    async def nack(self, requeue: bool = True) -> None:
+        """Nack, written down."""
+        self.settles.append("nack" if requeue else "reject")
+        await self.inner.nack(requeue)
+
+
+class CountingConsumer:
+    """A consumer whose deliveries write down how they were settled."""
+
+    def __init__(self, inner: Consumer, ledger: list[tuple[str, list[str]]]) -> None:
+        self.inner = inner
+        self.ledger = ledger
+
+    async def get(self) -> Delivery:
+        """The next delivery, counted."""
+        delivery = await self.inner.get()
+        settles: list[str] = []
+        self.ledger.append((delivery.queue, settles))
+        return CountedDelivery(delivery, settles)
+
+    async def close(self) -> None:
+        """Stop receiving."""
+        await self.inner.close()
+
+
+class CountingTransport(DelegatingTransport):
+    """A memory transport that records, per delivery it hands out, every ack and nack."""
+
+    def __init__(self, url: str, *, refuse_to: str | None = None) -> None:
+        super().__init__(MemoryTransport(url))
+        self.ledger: list[tuple[str, list[str]]] = []
+        self.refuse_to = refuse_to
+        self.refused = 0
+
+    @property
+    def broker(self) -> MemoryBroker:
+        """The memory broker underneath."""
+        assert isinstance(self.inner, MemoryTransport)
+        return self.inner.broker
+
+    def settles(self, queue: str) -> list[list[str]]:
+        """How each delivery from `queue` was settled, in the order they were handed out."""
+        return [settles for name, settles in self.ledger if name == queue]
+
+    async def consume(self, queue: str, *, prefetch: int) -> Consumer:
+        """Consume, counting."""
+        return CountingConsumer(await self.inner.consume(queue, prefetch=prefetch), self.ledger)
+
+    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
+        """Send; the first message to `refuse_to` fails once."""
+        if self.refuse_to is None or self.refused:
+            return await super().send_each(messages)
+        results: list[Exception | None] = []
+        for outgoing in messages:
+            if outgoing.address == self.refuse_to and not self.refused:
+                self.refused += 1
+                results.append(ConnectionError("the broker is away (on purpose)"))
+            else:
+                results.extend(await super().send_each([outgoing]))
         return results

@@ -29,8 +29,17 @@ def test_a_count_is_an_int_within_its_bounds(
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(0, True), (0.5, True), (7, True), (-1, False), (math.inf, False), (math.nan, False)]
-    + [(True, False), ("1", False), (None, False)],
+    [
+        (0, True),
+        (0.5, True),
+        (7, True),
+        (-1, False),
+        (math.inf, False),
+        (math.nan, False),
+        (True, False),
+        ("1", False),
+        (None, False),
+    ],
 )
 def test_seconds_are_a_finite_number_from_zero(value: object, expected: bool) -> None:
     assert is_seconds(value) is expected

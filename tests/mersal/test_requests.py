@@ -17,10 +17,11 @@ from mersal import (
     Header,
     MessageContext,
     NotRunning,
+    RequestTimeout,
     RetryPolicy,
     message,
 )
-from tests.mersal.support import assert_settled, in_queue, qualified, quiet
+from tests.mersal.support import CountingTransport, assert_settled, in_queue, qualified, quiet
 from tests.support import eventually, unique
 
 pytestmark = pytest.mark.timeout(60)
@@ -166,3 +167,34 @@ async def test_a_request_timeout_that_is_not_seconds_above_zero_is_refused(
             await app.request(Question(1), timeout=timeout)  # type: ignore[arg-type]
 
     assert str(refused.value).startswith(f"request(timeout={timeout!r}): give the seconds")
+
+
+async def test_each_reply_is_settled_once_whether_awaited_late_or_bad(memory_url: str) -> None:
+    late = asyncio.Event()
+
+    async def answer(message: Ask, context: MessageContext) -> None:
+        if message.n == 99:
+            await late.wait()
+        await context.app.reply(AnswerOut(message.n))
+
+    transport = CountingTransport(memory_url)
+    client = App("client", transport=transport, retry=POLICY)
+    client.route(Ask, "server")
+    server = App("server", transport=memory_url, retry=POLICY)
+    server.register(Ask, answer)
+    async with server, client:
+        broker = transport.broker
+        assert await client.request(Ask(1), reply_type=Answer, timeout=5) == Answer(1)
+        with pytest.raises(DecodeError):
+            await client.request(Ask(-1), reply_type=Answer, timeout=5)
+        with pytest.raises(RequestTimeout):
+            await client.request(Ask(99), reply_type=Answer, timeout=0.05)
+        late.set()
+        [replies] = [name for name in broker.queues if name.startswith("client.replies.")]
+        await eventually(
+            lambda: len(transport.settles(replies)) == 3, "three replies settled", timeout=5
+        )
+        await quiet(broker, client)
+        assert_settled(broker, replies)
+        assert [e.headers[Header.ERROR_QUEUE] for e in in_queue(broker, "error")] == [replies]
+        assert transport.settles(replies) == [["ack"]] * 3

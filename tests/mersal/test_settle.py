@@ -25,14 +25,11 @@ from hypothesis import strategies as st
 import mersal.transport.limits
 from mersal import (
     App,
-    DecodeError,
     Delivery,
     Envelope,
     Header,
     MessageContext,
-    RequestTimeout,
     RetryPolicy,
-    message,
 )
 from mersal.dead_letters import DeadLetters
 from mersal.pipeline import Next
@@ -40,9 +37,10 @@ from mersal.settle import Failure, Outcome, Settler, Verdict, remembered_size
 from mersal.testing import Harness
 from mersal.transaction import TransactionClosed
 from mersal.transport import Consumer, Outgoing
-from mersal.transport.memory import MemoryBroker, MemoryTransport
+from mersal.transport.memory import MemoryTransport
 from tests.mersal.support import (
     ERROR_QUEUE,
+    CountingTransport,
     RefusingErrorQueue,
     assert_settled,
     broker_of,
@@ -65,35 +63,6 @@ class Job:
     n: int
 
 
-@dataclass
-class Ask:
-    n: int
-
-
-@message("settle.Answer")
-@dataclass
-class Answer:
-    """The requester's reply class: a negative answer cannot be built."""
-
-    n: int
-
-    def __post_init__(self) -> None:
-        if self.n == -2:
-            raise asyncio.CancelledError()
-        if self.n == -3:
-            raise KeyboardInterrupt()
-        if self.n < 0:
-            raise RuntimeError(f"an answer cannot be negative ({self.n})")
-
-
-@message("settle.Answer")
-@dataclass
-class AnswerOut:
-    """The replier's class for the same wire name, which builds any answer."""
-
-    n: int
-
-
 class Broken(Exception):
     """A failure raised on purpose."""
 
@@ -110,83 +79,6 @@ def raw(app: App, body: object, headers: Mapping[str, str] | None = None) -> Env
         Header.CONTENT_TYPE: app.codec.content_type,
     }
     return Envelope({**base, **(headers or {})}, app.codec.encode(body))
-
-
-class CountedDelivery:
-    """A delivery that writes down every ack and nack it gets."""
-
-    def __init__(self, inner: Delivery, settles: list[str]) -> None:
-        self.inner = inner
-        self.envelope = inner.envelope
-        self.queue = inner.queue
-        self.redelivered = inner.redelivered
-        self.settles = settles
-
-    async def ack(self) -> None:
-        """Ack, written down."""
-        self.settles.append("ack")
-        await self.inner.ack()
-
-    async def nack(self, requeue: bool = True) -> None:
-        """Nack, written down."""
-        self.settles.append("nack" if requeue else "reject")
-        await self.inner.nack(requeue)
-
-
-class CountingConsumer:
-    """A consumer whose deliveries write down how they were settled."""
-
-    def __init__(self, inner: Consumer, ledger: list[tuple[str, list[str]]]) -> None:
-        self.inner = inner
-        self.ledger = ledger
-
-    async def get(self) -> Delivery:
-        """The next delivery, counted."""
-        delivery = await self.inner.get()
-        settles: list[str] = []
-        self.ledger.append((delivery.queue, settles))
-        return CountedDelivery(delivery, settles)
-
-    async def close(self) -> None:
-        """Stop receiving."""
-        await self.inner.close()
-
-
-class CountingTransport(DelegatingTransport):
-    """A memory transport that records, per delivery it hands out, every ack and nack."""
-
-    def __init__(self, url: str, *, refuse_to: str | None = None) -> None:
-        super().__init__(MemoryTransport(url))
-        self.ledger: list[tuple[str, list[str]]] = []
-        self.refuse_to = refuse_to
-        self.refused = 0
-
-    @property
-    def broker(self) -> MemoryBroker:
-        """The memory broker underneath."""
-        assert isinstance(self.inner, MemoryTransport)
-        return self.inner.broker
-
-    def settles(self, queue: str) -> list[list[str]]:
-        """How each delivery from `queue` was settled, in the order they were handed out."""
-        return [settles for name, settles in self.ledger if name == queue]
-
-    async def consume(self, queue: str, *, prefetch: int) -> Consumer:
-        """Consume, counting."""
-        return CountingConsumer(await self.inner.consume(queue, prefetch=prefetch), self.ledger)
-
-    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
-        """Send; the first message to `refuse_to` fails once."""
-        if self.refuse_to is None or self.refused:
-            return await super().send_each(messages)
-        results: list[Exception | None] = []
-        for outgoing in messages:
-            if outgoing.address == self.refuse_to and not self.refused:
-                self.refused += 1
-                results.append(ConnectionError("the broker is away (on purpose)"))
-            else:
-                results.extend(await super().send_each([outgoing]))
-        return results
 
 
 # Each delivery settled once, and a dead letter that cannot leave.
@@ -370,37 +262,6 @@ async def test_the_remembered_outcomes_are_bounded_by_bytes(memory_url: str) -> 
     assert remembered == [False] * (50 - kept) + [True] * kept  # the oldest forgotten first
     assert settler.remembered_bytes == 0
     await transport.stop()
-
-
-async def test_each_reply_is_settled_once_whether_awaited_late_or_bad(memory_url: str) -> None:
-    late = asyncio.Event()
-
-    async def answer(message: Ask, context: MessageContext) -> None:
-        if message.n == 99:
-            await late.wait()
-        await context.app.reply(AnswerOut(message.n))
-
-    transport = CountingTransport(memory_url)
-    client = App("client", transport=transport, retry=POLICY)
-    client.route(Ask, "server")
-    server = App("server", transport=memory_url, retry=POLICY)
-    server.register(Ask, answer)
-    async with server, client:
-        broker = transport.broker
-        assert await client.request(Ask(1), reply_type=Answer, timeout=5) == Answer(1)
-        with pytest.raises(DecodeError):
-            await client.request(Ask(-1), reply_type=Answer, timeout=5)
-        with pytest.raises(RequestTimeout):
-            await client.request(Ask(99), reply_type=Answer, timeout=0.05)
-        late.set()
-        [replies] = [name for name in broker.queues if name.startswith("client.replies.")]
-        await eventually(
-            lambda: len(transport.settles(replies)) == 3, "three replies settled", timeout=5
-        )
-        await quiet(broker, client)
-        assert_settled(broker, replies)
-        assert [e.headers[Header.ERROR_QUEUE] for e in in_queue(broker, "error")] == [replies]
-        assert transport.settles(replies) == [["ack"]] * 3
 
 
 # A dead letter always leaves, whatever headers its message came with.
