@@ -228,6 +228,8 @@ class RabbitMQConsumer:
 
     async def _on_message(self, message: DeliveredMessage) -> None:
         underlay = message.channel
+        if underlay.is_closed:
+            return  # its channel closed meanwhile: the broker delivers it again
         acks = self._acks_for(underlay)
         if acks is not None:
             acks.received(_tag(message))
