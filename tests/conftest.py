@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
-import aio_pika
 import pytest
 
 from mersal.transport import Transport
@@ -21,8 +20,7 @@ from mersal_rabbitmq import RabbitMQTransport
 from tests.support import (
     BACKENDS,
     RABBITMQ_HOST,
-    Queues,
-    Rabbit,
+    Broker,
     add_vhost,
     delete_vhost,
     postgres_database,
@@ -52,17 +50,10 @@ def amqp_url(vhost: str) -> str:
 
 
 @pytest.fixture
-async def rabbit(amqp_url: str) -> AsyncIterator[Rabbit]:
-    """The session vhost's URL and a raw connection; the watched apps' queues go afterwards."""
-    connection = await aio_pika.connect(amqp_url)
-    helper = Rabbit(amqp_url, connection)
-    try:
+async def broker(amqp_url: str) -> AsyncIterator[Broker]:
+    """The test's own connection to the session vhost; what it watched or declared goes after."""
+    async with Broker.open(amqp_url) as helper:
         yield helper
-    finally:
-        try:
-            await helper.cleanup()
-        finally:
-            await connection.close()
 
 
 @pytest.fixture
@@ -222,11 +213,3 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section(LEDGER)
         for line in ledger_lines:
             terminalreporter.write_line(line)
-
-
-@pytest.fixture
-async def queues(amqp_url: str) -> AsyncIterator[Queues]:
-    """Count RabbitMQ queues; the names added to `queues.names` are deleted afterwards."""
-    helper = Queues(amqp_url)
-    yield helper
-    await helper.delete(sorted(helper.names))

@@ -16,21 +16,20 @@ import urllib.request
 import uuid
 from base64 import b64encode
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import aio_pika
 import pytest
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 
+from mersal import App, Header
 from mersal.cli import main
 from mersal.transport import Consumer, Outgoing, Transport, first_failure
 from mersal.transport.limits import Limits
 from mersal_rabbitmq import RabbitMQTransport
-
-if TYPE_CHECKING:
-    from mersal import App
 
 SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 
@@ -211,50 +210,151 @@ def broker_consumers(vhost: str) -> Counter[str]:
     return Counter(row["queue_name"] for row in rows)
 
 
-class Rabbit:
-    """A raw connection to the test vhost: count and publish, and delete the apps' queues."""
+Watched = TypeVar("Watched", App, RabbitMQTransport)
 
-    def __init__(self, url: str, connection: aio_pika.abc.AbstractConnection) -> None:
+
+class Recorder:
+    """Every message a raw consumer received from one queue: counted by message id, the bodies."""
+
+    def __init__(self) -> None:
+        self.ids: Counter[str] = Counter()
+        self.messages: dict[str, AbstractIncomingMessage] = {}
+        self.bodies: list[bytes] = []
+
+    async def on_message(self, incoming: AbstractIncomingMessage) -> None:
+        """Count one delivery (auto-acked)."""
+        # the header carries an id too long for the property
+        header = (incoming.headers or {}).get(Header.MESSAGE_ID)
+        message_id = header if isinstance(header, str) else incoming.message_id or ""
+        self.ids[message_id] += 1
+        self.messages[message_id] = incoming
+        self.bodies.append(incoming.body)
+
+    def duplicates(self) -> dict[str, int]:
+        """Message ids that arrived more than once, with how often."""
+        return {message_id: n for message_id, n in self.ids.items() if n > 1}
+
+
+class Broker:
+    """The test's own aio-pika connection to a vhost: publish, count, get, declare; clean up."""
+
+    def __init__(self, url: str, connection: AbstractConnection, channel: AbstractChannel) -> None:
         self.url = url
         self.connection = connection
+        self.channel = channel
+        self.to_delete: set[str] = set()
+        self.apps: list[App] = []
         self.transports: list[RabbitMQTransport] = []
 
-    def watch(self, app: App) -> App:
-        """Delete the queues `app` declares (wait queues included) after the test."""
-        transport = app.transport
-        assert isinstance(transport, RabbitMQTransport)
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, url: str) -> AsyncIterator[Broker]:
+        """A Broker on a new connection to `url`, cleaned up (see `close`) when the block ends."""
+        connection = await aio_pika.connect(url)
+        broker = cls(url, connection, await connection.channel())
+        try:
+            yield broker
+        finally:
+            await broker.close()
+
+    async def close(self) -> None:
+        """Stop the watched apps, close the connection, delete the leftovers on a new one."""
+        try:
+            for app in self.apps:
+                await app.stop()
+        finally:
+            try:
+                await self.connection.close()
+            finally:
+                # on a connection of its own: the test may have closed the first
+                async with await aio_pika.connect(self.url) as cleanup:
+                    channel = await cleanup.channel()
+                    for name in sorted(self.leftovers()):
+                        await channel.queue_delete(name)
+
+    def watch(self, subject: Watched) -> Watched:
+        """After the test, stop `subject` if an app, and delete the queues its transport made."""
+        if isinstance(subject, RabbitMQTransport):
+            transport = subject
+        else:
+            if subject not in self.apps:
+                self.apps.append(subject)
+            transport = subject.transport
+        assert isinstance(transport, RabbitMQTransport), f"{subject!r} is not on RabbitMQ"
         self.transports.append(transport)
-        return app
+        return subject
+
+    def app(self, name: str, **options: Any) -> App:
+        """An app on this vhost, watched."""
+        return self.watch(App(name, transport=self.url, **options))
+
+    def leftovers(self) -> set[str]:
+        """Every queue to delete after the test: `to_delete`, and the watched transports' ones."""
+        return self.to_delete.union(*(transport.queues for transport in self.transports))
+
+    async def declare(self, name: str, **options: Any) -> str:
+        """Declare the queue `name` (deleted after the test); its name."""
+        self.to_delete.add(name)
+        await self.channel.declare_queue(name, **options)
+        return name
+
+    async def publish(self, message: aio_pika.Message, routing_key: str) -> None:
+        """Publish a raw message through the default exchange."""
+        await self.channel.default_exchange.publish(message, routing_key)
+
+    async def get(self, queue: str, timeout: float = 5.0) -> AbstractIncomingMessage:
+        """The next message in `queue` (acked), waiting up to `timeout` seconds."""
+        amqp_queue = await self.channel.get_queue(queue, ensure=False)
+        message = await eventually(
+            lambda: amqp_queue.get(no_ack=True, fail=False),
+            f"a message in {queue!r}",
+            timeout=timeout,
+            interval=0.02,
+        )
+        assert message is not None
+        return message
 
     async def count(self, queue: str) -> int:
-        """How many messages are ready in `queue` (0 if it does not exist)."""
+        """How many messages are ready in `queue` (a passive declare, on a channel of its own)."""
         channel = await self.connection.channel()
         try:
             declared = await channel.declare_queue(queue, passive=True)
             return int(declared.declaration_result.message_count or 0)
-        except aio_pika.exceptions.ChannelNotFoundEntity:
-            return 0
         finally:
             if not channel.is_closed:
                 await channel.close()
 
-    async def publish(self, queue: str, message: aio_pika.Message) -> None:
-        """Publish a raw message to `queue` through the default exchange."""
-        channel = await self.connection.channel()
-        try:
-            await channel.default_exchange.publish(message, routing_key=queue)
-        finally:
-            await channel.close()
+    async def exists(self, queue: str) -> bool:
+        """Whether `queue` exists (a passive declare, on a channel of its own)."""
+        return await self._found(lambda channel: channel.declare_queue(queue, passive=True))
 
-    async def cleanup(self) -> None:
-        """Delete every queue the watched transports declared."""
-        names = {name for transport in self.transports for name in transport.queues}
+    async def exchange_exists(self, exchange: str) -> bool:
+        """Whether `exchange` exists (a passive declare, on a channel of its own)."""
+        return await self._found(lambda channel: channel.declare_exchange(exchange, passive=True))
+
+    async def _found(self, declare: Callable[[AbstractChannel], Awaitable[object]]) -> bool:
         channel = await self.connection.channel()
         try:
-            for name in sorted(names):
-                await channel.queue_delete(name)
+            await declare(channel)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return False
         finally:
-            await channel.close()
+            if not channel.is_closed:
+                await channel.close()
+        return True
+
+    async def delete(self, names: Iterable[str]) -> None:
+        """Delete queues (missing ones are fine)."""
+        for name in names:
+            await self.channel.queue_delete(name)
+
+    async def record(self, queue: str) -> Recorder:
+        """Consume `queue` (auto-ack) on a channel of its own into a Recorder."""
+        recorder = Recorder()
+        channel = await self.connection.channel()
+        amqp_queue = await channel.get_queue(queue, ensure=False)
+        await amqp_queue.consume(recorder.on_message, no_ack=True)
+        return recorder
 
 
 class DelegatingTransport:
@@ -369,28 +469,6 @@ async def forwarding(port: int, to: int) -> AsyncIterator[None]:
 async def mersal(*argv: str) -> int:
     """Run `mersal ARGV` in this process (in a thread: it runs an event loop of its own)."""
     return await asyncio.to_thread(main, list(argv))
-
-
-class Queues:
-    """The test's view of RabbitMQ queues from outside: counts; deleted after the test."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.names: set[str] = set()
-
-    async def count(self, queue: str) -> int:
-        """How many messages are ready in `queue`."""
-        async with await aio_pika.connect(self.url) as connection:
-            channel = await connection.channel()
-            declared = await channel.declare_queue(queue, passive=True)
-            return int(declared.declaration_result.message_count or 0)
-
-    async def delete(self, names: Sequence[str]) -> None:
-        """Delete the queues (missing ones are fine)."""
-        async with await aio_pika.connect(self.url) as connection:
-            channel = await connection.channel()
-            for name in names:
-                await channel.queue_delete(name)
 
 
 async def queue_types(vhost: str) -> dict[str, str]:

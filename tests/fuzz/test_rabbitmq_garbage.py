@@ -8,7 +8,6 @@ then the app still handles a good message, and nothing is left in its queue or u
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import aio_pika
@@ -18,8 +17,7 @@ from mersal import App, MessageContext, RetryPolicy
 from tests.fuzz.amqp import headers_of
 from tests.fuzz.corpus import PICKLE_BOMB, canaries_imported, nested
 from tests.fuzz.rig import CAP, DECODE_ERROR, JSON, ORDER, Order
-from tests.mersal_rabbitmq.support import Broker
-from tests.support import RABBITMQ_HOST, eventually
+from tests.support import RABBITMQ_HOST, Broker, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -95,18 +93,6 @@ GARBAGE: dict[str, tuple[aio_pika.Message, str]] = {
 }
 
 
-@pytest.fixture
-async def broker(vhost: str) -> AsyncIterator[Broker]:
-    """A raw aio-pika connection to the session's vhost: the foreign producer."""
-    connection = await aio_pika.connect(f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}")
-    helper = Broker(connection, await connection.channel())
-    try:
-        yield helper
-    finally:
-        await helper.delete(helper.leftovers())
-        await connection.close()
-
-
 async def test_garbage_from_a_foreign_producer_ends_in_the_error_queue_with_a_reason(
     vhost: str, broker: Broker
 ) -> None:
@@ -124,7 +110,7 @@ async def test_garbage_from_a_foreign_producer_ends_in_the_error_queue_with_a_re
         max_body_size=CAP,
     )
     app.register(Order, take_order)
-    broker.watch(app.transport)
+    broker.watch(app)
 
     async with app:
         for message, _ in GARBAGE.values():
@@ -169,7 +155,7 @@ async def test_a_delivery_with_huge_headers_still_reaches_the_error_queue(
         retry=RetryPolicy(immediate=0, delayed=[], error_queue=error_queue),
     )
     app.register(Order, _never_called)
-    broker.watch(app.transport)
+    broker.watch(app)
 
     async with app:
         # 112,000 bytes of type name fit one frame; its dead letter, with the name repeated in

@@ -1,7 +1,7 @@
-"""Fixtures for the RabbitMQ transport's tests: the session's vhost, a raw broker, transports.
+"""Fixtures for the RabbitMQ transport's tests: the session's vhost as `url`, transports.
 
 The tests share the session's vhost (tests/conftest.py), name their queues with their own
-`prefix` and delete them afterwards.
+`prefix` and delete them afterwards (the `broker` fixture of tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -9,28 +9,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import aio_pika
 import pytest
 
 from mersal_rabbitmq import RabbitMQTransport
-from tests.mersal_rabbitmq.support import Broker
+from tests.support import Broker
 
 
 @pytest.fixture
 def url(amqp_url: str) -> str:
     """The AMQP URL of the session's vhost (`amqp_url`), as these tests call it."""
     return amqp_url
-
-
-@pytest.fixture
-async def broker(url: str) -> AsyncIterator[Broker]:
-    """A raw connection to the test vhost; queues it declared are deleted afterwards."""
-    connection = await aio_pika.connect(url)
-    helper = Broker(connection, await connection.channel())
-    yield helper
-    await connection.close()
-    async with await aio_pika.connect(url) as cleanup:  # the test may have closed the first
-        await Broker(cleanup, await cleanup.channel()).delete(helper.leftovers())
 
 
 @pytest.fixture

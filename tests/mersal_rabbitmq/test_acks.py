@@ -8,9 +8,8 @@ import random
 from mersal.transport import Outgoing
 from mersal_rabbitmq.acks import Acks
 from mersal_rabbitmq.consuming import RabbitMQConsumer, RabbitMQDelivery
-from tests.mersal_rabbitmq.support import Broker
 from tests.mersal_rabbitmq.test_transport import Make, envelope, started
-from tests.support import eventually
+from tests.support import Broker, eventually
 
 
 async def holding(

@@ -24,8 +24,8 @@ import aio_pika
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
-from tests.mersal_rabbitmq.support import Broker, consumers_of, rabbitmqctl, relay
-from tests.support import eventually
+from tests.mersal_rabbitmq.support import consumers_of, rabbitmqctl, relay
+from tests.support import Broker, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -105,7 +105,7 @@ async def test_a_robust_connection_stays_down_while_a_declaration_it_restores_is
     kept, changed = f"{prefix}.kept", f"{prefix}.changed"
     async with relay(url) as node:
         robust = await aio_pika.connect_robust(node.url(vhost), reconnect_interval=0.1)
-        broker.made.update((kept, changed))
+        broker.to_delete.update((kept, changed))
         try:
             attempts: list[BaseException | None] = []
             robust.close_callbacks.add(lambda _, error: attempts.append(error))
@@ -137,7 +137,7 @@ async def test_a_robust_connection_binds_a_partition_it_declares_again_last_and_
 ) -> None:
     exchange = f"{prefix}.partitions"
     partitions = [f"{prefix}.partition.{n}" for n in range(3)]
-    broker.made.update(partitions)
+    broker.to_delete.update(partitions)
     keys = [f"k{n}" for n in range(24)]
     async with relay(url) as node:
         robust = await aio_pika.connect_robust(node.url(vhost), reconnect_interval=0.1)

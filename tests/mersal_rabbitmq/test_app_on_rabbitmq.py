@@ -11,8 +11,8 @@ import pytest
 
 from mersal import App, Header, MessageContext, OutcomeUnknown, RetryPolicy, message
 from mersal_rabbitmq import RabbitMQTransport
-from tests.mersal_rabbitmq.support import Broker, rabbitmqctl
-from tests.support import eventually
+from tests.mersal_rabbitmq.support import rabbitmqctl
+from tests.support import Broker, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +56,7 @@ def app_named(name: str, url: str, broker: Broker, **options: object) -> App:
     retry = options.pop("retry", None) or RetryPolicy(error_queue=f"{name}.error")
     app = App(name, transport=url, retry=retry, **options)  # type: ignore[arg-type]
     assert isinstance(app.transport, RabbitMQTransport)
-    broker.watch(app.transport)
+    broker.watch(app)
     return app
 
 

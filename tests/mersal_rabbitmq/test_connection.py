@@ -17,8 +17,8 @@ import pytest
 from mersal import App, ConfigurationError, MersalError, RetryPolicy
 from mersal.errors import Unreachable
 from mersal_rabbitmq import RabbitMQTransport, connection
-from tests.mersal_rabbitmq.support import Broker, rabbitmqctl, relay
-from tests.support import eventually
+from tests.mersal_rabbitmq.support import rabbitmqctl, relay
+from tests.support import Broker, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -175,7 +175,7 @@ async def test_a_lost_connection_moves_to_the_next_node_and_the_app_goes_on(
         transport=f"{url};{DEAD}/{vhost};{url}",
         retry=RetryPolicy(error_queue=f"{prefix}.orders.error"),
     )
-    broker.watch(app.transport)
+    broker.watch(app)
     got: list[int] = []
 
     async def handle(number: Number) -> None:

@@ -20,8 +20,7 @@ import pytest
 from mersal import App, MessageContext, RetryPolicy
 from tests.fuzz.amqp import headers_of
 from tests.fuzz.rig import DOOMED, JSON, ORDER, Doom, Doomed, Order
-from tests.mersal_rabbitmq.support import Broker
-from tests.support import RABBITMQ_HOST, eventually
+from tests.support import Broker, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -51,14 +50,11 @@ class Running:
 
 
 @pytest.fixture
-async def running(vhost: str) -> AsyncIterator[Running]:
-    url = f"amqp://guest:guest@{RABBITMQ_HOST}/{vhost}"
+async def running(amqp_url: str, broker: Broker) -> AsyncIterator[Running]:
     name = f"trust-{uuid.uuid4().hex[:10]}"
-    connection = await aio_pika.connect(url)
-    broker = Broker(connection, await connection.channel())
     app = App(
         name,
-        transport=url,
+        transport=amqp_url,
         retry=RetryPolicy(immediate=1, delayed=[0.05], error_queue=f"{name}.error"),
     )
     setup = Running(app, broker, f"{name}.error")
@@ -72,14 +68,10 @@ async def running(vhost: str) -> AsyncIterator[Running]:
 
     app.register(Order, take_order)
     app.register(Doomed, doom)
-    broker.watch(app.transport)
-    try:
-        async with app:
-            yield setup
-        assert await broker.count(name) == 0  # nothing was left unacknowledged
-    finally:
-        await broker.delete(broker.leftovers())
-        await connection.close()
+    broker.watch(app)
+    async with app:
+        yield setup
+    assert await broker.count(name) == 0  # nothing was left unacknowledged
 
 
 async def test_a_forged_deliver_at_does_not_delay_handling(running: Running) -> None:

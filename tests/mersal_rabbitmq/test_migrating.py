@@ -13,7 +13,7 @@ import pytest
 from mersal import App, MersalError, RetryPolicy, Unsendable
 from mersal.transport import partition_queue
 from mersal_rabbitmq.topology import EVENTS
-from tests.support import Queues, eventually, mersal, queue_types, rabbitmqctl_rows
+from tests.support import Broker, eventually, mersal, queue_types, rabbitmqctl_rows
 
 pytestmark = pytest.mark.integration
 
@@ -40,12 +40,12 @@ async def drain(url: str, queue: str) -> list[str]:
 
 
 async def test_a_classic_queue_and_its_wait_queue_become_quorum_with_every_message_and_binding(
-    amqp_url: str, vhost: str, queues: Queues, capsys: pytest.CaptureFixture[str]
+    amqp_url: str, vhost: str, broker: Broker, capsys: pytest.CaptureFixture[str]
 ) -> None:
     queue = f"q{uuid4().hex[:8]}.orders"
     wait = f"{queue}.wait.1000"
     topic = f"t{uuid4().hex[:8]}.Placed"
-    queues.names |= {queue, wait, f"{queue}.migrating"}
+    broker.to_delete |= {queue, wait, f"{queue}.migrating"}
     await fill(amqp_url, queue, 30, arguments={"x-queue-type": "classic"})
     wait_arguments = {
         "x-message-ttl": 1000,
@@ -86,9 +86,9 @@ async def hold(message: aio_pika.abc.AbstractIncomingMessage) -> None:
     """A consumer that keeps what it gets unacked."""
 
 
-async def test_a_queue_with_consumers_is_left_alone(amqp_url: str, queues: Queues) -> None:
+async def test_a_queue_with_consumers_is_left_alone(amqp_url: str, broker: Broker) -> None:
     queue = f"q{uuid4().hex[:8]}.busy"
-    queues.names |= {queue, f"{queue}.migrating"}
+    broker.to_delete |= {queue, f"{queue}.migrating"}
     await fill(amqp_url, queue, 2, arguments={"x-queue-type": "classic"})
     async with await aio_pika.connect(amqp_url) as connection:
         channel = await connection.channel()
@@ -98,15 +98,15 @@ async def test_a_queue_with_consumers_is_left_alone(amqp_url: str, queues: Queue
         code = await mersal("queues", "migrate", "--transport", amqp_url, "--queue", queue)
 
     assert code != 0
-    assert await queues.count(queue) == 2
+    assert await broker.count(queue) == 2
 
 
 async def test_a_queue_with_consumers_stops_the_run_before_its_wait_queue_moves(
-    amqp_url: str, vhost: str, queues: Queues
+    amqp_url: str, vhost: str, broker: Broker
 ) -> None:
     queue = f"q{uuid4().hex[:8]}.busy"
     wait = f"{queue}.wait.30000"
-    queues.names |= {queue, wait, f"{queue}.migrating", f"{wait}.migrating"}
+    broker.to_delete |= {queue, wait, f"{queue}.migrating", f"{wait}.migrating"}
     await fill(amqp_url, queue, 1, arguments={"x-queue-type": "classic"})
     await fill(amqp_url, wait, 1, arguments={"x-queue-type": "classic"})
     async with await aio_pika.connect(amqp_url) as connection:
@@ -125,11 +125,11 @@ async def test_a_queue_with_consumers_stops_the_run_before_its_wait_queue_moves(
 
 
 async def test_an_interrupted_migration_is_finished_by_running_it_again(
-    amqp_url: str, vhost: str, queues: Queues
+    amqp_url: str, vhost: str, broker: Broker
 ) -> None:
     queue = f"q{uuid4().hex[:8]}.orders"
     holding = f"{queue}.migrating"
-    queues.names |= {queue, holding}
+    broker.to_delete |= {queue, holding}
     # as a run leaves it when killed after declaring the new queue: messages still held aside
     await fill(amqp_url, queue, 2, arguments={"x-queue-type": "quorum"})
     await fill(amqp_url, holding, 5, arguments={"x-queue-type": "quorum"})
@@ -143,11 +143,11 @@ async def test_an_interrupted_migration_is_finished_by_running_it_again(
 
 
 async def test_a_partition_keeps_its_binding_to_the_hash_exchange(
-    amqp_url: str, vhost: str, queues: Queues
+    amqp_url: str, vhost: str, broker: Broker
 ) -> None:
     base = f"q{uuid4().hex[:8]}.orders"
     partition = f"{base}.partition.0"
-    queues.names |= {partition, f"{partition}.migrating"}
+    broker.to_delete |= {partition, f"{partition}.migrating"}
     await fill(
         amqp_url,
         partition,
@@ -169,19 +169,19 @@ async def test_a_partition_keeps_its_binding_to_the_hash_exchange(
         rabbitmqctl_rows, "list_bindings", "-p", vhost, "source_name", "destination_name"
     )
     assert {"source_name": f"{base}.partitions", "destination_name": partition} in rows
-    assert await queues.count(partition) == 3  # (basic.get is refused on it now)
+    assert await broker.count(partition) == 3  # (basic.get is refused on it now)
     async with await aio_pika.connect(amqp_url) as connection:
         channel = await connection.channel()
         await channel.exchange_delete(f"{base}.partitions")
 
 
 async def test_a_run_stopped_after_deleting_the_queue_is_finished_with_its_bindings(
-    amqp_url: str, vhost: str, queues: Queues
+    amqp_url: str, vhost: str, broker: Broker
 ) -> None:
     queue = f"q{uuid4().hex[:8]}.orders"
     holding = f"{queue}.migrating"
     topic = f"t{uuid4().hex[:8]}.Placed"
-    queues.names |= {queue, holding}
+    broker.to_delete |= {queue, holding}
     await fill(amqp_url, holding, 4, arguments={"x-queue-type": "quorum"})
     async with await aio_pika.connect(amqp_url) as connection:
         channel = await connection.channel()
@@ -230,11 +230,16 @@ async def taken(url: str, queue: str) -> list[tuple[str, int]]:
 
 
 async def test_a_partition_moves_while_keyed_sends_go_on_each_key_in_its_partition_in_order(
-    amqp_url: str, queues: Queues
+    amqp_url: str, broker: Broker
 ) -> None:
     base = f"q{uuid4().hex[:8]}.orders"
     partitions = [partition_queue(base, index) for index in range(4)]
-    queues.names |= {base, f"{base}.error", *partitions, *(f"{p}.migrating" for p in partitions)}
+    broker.to_delete |= {
+        base,
+        f"{base}.error",
+        *partitions,
+        *(f"{p}.migrating" for p in partitions),
+    }
     consumer = App(
         base,
         transport=f"{amqp_url}?queue_type=classic",

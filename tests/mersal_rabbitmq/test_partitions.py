@@ -13,8 +13,8 @@ import pytest
 from mersal import App, ConfigurationError, MessageContext, OutcomeUnknown, RetryPolicy
 from mersal_rabbitmq import RabbitMQTransport, topology
 from mersal_rabbitmq.topology import PartitionsMigrating, RingLocked, Topology
-from tests.mersal_rabbitmq.support import Broker, Relay, rabbitmqctl, relay
-from tests.support import eventually, rabbitmqctl_rows
+from tests.mersal_rabbitmq.support import Relay, rabbitmqctl, relay
+from tests.support import Broker, eventually, rabbitmqctl_rows
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,7 @@ def partitioned_app(name: str, url: str, broker: Broker, **options: object) -> A
     """An app on the test vhost whose queues are deleted after the test."""
     app = App(name, transport=url, retry=RetryPolicy(error_queue=f"{name}.error"), **options)  # type: ignore[arg-type]
     assert isinstance(app.transport, RabbitMQTransport)
-    broker.watch(app.transport)
+    broker.watch(app)
     return app
 
 

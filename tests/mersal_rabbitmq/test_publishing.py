@@ -21,7 +21,6 @@ from typing import Any
 import aio_pika
 import pamqp.encode
 import pytest
-from aio_pika.abc import AbstractIncomingMessage
 from pamqp import common
 
 from mersal import App, Envelope, Header, MessageContext, RetryPolicy, Unsendable, message
@@ -29,8 +28,8 @@ from mersal.pipeline import Next
 from mersal.transport import Outgoing
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy import SqlStorage, attach
-from tests.mersal_rabbitmq.support import Broker
 from tests.support import (
+    Broker,
     eventually,
     management,
     postgres_database,
@@ -90,28 +89,6 @@ class Odd:
     n: int
 
 
-class Recorder:
-    """Message ids a raw consumer received (auto-ack), counted, and the bodies."""
-
-    def __init__(self) -> None:
-        self.ids: Counter[str] = Counter()
-        self.bodies: list[bytes] = []
-
-    async def on_message(self, incoming: AbstractIncomingMessage) -> None:
-        """Count one delivery."""
-        self.ids[incoming.message_id or ""] += 1
-        self.bodies.append(incoming.body)
-
-
-async def record(broker: Broker, queue: str) -> Recorder:
-    """Consume `queue` on a channel of its own into a Recorder."""
-    recorder = Recorder()
-    channel = await broker.connection.channel()
-    amqp_queue = await channel.get_queue(queue, ensure=False)
-    await amqp_queue.consume(recorder.on_message, no_ack=True)
-    return recorder
-
-
 def storage_of(app: App) -> SqlStorage:
     """The app's SQL storage."""
     assert isinstance(app.storage, SqlStorage)
@@ -152,7 +129,7 @@ async def test_a_publish_the_broker_refuses_fails_alone_in_its_batch_and_a_later
 ) -> None:
     sink = f"{prefix}.sink"
     transport = await cc_refusing_transport(make_transport, broker, sink)
-    received = await record(broker, sink)
+    received = await broker.record(sink)
     sent: list[Outgoing] = []
     for turn in range(3):  # the same batch shape, one after the other
         batch = [
@@ -180,7 +157,7 @@ async def test_a_publish_the_broker_refuses_costs_batches_sent_beside_it_nothing
 ) -> None:
     sink = f"{prefix}.sink"
     transport = await cc_refusing_transport(make_transport, broker, sink)
-    received = await record(broker, sink)
+    received = await broker.record(sink)
     # Batches sent at once (handlers committing together), every third with a refused message.
     batches = [
         [
@@ -217,25 +194,26 @@ def refusing_vhost() -> Iterator[str]:
 
 
 @pytest.fixture
-async def raw(refusing_vhost: str) -> AsyncIterator[Broker]:
-    """A raw connection to the private vhost (which is deleted with its queues at the end)."""
-    connection = await aio_pika.connect(refusing_vhost)
-    yield Broker(connection, await connection.channel())
-    await connection.close()
+async def refusing_broker(refusing_vhost: str) -> AsyncIterator[Broker]:
+    """The test's own connection to the private vhost (which is deleted at the end, too)."""
+    async with Broker.open(refusing_vhost) as broker:
+        yield broker
 
 
 async def test_handlers_whose_publishes_are_refused_cost_the_others_nothing(
-    refusing_vhost: str, raw: Broker, prefix: str
+    refusing_vhost: str, refusing_broker: Broker, prefix: str
 ) -> None:
     jobs = 60
     refused = {n for n in range(jobs) if n % 10 == 0}
     calls: Counter[int] = Counter()
     sink = f"{prefix}.events"
-    await raw.declare(sink, durable=True)
-    queue = await raw.channel.get_queue(sink, ensure=False)
-    await raw.channel.declare_exchange("mersal.events", aio_pika.ExchangeType.TOPIC, durable=True)
+    await refusing_broker.declare(sink, durable=True)
+    queue = await refusing_broker.channel.get_queue(sink, ensure=False)
+    await refusing_broker.channel.declare_exchange(
+        "mersal.events", aio_pika.ExchangeType.TOPIC, durable=True
+    )
     await queue.bind("mersal.events", routing_key="ok.refusals.Good")
-    events = await record(raw, sink)
+    events = await refusing_broker.record(sink)
 
     app = App(
         f"{prefix}-jobs",
@@ -257,7 +235,7 @@ async def test_handlers_whose_publishes_are_refused_cost_the_others_nothing(
     producer = App(f"{prefix}-producer", transport=refusing_vhost)
     producer.route(Job, f"{prefix}-jobs")
     async with app, producer:
-        dead = await record(raw, f"{prefix}.error")
+        dead = await refusing_broker.record(f"{prefix}.error")
         async with producer.transaction():
             for n in range(jobs):
                 await producer.send(Job(n, n in refused))
@@ -270,7 +248,7 @@ async def test_handlers_whose_publishes_are_refused_cost_the_others_nothing(
             return (
                 dead_jobs() >= refused
                 and set(events.ids) >= wanted
-                and await raw.count(f"{prefix}-jobs") == 0
+                and await refusing_broker.count(f"{prefix}-jobs") == 0
                 and app.in_flight == 0
             )
 
@@ -292,12 +270,12 @@ async def database() -> AsyncIterator[str]:
 
 
 async def test_refused_outbox_rows_are_parked_promptly_and_the_rows_behind_them_leave(
-    refusing_vhost: str, raw: Broker, prefix: str, database: str
+    refusing_vhost: str, refusing_broker: Broker, prefix: str, database: str
 ) -> None:
     refused_rows = 150
     sink = f"{prefix}.sink"
-    await raw.declare(sink, durable=True)
-    received = await record(raw, sink)
+    await refusing_broker.declare(sink, durable=True)
+    received = await refusing_broker.record(sink)
     app = App(f"{prefix}-relay", transport=refusing_vhost, database=database)
     attach(app, poll_interval=0.5)
     app.route(Ship, sink)
@@ -327,7 +305,7 @@ async def test_refused_outbox_rows_are_parked_promptly_and_the_rows_behind_them_
 
 
 async def test_refused_outbox_rows_leave_the_apps_consumer_and_its_deliveries_alone(
-    refusing_vhost: str, raw: Broker, prefix: str, database: str
+    refusing_vhost: str, refusing_broker: Broker, prefix: str, database: str
 ) -> None:
     refused_rows = 60
     deliveries: Counter[str] = Counter()
@@ -372,7 +350,7 @@ async def test_refused_outbox_rows_leave_the_apps_consumer_and_its_deliveries_al
             release.set()
 
         async def settled() -> bool:
-            return app.in_flight == 0 and await raw.count(name) == 0
+            return app.in_flight == 0 and await refusing_broker.count(name) == 0
 
         await eventually(settled, "the slow messages settled", timeout=10)
 
@@ -413,7 +391,7 @@ async def test_a_header_name_or_message_id_that_is_not_utf8_costs_the_consumer_n
         name, transport=url, retry=RetryPolicy(immediate=0, delayed=[], error_queue=error_queue)
     )
     assert isinstance(app.transport, RabbitMQTransport)
-    broker.watch(app.transport)
+    broker.watch(app)
 
     async def odd(message: Odd) -> None:
         handled[message.n] += 1

@@ -19,9 +19,9 @@ from mersal_rabbitmq import ConsumerLost, RabbitMQTransport
 from mersal_rabbitmq.connection import Connection
 from mersal_rabbitmq.recovery import Recovery
 from mersal_rabbitmq.topology import EVENTS
-from tests.mersal_rabbitmq.support import Broker, bindings_of, consumers_of, rabbitmqctl, relay
+from tests.mersal_rabbitmq.support import bindings_of, consumers_of, rabbitmqctl, relay
 from tests.mersal_rabbitmq.test_transport import Make, envelope, started
-from tests.support import eventually
+from tests.support import Broker, eventually
 
 pytestmark = pytest.mark.integration
 

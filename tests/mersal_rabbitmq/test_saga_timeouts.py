@@ -19,7 +19,7 @@ from lagom import Container
 from mersal import App, Header, RetryPolicy
 from mersal.sagas import Saga, StoredSaga, saga_check
 from tests.mersal_sqlalchemy.support import count, storage_of
-from tests.support import Rabbit, eventually
+from tests.support import Broker, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -92,20 +92,21 @@ class Watches(Saga[Watch], name="tests.sagas.Watches"):
         self.data.due = True
 
 
-def watch_app(name: str, rabbit: Rabbit, database: str, probe: Probe) -> App:
+def watch_app(name: str, broker: Broker, database: str, probe: Probe, concurrency: int = 32) -> App:
     container = Container()
     container[Probe] = probe
     app = App(
         name,
-        transport=rabbit.url,
+        transport=broker.url,
         database=database,
         retry=RetryPolicy(immediate=0, delayed=[], error_queue=f"{name}.error"),
         container=container,
+        concurrency=concurrency,
     )
     app.register_saga(Watches)
     for message_type in (Begin, Poke, Finish):
         app.route(message_type, name)
-    return rabbit.watch(app)
+    return broker.watch(app)
 
 
 async def handled(app: App, n: int) -> bool:
@@ -119,13 +120,13 @@ async def saga_row(app: App, key: str) -> StoredSaga | None:
 
 
 async def test_a_timeout_arrives_after_its_delay_through_the_outbox_and_a_wait_queue(
-    rabbit: Rabbit, prefix: str, postgres_url: str
+    broker: Broker, prefix: str, postgres_url: str
 ) -> None:
     probe = Probe()
-    app = watch_app(f"{prefix}.watch", rabbit, postgres_url, probe)
-    sender = App(f"{prefix}.sender", transport=rabbit.url, consume=False)  # no outbox
+    app = watch_app(f"{prefix}.watch", broker, postgres_url, probe)
+    sender = App(f"{prefix}.sender", transport=broker.url, consume=False)  # no outbox
     sender.route(Begin, app.name)
-    async with app, rabbit.watch(sender):
+    async with app, broker.watch(sender):
         relay = storage_of(app).relay
         assert relay is not None
         await sender.send(Begin("k-1"))
@@ -141,15 +142,15 @@ async def test_a_timeout_arrives_after_its_delay_through_the_outbox_and_a_wait_q
         assert relay.published == 1  # the timeout: the only message that left by the outbox
         assert [q for q in app.transport.queues if ".wait." in q]  # type: ignore[attr-defined]
         assert await count(storage_of(app).engine, storage_of(app).tables.outbox) == 0
-        assert await rabbit.count(f"{app.name}.error") == 0
+        assert await broker.count(f"{app.name}.error") == 0
     assert probe.runs == Counter(begin=1, due=1)
 
 
 async def test_a_timeout_of_a_saga_completed_meanwhile_is_ignored(
-    rabbit: Rabbit, prefix: str, postgres_url: str
+    broker: Broker, prefix: str, postgres_url: str
 ) -> None:
     probe = Probe()
-    app = watch_app(f"{prefix}.watch", rabbit, postgres_url, probe)
+    app = watch_app(f"{prefix}.watch", broker, postgres_url, probe)
     async with app:
         await app.send(Begin("k-2"))
         await eventually(lambda: saga_row(app, "k-2"), "the saga started")
@@ -162,7 +163,7 @@ async def test_a_timeout_of_a_saga_completed_meanwhile_is_ignored(
 
         assert await saga_row(app, "k-2") is None
         assert await app.saga_data(Watches, "k-2") is None
-        assert await rabbit.count(f"{app.name}.error") == 0
+        assert await broker.count(f"{app.name}.error") == 0
     assert probe.runs == Counter(begin=1, finish=1)  # the timeout's method did not run
 
 
@@ -179,7 +180,7 @@ def forged(app: App, message: object, headers: dict[str, str]) -> aio_pika.Messa
 
 
 async def test_messages_with_forged_saga_headers_are_handled_as_their_types(
-    rabbit: Rabbit, prefix: str, postgres_url: str
+    broker: Broker, prefix: str, postgres_url: str
 ) -> None:
     """Saga headers a producer made up or copied: each message is handled, none acked unseen.
 
@@ -189,28 +190,34 @@ async def test_messages_with_forged_saga_headers_are_handled_as_their_types(
     timeout requested before the check existed), and goes to the error queue when none has it.
     """
     probe = Probe()
-    app = watch_app(f"{prefix}.watch", rabbit, postgres_url, probe)
+    # One at a time: the pokes of one saga would otherwise race and rerun, and each run counts.
+    app = watch_app(f"{prefix}.watch", broker, postgres_url, probe, concurrency=1)
+
+    async def publish(message: object, headers: dict[str, str]) -> None:
+        """A forged message to the app, as another producer sends it."""
+        await broker.publish(forged(app, message, headers), app.name)
+
     async with app:
         nobody = str(uuid.uuid4())
         ours = {Header.SAGA_ID: nobody, Header.SAGA_TYPE: Watches.saga_name}
         theirs = {Header.SAGA_ID: nobody, Header.SAGA_TYPE: "someone.Else"}
-        await rabbit.publish(app.name, forged(app, Begin("k-3", delay=3600), ours))
+        await publish(Begin("k-3", delay=3600), ours)
         await eventually(lambda: saga_row(app, "k-3"), "the forged Begin started its saga")
         saga_id = probe.saga_ids["k-3"]
         assert saga_id != nobody
 
-        await rabbit.publish(app.name, forged(app, Poke("k-3"), ours))
-        await rabbit.publish(app.name, forged(app, Poke("k-3"), theirs))
+        await publish(Poke("k-3"), ours)
+        await publish(Poke("k-3"), theirs)
         real_id_other_type = {Header.SAGA_ID: saga_id, Header.SAGA_TYPE: "someone.Else"}
-        await rabbit.publish(app.name, forged(app, Poke("k-3"), real_id_other_type))
-        await rabbit.publish(app.name, forged(app, Begin("k-4", delay=3600), theirs))
+        await publish(Poke("k-3"), real_id_other_type)
+        await publish(Begin("k-4", delay=3600), theirs)
         real_id = {Header.SAGA_ID: saga_id, Header.SAGA_TYPE: Watches.saga_name}
-        await rabbit.publish(app.name, forged(app, Due("k-3"), ours))  # a timeout type
-        await rabbit.publish(app.name, forged(app, Due("k-3"), real_id))  # with no saga-check
+        await publish(Due("k-3"), ours)  # a timeout type
+        await publish(Due("k-3"), real_id)  # with no saga-check
         await eventually(lambda: handled(app, 6), "the forged messages handled")
 
         async def refused() -> bool:
-            return await rabbit.count(f"{app.name}.error") == 1
+            return await broker.count(f"{app.name}.error") == 1
 
         await eventually(refused, "the made-up timeout in the error queue")
         await eventually(lambda: app.in_flight == 0, "the forged messages settled")
@@ -221,7 +228,7 @@ async def test_messages_with_forged_saga_headers_are_handled_as_their_types(
 
         # With its real id, type and check, Due is this saga's own timeout: it runs.
         real = {**real_id, Header.SAGA_CHECK: saga_check(Watches.saga_name, saga_id)}
-        await rabbit.publish(app.name, forged(app, Due("k-3"), real))
+        await publish(Due("k-3"), real)
         await eventually(lambda: handled(app, 7), "the real Due handled")
         await eventually(lambda: app.in_flight == 0, "the Due settled")
         assert probe.runs == Counter(begin=2, poke=3, due=2)

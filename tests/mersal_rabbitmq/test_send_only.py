@@ -13,8 +13,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from mersal import App, ConfigurationError, Header, MessageContext, RetryPolicy, message
-from tests.mersal_rabbitmq.support import Broker
-from tests.support import eventually, postgres_database
+from tests.support import Broker, eventually, postgres_database
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +48,7 @@ async def test_a_send_only_app_declares_no_queue_and_its_outbox_rows_reach_the_r
 ) -> None:
     front_errors = RetryPolicy(error_queue=f"{prefix}.web-err")
     orders = App(f"{prefix}.orders", transport=url, retry=RetryPolicy(error_queue=f"{prefix}.err"))
-    broker.watch(orders.transport)  # type: ignore[arg-type]
+    broker.watch(orders)
     seen: list[tuple[object, dict[str, str]]] = []
 
     async def place(command: PlaceOrder, context: MessageContext) -> None:
@@ -92,8 +91,8 @@ async def test_a_send_only_app_can_still_ask_and_get_a_reply(
 ) -> None:
     front = App(f"{prefix}.script", transport=url, consume=False)
     prices = App(f"{prefix}.prices", transport=url, retry=RetryPolicy(error_queue=f"{prefix}.err"))
-    broker.watch(prices.transport)  # type: ignore[arg-type]
-    broker.watch(front.transport)  # type: ignore[arg-type]
+    broker.watch(prices)
+    broker.watch(front)
 
     async def price(question: Price) -> None:
         await prices.reply(Priced(question.item, 250))

@@ -12,8 +12,7 @@ from mersal import App, RetryPolicy, message
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_rabbitmq.management import Management
 from mersal_rabbitmq.topology import EVENTS
-from tests.mersal_rabbitmq.support import Broker
-from tests.support import eventually
+from tests.support import Broker, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +41,7 @@ def release(name: str, url: str, broker: Broker, *events: type) -> App:
     """The app `name` as a release that subscribes to `events`; its queues deleted after."""
     app = App(name, transport=url, retry=RetryPolicy(error_queue=f"{name}.error"))
     assert isinstance(app.transport, RabbitMQTransport)
-    broker.watch(app.transport)
+    broker.watch(app)
     for event in events:
         app.register(event, ignore)
         app.subscribe(event)

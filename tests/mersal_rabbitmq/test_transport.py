@@ -28,8 +28,8 @@ from mersal.dead_letters import LookingWouldLose
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_rabbitmq.delays import wait_milliseconds, wait_queue_name
 from mersal_rabbitmq.publishing import Publisher, distinct_runs
-from tests.mersal_rabbitmq.support import Broker, rabbitmqctl
-from tests.support import eventually, rabbitmqctl_rows
+from tests.mersal_rabbitmq.support import rabbitmqctl
+from tests.support import Broker, eventually, rabbitmqctl_rows
 
 pytestmark = pytest.mark.integration
 
@@ -532,7 +532,7 @@ async def test_a_declaration_while_the_connection_is_lost_waits_for_the_reconnec
     for n in range(len(declared)):
         await transport.send([Outgoing(f"tests.Topic{n}", envelope(f"m-{n}"), publish=True)])
     async with await aio_pika.connect(url) as connection:  # the broker fixture's was closed
-        fresh = Broker(connection, await connection.channel())
+        fresh = Broker(url, connection, await connection.channel())
         received = [(await fresh.get(queue)).message_id for queue in declared]
     assert received == ["m-0", "m-1", "m-2"]
 

@@ -1,5 +1,5 @@
-"""Helpers for the SQL storage tests: a business table, the apps, a broker sink, counting, a raw
-RabbitMQ connection, outbox rows as stored, and databases the release before migrated."""
+"""Helpers for the SQL storage tests: a business table, the apps, a broker sink, counting, outbox
+rows as stored, and databases the release before migrated."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 from lagom import Container
 from sqlalchemy import String, Table, func, select, text
 from sqlalchemy.engine import make_url
@@ -26,7 +25,6 @@ from mersal.messages import Envelope
 from mersal.transport import Outgoing
 from mersal.transport.memory import MemoryTransport
 from mersal_sqlalchemy import SqlStorage, attach, make_engine
-from tests.mersal_rabbitmq.support import Broker
 from tests.support import DelegatingTransport
 
 
@@ -264,57 +262,7 @@ async def run_process(command: Sequence[str], cwd: Path, **environment: str) -> 
     return Ran(done.returncode, done.stdout, done.stderr)
 
 
-# The test's own view of RabbitMQ, and of the outbox table.
-
-
-class Recorder:
-    """Every message a raw consumer received from one queue, counted by message id."""
-
-    def __init__(self) -> None:
-        self.ids: Counter[str] = Counter()
-        self.messages: dict[str, AbstractIncomingMessage] = {}
-
-    async def on_message(self, incoming: AbstractIncomingMessage) -> None:
-        """Count one delivery (auto-acked)."""
-        header = (incoming.headers or {}).get(Header.MESSAGE_ID)  # an id too long for the property
-        message_id = header if isinstance(header, str) else incoming.message_id or ""
-        self.ids[message_id] += 1
-        self.messages[message_id] = incoming
-
-    def duplicates(self) -> dict[str, int]:
-        """Message ids that arrived more than once, with how often."""
-        return {message_id: n for message_id, n in self.ids.items() if n > 1}
-
-
-class Raw(Broker):
-    """An aio-pika connection of the test's own: a producer that is not Mersal, and a watcher.
-
-    The queues it declares, and those of the apps it watches, are deleted after the test.
-    """
-
-    def __init__(self, url: str, connection: AbstractConnection, channel: AbstractChannel) -> None:
-        super().__init__(connection, channel)
-        self.url = url
-        self.apps: list[App] = []
-
-    def watch(self, app: App) -> App:  # type: ignore[override]
-        """Stop `app` and delete the queues it declares after the test."""
-        self.apps.append(app)
-        super().watch(app.transport)
-        return app
-
-    async def declare(self, name: str, **options: Any) -> str:  # type: ignore[override]
-        """Declare a durable queue (deleted after the test); its name."""
-        await super().declare(name, durable=True, **options)
-        return name
-
-    async def record(self, queue: str) -> Recorder:
-        """Consume `queue` (auto-ack) into a Recorder."""
-        recorder = Recorder()
-        channel = await self.connection.channel()
-        amqp_queue = await channel.get_queue(queue, ensure=False)
-        await amqp_queue.consume(recorder.on_message, no_ack=True)
-        return recorder
+# The test's own view of the outbox table.
 
 
 def unique_name(what: str) -> str:

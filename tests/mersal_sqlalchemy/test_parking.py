@@ -35,15 +35,13 @@ from mersal.transport import Outgoing
 from mersal.transport.memory import MemoryTransport
 from mersal_sqlalchemy import SqlStorage, attach
 from tests.mersal_sqlalchemy.support import (
-    Raw,
-    Recorder,
     Sink,
     Stored,
     none_waiting,
     stored_rows,
     unique_name,
 )
-from tests.support import DelegatingTransport, eventually, mersal
+from tests.support import Broker, DelegatingTransport, Recorder, eventually, mersal
 
 SHIP = "tests.relay.Ship.v1"
 
@@ -213,9 +211,9 @@ def check_parking(rows: Sequence[Row], ids: Sequence[int], stored: dict[int, Sto
     assert set(stored) == {i for row, i in zip(rows, ids, strict=True) if row.reason}
 
 
-def recording_app(raw: Raw, name: str, url: str, database: str) -> tuple[App, list[int]]:
-    """An app (watched by `raw`) that records the Ship messages it handles."""
-    app = raw.watch(App(name, transport=url, database=database))
+def recording_app(broker: Broker, name: str, url: str, database: str) -> tuple[App, list[int]]:
+    """An app (watched by `broker`) that records the Ship messages it handles."""
+    app = broker.watch(App(name, transport=url, database=database))
     attach(app, poll_interval=0.2)
     handled: list[int] = []
 
@@ -226,13 +224,13 @@ def recording_app(raw: Raw, name: str, url: str, database: str) -> tuple[App, li
     return app, handled
 
 
-async def still_handles(raw: Raw, app: App, handled: list[int]) -> None:
+async def still_handles(broker: Broker, app: App, handled: list[int]) -> None:
     """The app still consumes: a Ship published raw to its queue is handled."""
     before = len(handled)
     outgoing = aio_pika.Message(
         b'{"n": -1}', message_id=str(uuid.uuid4()), type=SHIP, content_type="application/json"
     )
-    await raw.publish(outgoing, app.name)
+    await broker.publish(outgoing, app.name)
     await eventually(lambda: len(handled) > before, "the app still handles messages", timeout=10)
     assert handled[before:] == [-1]
 
@@ -243,14 +241,14 @@ async def still_handles(raw: Raw, app: App, handled: list[int]) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(90)
 async def test_rows_that_cannot_go_are_parked_and_the_rest_of_their_batch_leaves_once(
-    postgres_url: str, amqp_url: str, raw: Raw, capsys: pytest.CaptureFixture[str]
+    postgres_url: str, amqp_url: str, broker: Broker, capsys: pytest.CaptureFixture[str]
 ) -> None:
     name = unique_name("judge")
-    sink = await raw.declare(f"{name}.sink")
+    sink = await broker.declare(f"{name}.sink", durable=True)
     nowhere = f"{name}.nobody"
-    app = raw.watch(App(name, transport=amqp_url, database=postgres_url))
+    app = broker.watch(App(name, transport=amqp_url, database=postgres_url))
     attach(app, poll_interval=0.2)
-    received = await raw.record(sink)
+    received = await broker.record(sink)
     async with app:
         transport = app.transport
         transport.limits = dataclasses.replace(transport.limits, max_body_bytes=1_000)
@@ -282,8 +280,8 @@ async def test_rows_that_cannot_go_are_parked_and_the_rest_of_their_batch_leaves
 
         # Retry: the unroutable row goes once its queue exists.
         unroutable = ids[rows.index(next(row for row in rows if row.label == "unroutable"))]
-        await raw.declare(nowhere)
-        arrived = await raw.record(nowhere)
+        await broker.declare(nowhere, durable=True)
+        arrived = await broker.record(nowhere)
         assert await mersal("outbox", "retry", str(unroutable), "--database", postgres_url) == 0
         await eventually(lambda: arrived.ids["bad-13"] == 1, "the retried row leaves", timeout=10)
         parked_ids.remove(unroutable)
@@ -406,12 +404,12 @@ BROKER_MAX_MESSAGE = 134_217_728
     ],
 )
 async def test_a_row_the_broker_refuses_is_parked_not_sent_again_and_its_batch_leaves_once(
-    postgres_url: str, amqp_url: str, raw: Raw, refused: str
+    postgres_url: str, amqp_url: str, broker: Broker, refused: str
 ) -> None:
     name = unique_name("refused")
-    sink = await raw.declare(f"{name}.sink")
-    app, handled = recording_app(raw, name, amqp_url, postgres_url)
-    received = await raw.record(sink)
+    sink = await broker.declare(f"{name}.sink", durable=True)
+    app, handled = recording_app(broker, name, amqp_url, postgres_url)
+    received = await broker.record(sink)
     async with app:
         transport = app.transport
         if refused == "reserved header":
@@ -445,7 +443,7 @@ async def test_a_row_the_broker_refuses_is_parked_not_sent_again_and_its_batch_l
         check_parking(rows, ids, await stored_rows(engine, table))
         if refused != "reserved header":
             assert app.healthy is False
-        await still_handles(raw, app, handled)
+        await still_handles(broker, app, handled)
     assert set(received.ids) == {*good_ids, marker}
     check_unknown_outcomes(received, before_refused)
 
@@ -456,7 +454,7 @@ async def test_a_row_the_broker_refuses_is_parked_not_sent_again_and_its_batch_l
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 async def test_a_reply_to_a_requester_that_is_gone_is_dropped_and_an_unroutable_send_is_parked(
-    postgres_url: str, amqp_url: str, raw: Raw, caplog: pytest.LogCaptureFixture
+    postgres_url: str, amqp_url: str, broker: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="mersal.outbox")
     replier_name = unique_name("replier")
@@ -472,11 +470,11 @@ async def test_a_reply_to_a_requester_that_is_gone_is_dropped_and_an_unroutable_
         await context.app.reply(Answer(message.n))
         answered.append(message.n)
 
-    replier = raw.watch(App(replier_name, transport=amqp_url, database=postgres_url))
+    replier = broker.watch(App(replier_name, transport=amqp_url, database=postgres_url))
     attach(replier, poll_interval=0.2)
     replier.register(Ask, answer)
     replier.route(Lost, unique_name("nobody"))
-    requester = raw.watch(App(unique_name("requester"), transport=amqp_url))
+    requester = broker.watch(App(unique_name("requester"), transport=amqp_url))
     requester.route(Ask, replier_name)
 
     async with replier:
@@ -492,7 +490,7 @@ async def test_a_reply_to_a_requester_that_is_gone_is_dropped_and_an_unroutable_
             await requester.request(Ask(2, hold=True), timeout=0.5, reply_type=Answer)
         await requester.stop()  # its temporary reply queue goes with its connection
         gone = reply_queues[-1]
-        await eventually(lambda: _missing(raw, gone), "the reply queue is gone", timeout=5)
+        await eventually(lambda: _missing(broker, gone), "the reply queue is gone", timeout=5)
         release.set()
         await eventually(lambda: answered == [1, 2], "the late reply is written", timeout=5)
         await eventually(lambda: relay.dropped == 1, "the relay drops the reply", timeout=5)
@@ -516,9 +514,9 @@ async def test_a_reply_to_a_requester_that_is_gone_is_dropped_and_an_unroutable_
         assert not replier.healthy
 
 
-async def _missing(raw: Raw, queue: str) -> bool:
+async def _missing(broker: Broker, queue: str) -> bool:
     """Whether `queue` no longer exists."""
-    return not await raw.exists(queue)
+    return not await broker.exists(queue)
 
 
 # On RabbitMQ, a dead letter with thousands of headers still leaves, once.
@@ -543,7 +541,7 @@ class Doom(Exception):
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 async def test_a_delivery_with_thousands_of_tiny_headers_reaches_the_error_queue_once(
-    postgres_url: str, amqp_url: str, raw: Raw
+    postgres_url: str, amqp_url: str, broker: Broker
 ) -> None:
     name = unique_name("poison")
     error_queue = f"{name}.error"
@@ -554,7 +552,7 @@ async def test_a_delivery_with_thousands_of_tiny_headers_reaches_the_error_queue
         raise Doom(f"poison {message.n} always fails")
 
     policy = RetryPolicy(immediate=1, delayed=[0.2], error_queue=error_queue)
-    app = raw.watch(App(name, transport=amqp_url, database=postgres_url, retry=policy))
+    app = broker.watch(App(name, transport=amqp_url, database=postgres_url, retry=policy))
     app.register(Poison, doom)
     headers: dict[str, Any] = {tiny_name(n): "v" for n in range(TINY_HEADERS)}
     hostile = aio_pika.Message(
@@ -565,12 +563,12 @@ async def test_a_delivery_with_thousands_of_tiny_headers_reaches_the_error_queue
         content_type="application/json",
     )
     async with app:
-        dead = await raw.record(error_queue)
-        await raw.publish(hostile, name)
+        dead = await broker.record(error_queue)
+        await broker.publish(hostile, name)
         await eventually(lambda: dead.ids["tiny-headers"] == 1, "the dead letter", timeout=15)
         await eventually(lambda: app.in_flight == 0, "the delivery is settled", timeout=5)
     # The app stopped: a delivery it had not settled would be back in its queue now.
-    assert await raw.count(name) == 0
+    assert await broker.count(name) == 0
     assert calls == [7] * policy.max_attempts
     assert dead.ids == Counter({"tiny-headers": 1})
     letter = dead.messages["tiny-headers"]

@@ -29,7 +29,6 @@ from mersal_sqlalchemy.outbox import write_outbox
 from tests.mersal_sqlalchemy.support import (
     FlakyTransport,
     Probe,
-    Raw,
     Ship,
     Sink,
     Stored,
@@ -42,7 +41,7 @@ from tests.mersal_sqlalchemy.support import (
     stored_rows,
     unique_name,
 )
-from tests.support import DelegatingTransport, eventually
+from tests.support import Broker, DelegatingTransport, eventually
 
 
 @dataclass
@@ -350,14 +349,14 @@ def message_id_of(row: Stored) -> str:
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 async def test_a_stop_mid_relay_leaves_no_lease_and_a_restart_sends_the_rest(
-    postgres_url: str, amqp_url: str, raw: Raw
+    postgres_url: str, amqp_url: str, broker: Broker
 ) -> None:
     name = unique_name("stopper")
-    sink = await raw.declare(f"{name}.sink")
-    received = await raw.record(sink)
+    sink = await broker.declare(f"{name}.sink", durable=True)
+    received = await broker.record(sink)
     seen: list[tuple[int, float, int, int]] = []
     for stop_after, drain in ROUNDS:
-        app = raw.watch(stopping_app(name, amqp_url, postgres_url, drain))
+        app = broker.watch(stopping_app(name, amqp_url, postgres_url, drain))
         app.route(Ship, sink)
         await app.start()
         table = storage_of(app).tables.outbox
@@ -388,7 +387,7 @@ async def test_a_stop_mid_relay_leaves_no_lease_and_a_restart_sends_the_rest(
             interval=0.05,
         )
 
-        again = raw.watch(stopping_app(name, amqp_url, postgres_url, 5.0))
+        again = broker.watch(stopping_app(name, amqp_url, postgres_url, 5.0))
         async with again:
             await eventually(
                 lambda: all(received.ids[i] for i in ids),  # noqa: B023

@@ -34,7 +34,7 @@ from tests.mersal_sqlalchemy.support import (
     create_business_tables,
     storage_of,
 )
-from tests.support import DelegatingTransport, Rabbit, eventually
+from tests.support import Broker, DelegatingTransport, eventually
 
 EVENTS = 100
 SETTLE = 30.0
@@ -188,18 +188,18 @@ async def settled(apps: Sequence[App]) -> bool:
 
 
 async def run_events_on_two_instances(
-    rabbit: Rabbit, prefix: str, database: str, saga: type[Tallies], pessimistic: bool
+    broker: Broker, prefix: str, database: str, saga: type[Tallies], pessimistic: bool
 ) -> tuple[Tally, StoredSaga, int, float]:
     """100 Adds for one saga, sent at once to two instances; the final data and conflicts."""
     probe = Probe()
     name = f"{prefix}.tally"
-    first = rabbit.watch(
-        tally_app(name, rabbit.url, database, probe, saga=saga, pessimistic=pessimistic)
+    first = broker.watch(
+        tally_app(name, broker.url, database, probe, saga=saga, pessimistic=pessimistic)
     )
-    second = rabbit.watch(
-        tally_app(name, rabbit.url, database, probe, saga=saga, pessimistic=pessimistic)
+    second = broker.watch(
+        tally_app(name, broker.url, database, probe, saga=saga, pessimistic=pessimistic)
     )
-    sender = rabbit.watch(sender_app(f"{prefix}.sender", rabbit.url, name))
+    sender = broker.watch(sender_app(f"{prefix}.sender", broker.url, name))
     async with first, second, sender:
         await sender.send(Open("k-1"))
         await eventually(lambda: first.saga_data(saga, "k-1"), "the saga exists", timeout=10)
@@ -220,14 +220,14 @@ async def run_events_on_two_instances(
                 f"{error}: {len(seen)} values after {time.monotonic() - began:.1f}s, "
                 f"{probe.runs['add']} method runs ({probe.runs['add'] - len(seen)} conflicts); "
                 f"in flight: {first.in_flight} + {second.in_flight}; "
-                f"ready in {name}: {await rabbit.count(name)}"
+                f"ready in {name}: {await broker.count(name)}"
             ) from None
         assert data is not None
         took = time.monotonic() - began
         await eventually(lambda: settled([first, second]), "both instances settled")
         row = await saga_row(first, saga, "k-1")
         assert row is not None
-        assert await rabbit.count(f"{name}.error") == 0
+        assert await broker.count(f"{name}.error") == 0
         assert await saga_rows(storage_of(first)) == 1
     return data, row, probe.runs["add"] - EVENTS, took
 
@@ -239,10 +239,10 @@ async def run_events_on_two_instances(
     ids=["optimistic", "pessimistic"],
 )
 async def test_events_on_two_instances_are_all_reflected(
-    rabbit: Rabbit, prefix: str, postgres_url: str, saga: type[Tallies], pessimistic: bool
+    broker: Broker, prefix: str, postgres_url: str, saga: type[Tallies], pessimistic: bool
 ) -> None:
     data, row, conflicts, took = await run_events_on_two_instances(
-        rabbit, prefix, postgres_url, saga, pessimistic=pessimistic
+        broker, prefix, postgres_url, saga, pessimistic=pessimistic
     )
     locking = "pessimistic" if pessimistic else "optimistic"
     print(f"{locking}: {EVENTS} events on 2 instances in {took:.2f}s, {conflicts} conflicts")
@@ -255,13 +255,13 @@ async def test_events_on_two_instances_are_all_reflected(
 
 @pytest.mark.integration
 async def test_two_concurrent_starts_make_one_saga_row(
-    rabbit: Rabbit, prefix: str, postgres_url: str
+    broker: Broker, prefix: str, postgres_url: str
 ) -> None:
     probe = Probe(barrier=2)  # both starts load "no saga" before either inserts
     name = f"{prefix}.tally"
-    first = rabbit.watch(tally_app(name, rabbit.url, postgres_url, probe))
-    second = rabbit.watch(tally_app(name, rabbit.url, postgres_url, probe))
-    sender = rabbit.watch(sender_app(f"{prefix}.sender", rabbit.url, name))
+    first = broker.watch(tally_app(name, broker.url, postgres_url, probe))
+    second = broker.watch(tally_app(name, broker.url, postgres_url, probe))
+    sender = broker.watch(sender_app(f"{prefix}.sender", broker.url, name))
     async with first, second, sender:
         await asyncio.gather(sender.send(Open("k-1", 1)), sender.send(Open("k-1", 2)))
 
@@ -276,7 +276,7 @@ async def test_two_concurrent_starts_make_one_saga_row(
         assert await saga_rows(storage) == 1
         row = await saga_row(first, Tallies, "k-1")
         assert row is not None and row.revision == 2
-        assert await rabbit.count(f"{name}.error") == 0
+        assert await broker.count(f"{name}.error") == 0
         assert await count(storage.engine, storage.tables.inbox) == 2
     assert sorted(data.starts) == [1, 2]  # each start method ran once, on the same saga
     print(f"two starts: {probe.runs['open']} start method runs (a conflict reruns one)")

@@ -19,7 +19,7 @@ from mersal.messages import Envelope
 from mersal.transport import Outgoing
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_rabbitmq.management import Management
-from tests.support import Queues, Terminal, eventually, mersal, queue_types, rabbitmqctl
+from tests.support import Broker, Terminal, eventually, mersal, queue_types, rabbitmqctl
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +52,7 @@ class Orders:
         self.handled.append((command.order_id, context.attempt, dict(context.headers)))
 
 
-def orders_app(url: str, queues: Queues) -> Orders:
+def orders_app(url: str, broker: Broker) -> Orders:
     """The orders app: one attempt, then its own error queue (both deleted after the test)."""
     prefix = f"cli-{uuid4().hex[:10]}"
     error_queue = f"{prefix}.error"
@@ -61,27 +61,27 @@ def orders_app(url: str, queues: Queues) -> Orders:
         transport=url,
         retry=RetryPolicy(immediate=0, delayed=[], error_queue=error_queue),
     )
-    queues.names.update({app.name, error_queue})
+    broker.to_delete.update({app.name, error_queue})
     orders = Orders(app, error_queue)
     app.register(PlaceOrder, orders.place)
     app.route(PlaceOrder, app.name)
     return orders
 
 
-async def count_is(queues: Queues, queue: str, expected: int) -> bool:
+async def count_is(broker: Broker, queue: str, expected: int) -> bool:
     """Whether `queue` holds `expected` ready messages."""
-    return await queues.count(queue) == expected
+    return await broker.count(queue) == expected
 
 
 async def test_list_show_and_replay_a_failed_message(
-    amqp_url: str, queues: Queues, capsys: pytest.CaptureFixture[str]
+    amqp_url: str, broker: Broker, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    orders = orders_app(amqp_url, queues)
+    orders = orders_app(amqp_url, broker)
     app, error = orders.app, orders.error_queue
     options = ("--transport", amqp_url, "--queue", error)
     async with app:
         message_id = await app.send(PlaceOrder("o-1"))
-        await eventually(lambda: count_is(queues, error, 1), "the message in the error queue")
+        await eventually(lambda: count_is(broker, error, 1), "the message in the error queue")
 
         assert await mersal("dlq", "list", *options) == 0
         lines = capsys.readouterr().out.splitlines()
@@ -104,7 +104,7 @@ async def test_list_show_and_replay_a_failed_message(
         ]
         assert cells[5].endswith("Z") and cells[6] == "no stock for o-1"
         assert lines[2] == f"1 message(s) in {error!r}, all left there"
-        await eventually(lambda: count_is(queues, error, 1), "the message back in the error queue")
+        await eventually(lambda: count_is(broker, error, 1), "the message back in the error queue")
 
         assert await mersal("dlq", "show", message_id, *options) == 0
         shown = capsys.readouterr().out
@@ -115,7 +115,7 @@ async def test_list_show_and_replay_a_failed_message(
         assert f"  {Header.ERROR_QUEUE}: {app.name}\n" in shown
         assert f"  {Header.ERROR_TRACEBACK}: Traceback (most recent call last):" in shown
         assert shown.endswith('{\n  "order_id": "o-1"\n}\n')
-        await eventually(lambda: count_is(queues, error, 1), "the message still in the error queue")
+        await eventually(lambda: count_is(broker, error, 1), "the message still in the error queue")
 
         orders.broken = False
         assert await mersal("dlq", "replay", message_id, *options) == 0
@@ -123,7 +123,7 @@ async def test_list_show_and_replay_a_failed_message(
         assert f"replayed {message_id} (tests.dlq.PlaceOrder.v1) to {app.name!r}" in out
         assert out.endswith(f"replayed 1 of 1 message(s) from {error!r}\n")
         await eventually(lambda: len(orders.handled) == 1, "the replayed message handled")
-        await eventually(lambda: count_is(queues, error, 0), "the error queue empty")
+        await eventually(lambda: count_is(broker, error, 0), "the error queue empty")
 
     order_id, attempt, headers = orders.handled[0]
     assert (order_id, attempt) == ("o-1", 1)  # a fresh set of retries
@@ -132,28 +132,28 @@ async def test_list_show_and_replay_a_failed_message(
 
 
 async def test_replay_all_to_another_queue_and_what_cannot_be_found(
-    amqp_url: str, queues: Queues, capsys: pytest.CaptureFixture[str]
+    amqp_url: str, broker: Broker, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    orders = orders_app(amqp_url, queues)
+    orders = orders_app(amqp_url, broker)
     app, error = orders.app, orders.error_queue
     options = ("--transport", amqp_url, "--queue", error)
     elsewhere = f"{app.name}.elsewhere"
-    queues.names.add(elsewhere)
+    broker.to_delete.add(elsewhere)
     async with app:
         ids = [await app.send(PlaceOrder(f"o-{n}")) for n in (1, 2)]
-        await eventually(lambda: count_is(queues, error, 2), "both messages in the error queue")
+        await eventually(lambda: count_is(broker, error, 2), "both messages in the error queue")
         await app.transport.declare(elsewhere)
 
         assert await mersal("dlq", "replay", ids[0], "no-such-id", "--to", elsewhere, *options) == 1
         output = capsys.readouterr()
         assert f"replayed {ids[0]} (tests.dlq.PlaceOrder.v1) to {elsewhere!r}" in output.out
         assert "no message 'no-such-id'" in output.err
-        await eventually(lambda: count_is(queues, elsewhere, 1), "the message in the other queue")
-        await eventually(lambda: count_is(queues, error, 1), "the other message left in error")
+        await eventually(lambda: count_is(broker, elsewhere, 1), "the message in the other queue")
+        await eventually(lambda: count_is(broker, error, 1), "the other message left in error")
 
         assert await mersal("dlq", "replay", "--all", "--to", f"{app.name}.nowhere", *options) == 1
         assert "Unroutable" in capsys.readouterr().err
-        await eventually(lambda: count_is(queues, error, 1), "the unroutable one still in error")
+        await eventually(lambda: count_is(broker, error, 1), "the unroutable one still in error")
 
         assert await mersal("dlq", "show", "no-such-id", *options) == 1
         assert "no message 'no-such-id'" in capsys.readouterr().err
@@ -161,7 +161,7 @@ async def test_replay_all_to_another_queue_and_what_cannot_be_found(
 
 async def test_the_commands_explain_what_they_need(
     amqp_url: str,
-    queues: Queues,
+    broker: Broker,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -199,17 +199,17 @@ def no_transport_in_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def test_with_app_every_command_uses_its_error_queue_and_broker(
     amqp_url: str,
-    queues: Queues,
+    broker: Broker,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
     no_transport_in_environment: None,
 ) -> None:
-    orders = orders_app(amqp_url, queues)
+    orders = orders_app(amqp_url, broker)
     app, error = orders.app, orders.error_queue
     monkeypatch.setattr(sys.modules[__name__], "ORDERS", app, raising=False)
     async with app:
         ids = [await app.send(PlaceOrder(f"o-{n}")) for n in (1, 2)]
-        await eventually(lambda: count_is(queues, error, 2), "both messages in the error queue")
+        await eventually(lambda: count_is(broker, error, 2), "both messages in the error queue")
 
         assert await mersal("dlq", "list", "--app", APP_TARGET) == 0
         lines = capsys.readouterr().out.splitlines()
@@ -221,7 +221,7 @@ async def test_with_app_every_command_uses_its_error_queue_and_broker(
 
         assert await mersal("dlq", "drop", ids[1], "--yes", "--app", APP_TARGET) == 0
         assert capsys.readouterr().out.endswith(f"dropped 1 of 1 message(s) from {error!r}\n")
-        await eventually(lambda: count_is(queues, error, 1), "one message dropped")
+        await eventually(lambda: count_is(broker, error, 1), "one message dropped")
 
         orders.broken = False
         assert await mersal("dlq", "replay", ids[0], "--app", APP_TARGET) == 0
@@ -229,22 +229,22 @@ async def test_with_app_every_command_uses_its_error_queue_and_broker(
             capsys.readouterr().out
         )
         await eventually(lambda: len(orders.handled) == 1, "the replayed message handled")
-        await eventually(lambda: count_is(queues, error, 0), "the error queue empty")
+        await eventually(lambda: count_is(broker, error, 0), "the error queue empty")
     assert [order_id for order_id, _, _ in orders.handled] == ["o-1"]  # o-2 was dropped
 
 
 async def test_an_explicit_transport_and_queue_win_over_the_app(
     amqp_url: str,
-    queues: Queues,
+    broker: Broker,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
     no_transport_in_environment: None,
 ) -> None:
-    orders = orders_app(amqp_url, queues)
+    orders = orders_app(amqp_url, broker)
     app, error = orders.app, orders.error_queue
     async with app:
         message_id = await app.send(PlaceOrder("o-1"))
-        await eventually(lambda: count_is(queues, error, 1), "the message in the error queue")
+        await eventually(lambda: count_is(broker, error, 1), "the message in the error queue")
     elsewhere = App(
         "elsewhere",
         transport=f"memory://cli-{uuid4().hex}",
@@ -318,37 +318,37 @@ async def looked_at_five_times(
 
 
 async def test_the_error_queue_is_classic_and_looking_at_it_under_a_delivery_limit_keeps_all(
-    amqp_url: str, vhost: str, queues: Queues, capsys: pytest.CaptureFixture[str]
+    amqp_url: str, vhost: str, broker: Broker, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    orders = orders_app(amqp_url, queues)  # quorum queues: the transport's default
+    orders = orders_app(amqp_url, broker)  # quorum queues: the transport's default
     app, error = orders.app, orders.error_queue
     options = ("--transport", amqp_url, "--queue", error)
     with delivery_limit_policy(vhost, error, 1):  # what a quorum queue would drop by at once
         async with app:
             ids = [await app.send(PlaceOrder(f"o-{n}")) for n in range(3)]
-            await eventually(lambda: count_is(queues, error, 3), "three dead letters")
+            await eventually(lambda: count_is(broker, error, 3), "three dead letters")
             types = await queue_types(vhost)
             assert (types[app.name], types[error]) == ("quorum", "classic")
 
             await looked_at_five_times(options, ids, capsys)
-            await eventually(lambda: count_is(queues, error, 3), "every dead letter still there")
+            await eventually(lambda: count_is(broker, error, 3), "every dead letter still there")
 
             orders.broken = False
             assert await mersal("dlq", "replay", ids[0], *options) == 0
             assert await mersal("dlq", "drop", ids[1], "--yes", *options) == 0
             await eventually(lambda: len(orders.handled) == 1, "the replayed message handled")
-            await eventually(lambda: count_is(queues, error, 1), "the one left alone still there")
+            await eventually(lambda: count_is(broker, error, 1), "the one left alone still there")
     assert [order_id for order_id, _, _ in orders.handled] == ["o-0"]
 
 
 async def test_a_quorum_error_queue_is_used_as_it_is_and_not_looked_at_under_a_delivery_limit(
     amqp_url: str,
     vhost: str,
-    queues: Queues,
+    broker: Broker,
     capsys: pytest.CaptureFixture[str],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    orders = orders_app(amqp_url, queues)
+    orders = orders_app(amqp_url, broker)
     app, error = orders.app, orders.error_queue
     options = ("--transport", amqp_url, "--queue", error)
     async with await aio_pika.connect(amqp_url) as connection:  # left by an earlier release
@@ -357,7 +357,7 @@ async def test_a_quorum_error_queue_is_used_as_it_is_and_not_looked_at_under_a_d
     with delivery_limit_policy(vhost, error, 3) as policy:
         async with app:  # accepted as it is, with a word on what it means
             ids = [await app.send(PlaceOrder(f"o-{n}")) for n in range(2)]
-            await eventually(lambda: count_is(queues, error, 2), "two dead letters")
+            await eventually(lambda: count_is(broker, error, 2), "two dead letters")
         assert (await queue_types(vhost))[error] == "quorum"
         assert f"error queue {error!r} is a quorum queue" in caplog.text
         await eventually(
@@ -373,11 +373,11 @@ async def test_a_quorum_error_queue_is_used_as_it_is_and_not_looked_at_under_a_d
                     "a delivery limit of 3"
                 )
                 assert f"mersal queues migrate --queue {error} --to classic" in refused
-        assert await count_is(queues, error, 2)
+        assert await count_is(broker, error, 2)
 
     await eventually(lambda: policy_is(amqp_url, error, None), "the policy gone", timeout=15)
     await looked_at_five_times(options, ids, capsys)  # RabbitMQ 3 sets no limit by itself
-    await eventually(lambda: count_is(queues, error, 2), "every dead letter still there")
+    await eventually(lambda: count_is(broker, error, 2), "every dead letter still there")
 
 
 # `mersal dlq drop`, and the progress of long drops and replays.
@@ -445,10 +445,10 @@ class ErrorQueue:
 
 
 @pytest.fixture
-def error(amqp_url: str, queues: Queues) -> ErrorQueue:
+def error(amqp_url: str, broker: Broker) -> ErrorQueue:
     """An error queue no other test uses, deleted afterwards."""
     name = f"cli-{uuid4().hex[:10]}.error"
-    queues.names.add(name)
+    broker.to_delete.add(name)
     return ErrorQueue(amqp_url, name)
 
 
@@ -587,14 +587,14 @@ async def test_drop_needs_one_way_of_choosing(
 
 async def test_a_long_replay_shows_its_progress_on_a_terminal_only(
     error: ErrorQueue,
-    queues: Queues,
+    broker: Broker,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     ids = [f"m{n:02}" for n in range(120)]
     await error.fill([failed(i, "pay.Charge.v1", "E", "boom") for i in ids])
     parking = ErrorQueue(error.url, f"{error.name}.parking")
-    queues.names.add(parking.name)
+    broker.to_delete.add(parking.name)
     await parking.fill([])
     replay = ("dlq", "replay", "--all", "--to", parking.name, *error.options)
 

@@ -14,9 +14,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from mersal import App, Outgoing, RetryPolicy, message
 from mersal.messages import Envelope, Header
 from mersal.plugins import transport_from
-from tests.mersal.telemetry.conftest import RabbitMQ
 from tests.mersal.telemetry.support import Recorder, linked, parent_id, span_id, trace_id, value
-from tests.support import RABBITMQ_HOST, eventually
+from tests.support import Broker, eventually
 
 BOOM = "tests.mersal.telemetry.test_failures.Boom"
 
@@ -41,9 +40,8 @@ async def make_app(request: pytest.FixtureRequest) -> AsyncIterator[MakeApp]:
         url = f"memory://telemetry-{uuid.uuid4().hex}"
         yield lambda name, retry: App(name, transport=url, retry=retry)
         return
-    rabbitmq = RabbitMQ(f"amqp://guest:guest@{RABBITMQ_HOST}/{request.getfixturevalue('vhost')}")
-    yield lambda name, retry: rabbitmq.app(name, retry=retry)
-    await rabbitmq.clean()
+    async with Broker.open(request.getfixturevalue("amqp_url")) as broker:
+        yield lambda name, retry: broker.app(name, retry=retry)
 
 
 async def dead_letter(app: App) -> Envelope:

@@ -17,9 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from mersal import App, RetryPolicy, message
 from mersal_sqlalchemy import make_engine
-from tests.mersal.telemetry.conftest import RabbitMQ
 from tests.mersal.telemetry.support import Recorder, linked, parent_id, span_id, trace_id, value
-from tests.support import eventually
+from tests.support import Broker, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -48,13 +47,13 @@ class Shop:
     billed: asyncio.Queue[OrderPlaced]
 
 
-def shop(rabbitmq: RabbitMQ, database: str) -> Shop:
+def shop(broker: Broker, database: str) -> Shop:
     """The web front end and the orders app (both with the outbox), and billing (without)."""
     prefix = f"t{uuid.uuid4().hex[:8]}"
     retry = RetryPolicy(immediate=0, delayed=[], error_queue=f"{prefix}.error")
-    web = rabbitmq.app(f"{prefix}.web", database=database, retry=retry)
-    orders = rabbitmq.app(f"{prefix}.orders", database=database, retry=retry)
-    billing = rabbitmq.app(f"{prefix}.billing", retry=retry)
+    web = broker.app(f"{prefix}.web", database=database, retry=retry)
+    orders = broker.app(f"{prefix}.orders", database=database, retry=retry)
+    billing = broker.app(f"{prefix}.billing", retry=retry)
     billed: asyncio.Queue[OrderPlaced] = asyncio.Queue()
 
     async def place(command: PlaceOrder) -> None:
@@ -71,9 +70,9 @@ def shop(rabbitmq: RabbitMQ, database: str) -> Shop:
 
 
 async def test_an_order_makes_one_trace_from_the_request_to_billing(
-    otel: Recorder, rabbitmq: RabbitMQ, postgres_url: str
+    otel: Recorder, broker: Broker, postgres_url: str
 ) -> None:
-    apps = shop(rabbitmq, postgres_url)
+    apps = shop(broker, postgres_url)
     otel.instrument(apps.web, apps.orders, apps.billing)
     engine = make_engine(postgres_url)
     topic = "tests.mersal.telemetry.OrderPlaced.v1"
@@ -194,11 +193,11 @@ def _operation(name: str) -> dict[str, str]:
 
 
 async def test_keyed_deliveries_of_a_partitioned_queue_are_one_series_per_partition(
-    otel: Recorder, rabbitmq: RabbitMQ
+    otel: Recorder, broker: Broker
 ) -> None:
     name = f"t{uuid.uuid4().hex[:8]}.orders"
     retry = RetryPolicy(immediate=0, delayed=[], error_queue=f"{name}.error")
-    app = rabbitmq.app(name, retry=retry, partitions=2)
+    app = broker.app(name, retry=retry, partitions=2)
     handled: list[str] = []
 
     async def place(command: PlaceOrder) -> None:
