@@ -11,6 +11,7 @@ import itertools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -205,3 +206,11 @@ class Number:
     """A message with a number."""
 
     n: int
+
+
+def test_failover_reconnects_through_no_private_name_of_aio_pika() -> None:
+    # The connection reconnects by itself over aio-pika's public Connection: an override of a
+    # name-mangled method of RobustConnection went silently unused where aio-pika lacked it.
+    sources = (Path(connection.__file__).parent).glob("*.py")
+    found = {path.name for path in sources if "RobustConnection" in path.read_text()}
+    assert found == set()

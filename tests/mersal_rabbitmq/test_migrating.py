@@ -12,6 +12,7 @@ import pytest
 
 from mersal import App, MersalError, RetryPolicy, Unsendable
 from mersal.transport import partition_queue
+from mersal_rabbitmq.migrating import _queues_of, shape_for
 from mersal_rabbitmq.topology import EVENTS
 from tests.support import Broker, eventually, mersal, queue_types, rabbitmqctl_rows
 
@@ -306,3 +307,38 @@ async def test_a_partition_moves_while_keyed_sends_go_on_each_key_in_its_partiti
             channel = await connection.channel()
             await channel.exchange_delete(f"{base}.partitions")
             await channel.exchange_delete(f"{base}.partitions.migrating")
+
+
+def test_migration_shapes_follow_the_queue_name() -> None:
+    wait = shape_for("orders.wait.1000", "quorum").arguments
+    assert wait["x-message-ttl"] == 1000
+    assert wait["x-dead-letter-routing-key"] == "orders"
+    assert wait["x-dead-letter-strategy"] == "at-least-once"
+    event_wait = shape_for("mersal.events.shop.Placed.wait.200", "classic").arguments
+    assert event_wait["x-dead-letter-exchange"] == "mersal.events"
+    assert event_wait["x-dead-letter-routing-key"] == "shop.Placed"
+    assert "x-dead-letter-strategy" not in event_wait
+    partition = shape_for(partition_queue("orders", 3), "quorum").arguments
+    assert partition["x-single-active-consumer"] is True
+    assert shape_for("orders.partition.x", "quorum").arguments == {"x-queue-type": "quorum"}
+
+
+def test_migrate_moves_an_apps_wait_queues_before_the_queues_they_feed() -> None:
+    app = App(
+        "orders",
+        transport="memory://",
+        partitions=2,
+        retry=RetryPolicy(delayed=[1.0], error_queue="orders.error"),
+    )
+
+    names = _queues_of(app)
+
+    assert names == [
+        "orders.wait.1000",
+        "orders.partition.0.wait.1000",
+        "orders.partition.1.wait.1000",
+        "orders.partition.0",
+        "orders.partition.1",
+        "orders",
+        "orders.error",
+    ]

@@ -19,14 +19,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
+import aiormq
 import pamqp.encode
 import pytest
 from pamqp import common
 
-from mersal import App, Envelope, Header, MessageContext, RetryPolicy, Unsendable, message
+from mersal import (
+    App,
+    ConfigurationError,
+    Envelope,
+    Header,
+    MessageContext,
+    OutcomeUnknown,
+    RetryPolicy,
+    Unsendable,
+    message,
+)
 from mersal.pipeline import Next
 from mersal.transport import Outgoing
 from mersal_rabbitmq import RabbitMQTransport
+from mersal_rabbitmq.publishing import refusal
 from mersal_sqlalchemy import SqlStorage, attach
 from tests.support import (
     Broker,
@@ -436,3 +448,28 @@ async def test_a_header_name_or_message_id_that_is_not_utf8_costs_the_consumer_n
     assert {n: handled[n] for n in range(1, 6)} == dict.fromkeys(range(1, 6), 1)
     assert handled[-1] + handled[-2] + dead == 2  # each odd one handled or dead-lettered, once
     assert handled[-1] <= 1 and handled[-2] <= 1
+
+
+def refused_publish(text: str) -> OutcomeUnknown:
+    """A publish whose channel RabbitMQ closed with a 406 saying `text`."""
+    try:
+        raise OutcomeUnknown("lost its channel") from aiormq.exceptions.ChannelPreconditionFailed(
+            text
+        )
+    except OutcomeUnknown as error:
+        return error
+
+
+def test_a_keyed_send_through_a_node_without_the_hash_plugin_is_kept_with_the_plugin_hint() -> None:
+    outgoing = Outgoing("orders", Envelope({Header.PARTITION_KEY: "k"}, b"{}"))
+    refused = refused_publish(
+        "PRECONDITION_FAILED - Cannot route message through exchange 'orders.partitions' in "
+        "vhost 'shop': exchange type x-consistent-hash not found"
+    )
+
+    error = refusal(outgoing, refused)
+
+    assert isinstance(error, ConfigurationError) and not isinstance(error, Unsendable)
+    assert "rabbitmq-plugins enable rabbitmq_consistent_hash_exchange" in str(error)
+    other = refusal(outgoing, refused_publish("PRECONDITION_FAILED - message size 9 is larger"))
+    assert isinstance(other, Unsendable) and "rabbitmq-plugins" not in str(other)

@@ -1,19 +1,11 @@
-"""Failover URL lists, the queue_type URL option, partition routing and migration shapes."""
+"""Failover URL lists and the options a RabbitMQ URL carries (queue_type, reconnect_interval)."""
 
-from pathlib import Path
-
-import aiormq
 import pytest
 
-from mersal import App, ConfigurationError, Header, OutcomeUnknown, RetryPolicy, Unsendable
-from mersal.messages import Envelope
-from mersal.transport import Outgoing, partition_queue
+from mersal import ConfigurationError
 from mersal.urls import mask, split_urls
-from mersal_rabbitmq import RabbitMQTransport, connection
+from mersal_rabbitmq import RabbitMQTransport
 from mersal_rabbitmq.connection import nodes_of, take_option
-from mersal_rabbitmq.migrating import _queues_of, shape_for
-from mersal_rabbitmq.publishing import refusal
-from mersal_rabbitmq.topology import partition_routing_key, quorum_refused
 
 THREE = "amqps://u:p1@h1/vh;amqps://u:p2@h2:5671/vh; amqps://u:p3@h3/vh"
 
@@ -130,94 +122,6 @@ def test_queues_are_quorum_unless_asked_otherwise() -> None:
     )
     with pytest.raises(ConfigurationError, match="'classic' or 'quorum'"):
         RabbitMQTransport("amqp://h1/vh?queue_type=mirrored")
-
-
-def test_a_partition_key_routes_as_itself_or_as_a_digest_when_too_long() -> None:
-    assert partition_routing_key("order-17") == "order-17"
-    long_key = "é" * 200  # 400 bytes
-    digest = partition_routing_key(long_key)
-    assert len(digest) == 64 and digest == partition_routing_key(long_key)
-
-
-def test_migration_shapes_follow_the_queue_name() -> None:
-    wait = shape_for("orders.wait.1000", "quorum").arguments
-    assert wait["x-message-ttl"] == 1000
-    assert wait["x-dead-letter-routing-key"] == "orders"
-    assert wait["x-dead-letter-strategy"] == "at-least-once"
-    event_wait = shape_for("mersal.events.shop.Placed.wait.200", "classic").arguments
-    assert event_wait["x-dead-letter-exchange"] == "mersal.events"
-    assert event_wait["x-dead-letter-routing-key"] == "shop.Placed"
-    assert "x-dead-letter-strategy" not in event_wait
-    partition = shape_for(partition_queue("orders", 3), "quorum").arguments
-    assert partition["x-single-active-consumer"] is True
-    assert shape_for("orders.partition.x", "quorum").arguments == {"x-queue-type": "quorum"}
-
-
-def test_failover_reconnects_through_no_private_name_of_aio_pika() -> None:
-    # The connection reconnects by itself over aio-pika's public Connection: an override of a
-    # name-mangled method of RobustConnection went silently unused where aio-pika lacked it.
-    sources = (Path(connection.__file__).parent).glob("*.py")
-    found = {path.name for path in sources if "RobustConnection" in path.read_text()}
-    assert found == set()
-
-
-def test_a_broker_that_cannot_make_quorum_queues_gets_an_error_naming_the_option() -> None:
-    closed = aiormq.exceptions.ConnectionInternalError(
-        "INTERNAL_ERROR - Cannot declare a queue 'queue 'orders' in vhost 'shop'' of type "
-        "'rabbit_quorum_queue' on node 'rabbit@h1': the corresponding feature flag is disabled"
-    )
-
-    refused = quorum_refused("orders", closed)
-
-    assert refused is not None
-    assert "queue_type='classic'" in str(refused) and "enable_feature_flag" in str(refused)
-    assert quorum_refused("orders", aiormq.exceptions.ConnectionInternalError("other")) is None
-
-
-def test_migrate_moves_an_apps_wait_queues_before_the_queues_they_feed() -> None:
-    app = App(
-        "orders",
-        transport="memory://",
-        partitions=2,
-        retry=RetryPolicy(delayed=[1.0], error_queue="orders.error"),
-    )
-
-    names = _queues_of(app)
-
-    assert names == [
-        "orders.wait.1000",
-        "orders.partition.0.wait.1000",
-        "orders.partition.1.wait.1000",
-        "orders.partition.0",
-        "orders.partition.1",
-        "orders",
-        "orders.error",
-    ]
-
-
-def refused_publish(text: str) -> OutcomeUnknown:
-    """A publish whose channel RabbitMQ closed with a 406 saying `text`."""
-    try:
-        raise OutcomeUnknown("lost its channel") from aiormq.exceptions.ChannelPreconditionFailed(
-            text
-        )
-    except OutcomeUnknown as error:
-        return error
-
-
-def test_a_keyed_send_through_a_node_without_the_hash_plugin_is_kept_with_the_plugin_hint() -> None:
-    outgoing = Outgoing("orders", Envelope({Header.PARTITION_KEY: "k"}, b"{}"))
-    refused = refused_publish(
-        "PRECONDITION_FAILED - Cannot route message through exchange 'orders.partitions' in "
-        "vhost 'shop': exchange type x-consistent-hash not found"
-    )
-
-    error = refusal(outgoing, refused)
-
-    assert isinstance(error, ConfigurationError) and not isinstance(error, Unsendable)
-    assert "rabbitmq-plugins enable rabbitmq_consistent_hash_exchange" in str(error)
-    other = refusal(outgoing, refused_publish("PRECONDITION_FAILED - message size 9 is larger"))
-    assert isinstance(other, Unsendable) and "rabbitmq-plugins" not in str(other)
 
 
 def test_the_same_query_options_in_another_order_or_spelling_are_the_same() -> None:
