@@ -24,6 +24,7 @@ from aio_pika.abc import AbstractChannel
 from aiormq.exceptions import ChannelInvalidStateError
 
 APPLIED = "mersal_patched"
+TIMESTAMP_BYTES = 8  # an AMQP timestamp: seconds since 1970, unsigned 64 bits
 OWN = contextvars.ContextVar("mersal_rabbitmq_own_connection", default=False)
 """True in the tasks of Mersal's connections (their attempts and readers), else False."""
 CLIENT_LOG = "aiormq.connection"
@@ -34,27 +35,30 @@ CALLBACK_LOG = "aio_pika.tools"
 
 def own_context() -> contextvars.Context:
     """A context to open one of Mersal's connections in; installs the workarounds (once)."""
-    tolerate_text_that_is_not_utf8()
+    read_leniently()
     keep_lost_connections_to_mersals_line()
     context = contextvars.copy_context()
     context.run(OWN.set, True)
     return context
 
 
-def tolerate_text_that_is_not_utf8() -> None:
-    """On Mersal's connections, read AMQP short strings and header names that are not UTF-8
-    with U+FFFD in their place.
+def read_leniently() -> None:
+    """On Mersal's connections, read what a producer wrote that pamqp cannot: short strings and
+    header names that are not UTF-8 (U+FFFD in place of the bad bytes), and timestamps that no
+    datetime holds (past the year 9999: read as None).
 
     RabbitMQ passes such bytes on from a producer. pamqp raises while reading the frame,
     inside aiormq, before Mersal sees the message: the connection drops, and the broker
     delivers the message again, forever. Read leniently, the message reaches the app, which
     handles it or dead-letters it like any other. pamqp's functions are looked up by name in
-    its `METHODS`; the ones put there call pamqp's own, unchanged, outside Mersal's context.
+    its `METHODS` (and a table's values by type in `TABLE_MAPPING`); the ones put there call
+    pamqp's own, unchanged, outside Mersal's context.
     """
     methods, mapping = pamqp.decode.METHODS, pamqp.decode.TABLE_MAPPING
     if getattr(methods.get("table"), APPLIED, False):
         return
     strict_short, strict_table = methods["shortstr"], methods["table"]
+    strict_timestamp = methods["timestamp"]
 
     def short_str(value: bytes) -> tuple[int, Any]:
         if not OWN.get():
@@ -73,9 +77,18 @@ def tolerate_text_that_is_not_utf8() -> None:
         except UnicodeDecodeError:
             return lenient_table(value)
 
+    def timestamp(value: bytes) -> tuple[int, Any]:
+        if not OWN.get() or len(value) < TIMESTAMP_BYTES:
+            return strict_timestamp(value)
+        try:
+            return strict_timestamp(value)
+        except (ValueError, OverflowError, OSError):  # no datetime for it
+            return TIMESTAMP_BYTES, None
+
     setattr(field_table, APPLIED, True)
     methods["shortstr"] = short_str
     methods["table"] = mapping[b"F"] = field_table
+    methods["timestamp"] = mapping[b"T"] = timestamp
 
 
 def lenient_table(value: bytes) -> tuple[int, dict[str, Any]]:

@@ -21,6 +21,10 @@ pytestmark = pytest.mark.integration
 
 NOT_UTF8 = b"\x00\x00\x00\x05" + b"\x02\xff\xfe" + b"t\x01"
 """A field table of one entry whose name is two bytes that are not UTF-8 (a boolean, true)."""
+FAR_FUTURE = (2**63 - 1).to_bytes(8, "big")
+"""A timestamp no datetime holds: 2**63 - 1 seconds after 1970."""
+FAR_IN_A_TABLE = b"\x00\x00\x00\x0c" + b"\x02at" + b"T" + FAR_FUTURE
+"""A field table of one entry, a timestamp no datetime holds."""
 
 
 @pytest.fixture
@@ -37,6 +41,11 @@ async def test_a_plain_connection_reads_frames_as_pamqp_does(running: RabbitMQTr
     with pytest.raises(UnicodeDecodeError):
         table(NOT_UTF8)
     assert patches.own_context().run(table, NOT_UTF8) == (9, {"\ufffd\ufffd": True})
+    timestamp = pamqp.decode.METHODS["timestamp"]
+    with pytest.raises(ValueError, match="out of range"):
+        timestamp(FAR_FUTURE)
+    assert patches.own_context().run(timestamp, FAR_FUTURE) == (8, None)
+    assert patches.own_context().run(table, FAR_IN_A_TABLE) == (16, {"at": None})
 
 
 async def test_a_plain_connections_channels_are_aiormqs_own(
