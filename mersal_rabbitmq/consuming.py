@@ -129,7 +129,7 @@ class RabbitMQConsumer:
                 raise ConsumerClosed(f"consumer of {self.queue!r} is closed")
             while self._buffer:
                 underlay, queue, message = self._buffer.popleft()
-                if not underlay.is_closed:  # else its channel died: the broker delivers it again
+                if self._owed(underlay):  # else its channel died: the broker delivers it again
                     acks = self._acks if self._acks and self._acks.channel is underlay else None
                     delivery = RabbitMQDelivery(self, message, underlay, acks, queue)
                     self._outstanding.add(delivery)
@@ -228,8 +228,8 @@ class RabbitMQConsumer:
 
     async def _on_message(self, message: DeliveredMessage) -> None:
         underlay = message.channel
-        if underlay.is_closed:
-            return  # its channel closed meanwhile: the broker delivers it again
+        if underlay.is_closed and self._ack_mode != "none":
+            return  # not acked, nor can it be now: the broker delivers it again
         acks = self._acks_for(underlay)
         if acks is not None:
             acks.received(_tag(message))
@@ -241,6 +241,14 @@ class RabbitMQConsumer:
         queue = self.queue if amqp_queue is None else amqp_queue.name
         self._buffer.append((underlay, queue, message))
         self._ready.set()
+
+    def _owed(self, underlay: Underlay) -> bool:
+        """Whether a delivery on `underlay` is still this consumer's to hand out.
+
+        With manual acks, not once its channel closed: the broker delivers it again. Acked on
+        arrival, or consumed without acks, the broker forgot it: it is handed out regardless.
+        """
+        return self._ack_mode != "manual" or not underlay.is_closed
 
     def _acks_for(self, underlay: Underlay) -> Acks | None:
         """The acks of `underlay`, the channel deliveries now come on (manual acks only)."""
@@ -266,7 +274,7 @@ class RabbitMQConsumer:
 
     def _on_channel_close(self, channel: object, error: BaseException | None) -> None:
         # What arrived on that channel cannot be acked any more: the broker delivers it again.
-        self._buffer = deque(item for item in self._buffer if not item[0].is_closed)
+        self._buffer = deque(item for item in self._buffer if self._owed(item[0]))
         if self._closed or not self._consuming:
             return
         log.warning(
@@ -348,7 +356,10 @@ class RabbitMQDelivery:
 
     @property
     def message(self) -> DeliveredMessage:
-        """The AMQP message as received: channel, delivery tag, properties; settle with ack/nack."""
+        """The AMQP message as aiormq read it: its channel, `delivery`, `header.properties`, body.
+
+        Settle the delivery with its own `ack` / `nack`, not on the channel.
+        """
         return self._message
 
     @property

@@ -649,6 +649,30 @@ async def test_with_acks_on_receive_or_none_a_delivery_leaves_the_queue_as_it_ar
     assert await broker.count(queue) == 0
 
 
+@pytest.mark.parametrize("ack_mode", ["on_receive", "none"])
+async def test_with_acks_on_receive_or_none_a_lost_channel_loses_no_buffered_delivery(
+    make_transport: Make, prefix: str, ack_mode: str
+) -> None:
+    queue = f"{prefix}.in"
+    transport = await started(make_transport, queue, ack_mode=ack_mode)
+    sent = [f"m-{n}" for n in range(20)]
+    consumer = await transport.consume(queue, prefetch=20)
+    await transport.send([Outgoing(queue, envelope(message_id)) for message_id in sent])
+    first = await asyncio.wait_for(consumer.get(), 5)
+    await eventually(lambda: consumer._buffer, "deliveries waiting in the buffer")
+    channel = first.message.channel
+    await channel.basic_ack(delivery_tag=first.message.delivery_tag + 1000)  # the broker closes it
+    await eventually(lambda: channel.is_closed, "the consumer's channel closed")
+
+    received = {first.envelope.message_id}
+    while not received >= set(sent):  # the broker forgot them: none may be dropped
+        received.add((await asyncio.wait_for(consumer.get(), 10)).envelope.message_id)
+
+    assert received == set(sent)
+    await consumer.close()
+    await transport.stop()
+
+
 def test_an_unknown_ack_mode_is_a_configuration_error() -> None:
     with pytest.raises(ConfigurationError, match="ack_mode"):
         RabbitMQTransport("amqp://guest:guest@127.0.0.1/", ack_mode="sometimes")
