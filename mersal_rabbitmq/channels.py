@@ -75,12 +75,6 @@ class RestoredChannel(aio_pika.RobustChannel):
 
     QUEUE_CLASS = RestoredQueue
 
-    async def existing_queue(self, name: str) -> RestoredQueue:
-        """The queue `name`, looked up (not made): restored with the channel from now on."""
-        queue = await self.declare_queue(name, passive=True)
-        assert isinstance(queue, RestoredQueue)
-        return queue
-
     def __init__(self, connection: AbstractConnection, cancelled: Cancelled) -> None:
         super().__init__(connection, publisher_confirms=False)
         self._cancelled = cancelled
@@ -94,6 +88,12 @@ class RestoredChannel(aio_pika.RobustChannel):
             patches.guard_underlay(underlay)
             underlay.on_consumer_cancel_callbacks.add(self._on_cancel)
         return underlay
+
+    async def existing_queue(self, name: str) -> RestoredQueue:
+        """The queue `name`, looked up (not made): restored with the channel from now on."""
+        queue = await self.declare_queue(name, passive=True)
+        assert isinstance(queue, RestoredQueue)
+        return queue
 
     def _on_cancel(self, frame: aiormq.spec.Basic.Cancel) -> None:
         self._cancelled(frame.consumer_tag or "")
