@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 unexport PYTHONDONTWRITEBYTECODE
 
 # Paths that ruff looks at; ones that do not exist (yet) are left out.
-LINT_PATHS := $(wildcard mersal mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples \
+LINT_PATHS := $(wildcard mersal mersal_amqp10 mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples \
 	scripts/docs-samples)
 
 .PHONY: help run services test test-lowest lint format bench chaos cluster-test fuzz docs \
@@ -43,6 +43,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/pip uninstall -qq -y mersal
+	@# python-qpid-proton (amqp10://) is built from source: it needs a C compiler
+	command -v cc >/dev/null 2>&1 || { apt-get update && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y gcc libc6-dev </dev/null; }
 	$(BIN)/pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
 

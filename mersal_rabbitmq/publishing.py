@@ -311,13 +311,13 @@ class Publishing:
             ) from error
 
     async def _deliver(self, publisher: Publisher, outgoing: Outgoing) -> None:
-        exchange, routing_key, waiting = await self._destination(outgoing)
+        exchange, routing_key, waiting = await self.destination(outgoing)
         mandatory = exchange != EVENTS or self._listening(routing_key)
         if await publisher.publish(exchange, routing_key, outgoing.envelope, mandatory=mandatory):
             return
         if waiting:  # the wait queue was deleted since it was declared: declare it again, once
             self._topology.forget(routing_key)
-            exchange, routing_key, _ = await self._destination(outgoing)
+            exchange, routing_key, _ = await self.destination(outgoing)
             if await publisher.publish(exchange, routing_key, outgoing.envelope):
                 return
         elif outgoing.publish:  # an event nobody subscribes to is fine: say so, once
@@ -350,7 +350,7 @@ class Publishing:
                 topic,
             )
 
-    async def _destination(self, outgoing: Outgoing) -> tuple[str, str, bool]:
+    async def destination(self, outgoing: Outgoing) -> tuple[str, str, bool]:
         """The exchange and routing key to publish to, and whether that is a wait queue."""
         exchange = EVENTS if outgoing.publish else ""
         delay = outgoing.delay

@@ -203,6 +203,12 @@ def temporary_shape() -> QueueShape:
     return QueueShape(durable=False, exclusive=True, auto_delete=True)
 
 
+def shared_temporary_shape(expires: float) -> QueueShape:
+    """A temporary queue that other connections may consume: gone `expires` seconds unused."""
+    arguments = {"x-queue-type": "classic", "x-expires": max(1, round(expires * 1000))}
+    return QueueShape(durable=False, arguments=arguments)
+
+
 def other_type(queue_type: str) -> str:
     """Classic for quorum, quorum for classic."""
     return "classic" if queue_type == "quorum" else "quorum"

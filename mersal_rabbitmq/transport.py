@@ -26,9 +26,10 @@ from mersal.dead_letters import LookingWouldLose
 from mersal.errors import ConfigurationError, MersalError
 from mersal.inspection import WAIT, QueueReport, QueueStatus
 from mersal.messages import check_type_name
-from mersal.transport import Outgoing, first_failure
+from mersal.transport import Outgoing, first_failure, partition_queue
 from mersal.transport.limits import Limits
 from mersal.urls import mask
+from mersal_rabbitmq.channels import close_quietly
 from mersal_rabbitmq.connection import Connection
 from mersal_rabbitmq.consuming import ACK_MODES, RESUBSCRIBE_DELAYS, Consumers, RabbitMQConsumer
 from mersal_rabbitmq.delays import MAX_WAIT_MS, retry_wait_queues, waiting_for
@@ -41,6 +42,7 @@ from mersal_rabbitmq.topology import (
     QUEUE_TYPES,
     Topology,
     durable_shape,
+    shared_temporary_shape,
     temporary_shape,
 )
 from mersal_rabbitmq.urls import take_option
@@ -75,6 +77,10 @@ class RabbitMQTransport:
     what was received and not yet handled. `fire_and_forget=True` publishes without confirms:
     faster, but a lost or unroutable message goes unnoticed. With confirms, an event published
     that no queue receives is logged as a WARNING, once per type, and is not an error.
+
+    `shared_temporaries=S` declares temporary queues that other connections may consume (the
+    AMQP 1.0 transport's consumers): not exclusive, deleted when this transport stops, or by
+    the broker S seconds after they were last used if it never does.
     """
 
     resubscribe_delays: Sequence[float] = RESUBSCRIBE_DELAYS
@@ -90,6 +96,7 @@ class RabbitMQTransport:
         channels: int = 4,
         ack_mode: str = "manual",
         fire_and_forget: bool = False,
+        shared_temporaries: float | None = None,
     ) -> None:
         url, from_url = take_option(url, "queue_type")
         if queue_type is None:
@@ -109,6 +116,7 @@ class RabbitMQTransport:
                 f"RabbitMQTransport(ack_mode={ack_mode!r}) must be one of {', '.join(ACK_MODES)}"
             )
         self.ack_mode = ack_mode
+        self.shared_temporaries = shared_temporaries
         self.fire_and_forget = fire_and_forget
         self.address = url
         self.queue_type = queue_type
@@ -177,7 +185,24 @@ class RabbitMQTransport:
         """Disconnect: unacknowledged deliveries return to their queues."""
         await self._consumers.abandon()
         await self._redeclaring.cancel()
+        if self.shared_temporaries is not None and self._link.connected:
+            await self._delete_temporaries()
         await self._link.close()
+
+    async def _delete_temporaries(self) -> None:
+        """Delete the shared temporary queues declared here (exclusive ones go by themselves)."""
+        names = [name for name, shape in self._topology.queues.items() if not shape.durable]
+        if not names:
+            return
+        try:
+            channel = await self._link.channel()
+            try:
+                for name in names:
+                    await channel.queue_delete(name)
+            finally:
+                await close_quietly(channel)
+        except CHANNEL_ERRORS as error:
+            log.warning("could not delete temporary queues %s: %s", ", ".join(names), why(error))
 
     async def declare(self, queue: str, *, temporary: bool = False, partitions: int = 0) -> None:
         """Make sure `queue` exists; a temporary one goes away with the connection.
@@ -186,7 +211,12 @@ class RabbitMQTransport:
         ordered partitions (see `mersal_rabbitmq.topology`), which `consume(queue)` takes too.
         """
         self._link.require()
-        shape = temporary_shape() if temporary else durable_shape(self.queue_type)
+        if not temporary:
+            shape = durable_shape(self.queue_type)
+        elif self.shared_temporaries is not None:
+            shape = shared_temporary_shape(self.shared_temporaries)
+        else:
+            shape = temporary_shape()
         await self._topology.declare(queue, shape)
         if partitions:
             if temporary:
@@ -297,9 +327,25 @@ class RabbitMQTransport:
         A queue declared with partitions is consumed with them; one that has partitions
         declared elsewhere is refused: keyed sends would go to partitions nobody consumes.
         """
+        await self.consumed_queues(queue)
+        return await self._consumers.consume(queue, prefetch, self.resubscribe_delays)
+
+    def management_api(self, management: str | None = None) -> Management:
+        """The management API: `management`, or that of the node connected to (then the others)."""
+        node = self._link.nodes[self._link.index] if self._link.connected else None
+        return Management.of(self.address, management, node=node)
+
+    # Parts for callers that work below the Transport protocol (the AMQP 1.0 transport too).
+
+    async def consumed_queues(self, queue: str) -> list[str]:
+        """The queues that consuming `queue` takes from: `queue`, then its partitions.
+
+        A queue that has partitions declared elsewhere is refused: keyed sends would go to
+        partitions nobody consumes.
+        """
         self._link.require()
         shape = self._topology.queues.get(queue)
-        temporary = shape is not None and shape.exclusive
+        temporary = shape is not None and not shape.durable
         if queue not in self._topology.partitions and not temporary:
             exchange = await self._topology.partitioned(queue)
             if exchange is not None:
@@ -309,14 +355,23 @@ class RabbitMQTransport:
                     "App(partitions=N) as it was, or stop every instance, move the messages of "
                     f"{queue}.partition.* into {queue!r} and delete them and the exchange"
                 )
-        return await self._consumers.consume(queue, prefetch, self.resubscribe_delays)
+        count = self._topology.partitions.get(queue, 0)
+        return [queue, *(partition_queue(queue, index) for index in range(count))]
 
-    def management_api(self, management: str | None = None) -> Management:
-        """The management API: `management`, or that of the node connected to (then the others)."""
-        node = self._link.nodes[self._link.index] if self._link.connected else None
-        return Management.of(self.address, management, node=node)
+    async def route(self, outgoing: Outgoing) -> tuple[str, str]:
+        """The exchange ('' for the default one) and routing key that `outgoing` goes to.
 
-    # Parts for callers that work below the Transport protocol.
+        A delayed message goes to its wait queue (declared here if need be), a keyed one to
+        its queue's partitions, an event to the events exchange.
+        """
+        self._link.require()
+        exchange, routing_key, _ = await self._publishing.destination(outgoing)
+        return exchange, routing_key
+
+    async def exists(self, queue: str) -> bool:
+        """Whether `queue` exists on the broker (nothing is made)."""
+        self._link.require()
+        return await self._topology.exists(queue)
 
     def forget(self, consumer: RabbitMQConsumer) -> None:
         """A consumer is done (closed, every delivery settled): stop tracking it."""

@@ -16,6 +16,7 @@ import pytest
 
 from mersal.transport import Transport
 from mersal.transport.memory import MemoryTransport
+from mersal_amqp10 import Amqp10Transport
 from mersal_rabbitmq import RabbitMQTransport
 from tests.support import (
     BACKENDS,
@@ -148,9 +149,17 @@ async def rabbitmq_namespace(request: pytest.FixtureRequest) -> AsyncIterator[Ne
     yield lambda: RabbitMQTransport(url)
 
 
+@asynccontextmanager
+async def amqp10_namespace(request: pytest.FixtureRequest) -> AsyncIterator[NewTransport]:
+    """Unstarted AMQP 1.0 transports on the session's vhost (tests use unique queue names)."""
+    url = f"amqp10://guest:guest@{RABBITMQ_HOST}/{request.getfixturevalue('vhost')}"
+    yield lambda: Amqp10Transport(url)
+
+
 NAMESPACES: dict[
     str, Callable[[pytest.FixtureRequest], AbstractAsyncContextManager[NewTransport]]
 ] = {
+    "amqp10": amqp10_namespace,
     "memory": memory_namespace,
     "rabbitmq": rabbitmq_namespace,
 }

@@ -1,0 +1,296 @@
+"""The AMQP 1.0 transport (`amqp10://…`, `amqps10://…`): proton's engine on asyncio.
+
+It composes the parts, each in a module of its own:
+
+- `engine`: proton's protocol engine driven by an `asyncio.Protocol`, no reactor, no thread;
+- `links`: sender links (unsettled, pipelined sends) and receiver links (credit = prefetch);
+- `connection`: the connection, opened again with backoff, and a sender per address;
+- `consuming`: consumers and their deliveries, settled accepted, released or rejected;
+- `topology`: queues, bindings and wait queues, which AMQP 1.0 leaves to each broker;
+- `wire`: envelopes to and from AMQP 1.0 messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import Collection, Sequence
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
+
+import proton
+
+from mersal.errors import ConfigurationError, MersalError, OutcomeUnknown, Unsendable
+from mersal.inspection import QueueReport
+from mersal.messages import describe
+from mersal.transport import Outgoing, first_failure
+from mersal.transport.limits import Limits, problem_of
+from mersal.urls import mask
+from mersal_amqp10.connection import Connection, Peer
+from mersal_amqp10.consuming import RESUBSCRIBE_DELAYS, Amqp10Consumer
+from mersal_amqp10.engine import condition_text
+from mersal_amqp10.links import LinkRefused, Outcome
+from mersal_amqp10.topology import RabbitMQ3Topology, Topology
+from mersal_amqp10.wire import encode
+from mersal_rabbitmq import RabbitMQTransport
+from mersal_rabbitmq.urls import seconds_option
+
+log = logging.getLogger("mersal.amqp10")
+
+SCHEMES = {"amqp10": ("amqp", 5672), "amqps10": ("amqps", 5671)}
+"""Our scheme -> the 0-9-1 scheme the topology connects with, and the default port."""
+TLS_OPTIONS = ("cafile", "certfile", "keyfile", "no_verify_ssl")
+"""URL options that set up TLS (read here, and by the topology's 0-9-1 connection)."""
+
+
+class Amqp10Transport:
+    """The `amqp10://` transport: AMQP 1.0 to RabbitMQ 3.x's plugin, queues made over 0-9-1.
+
+    `url` is `amqp10://user:password@host:port/vhost` (`amqps10://` for TLS, with the
+    `cafile`, `certfile`, `keyfile` and `no_verify_ssl` options). `queue_type` (or
+    `?queue_type=` in the URL) is that of the 0-9-1 transport: quorum by default.
+    `reconnect_interval` is the first pause before connecting again (doubled each time, up to
+    30 s). A send completes when the broker accepted the message, within `publish_timeout`.
+    """
+
+    resubscribe_delays: Sequence[float] = RESUBSCRIBE_DELAYS
+    """The pauses between an ended receiver's attempts to attach again; then `get()` raises."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        queue_type: str | None = None,
+        publish_timeout: float = 10.0,
+        topology: Topology | None = None,
+    ) -> None:
+        if not publish_timeout > 0:
+            raise ConfigurationError(
+                f"Amqp10Transport(publish_timeout={publish_timeout!r}) must be > 0 seconds"
+            )
+        self.address = url
+        self.publish_timeout = publish_timeout
+        peer, topology_url, interval = _parse(url)
+        self._peer = peer
+        self._reconnect_interval = interval
+        self._topology: Topology = topology or RabbitMQ3Topology(
+            topology_url, queue_type=queue_type
+        )
+        self.limits = Limits(max_delay=self._topology.limits.max_delay)
+        self._connection = Connection(peer, reconnect_interval=interval)
+        self._consumers: set[Amqp10Consumer] = set()
+
+    def __repr__(self) -> str:
+        return f"<Amqp10Transport {mask(self.address)}>"
+
+    @property
+    def connected(self) -> bool:
+        """Whether the AMQP 1.0 connection is up right now."""
+        return self._connection.connected
+
+    @property
+    def topology(self) -> Topology:
+        """What declares queues, bindings and wait queues on this broker."""
+        return self._topology
+
+    # The Transport protocol.
+
+    async def start(self) -> None:
+        """Connect the topology, then open the AMQP 1.0 connection."""
+        if self._connection.engine is not None:
+            return
+        await self._topology.start()
+        self.limits = Limits(max_delay=self._topology.limits.max_delay)
+        self._connection = Connection(self._peer, reconnect_interval=self._reconnect_interval)
+        try:
+            await self._connection.open()
+        except BaseException as error:
+            await self._topology.stop()
+            if isinstance(error, (OSError, TimeoutError, ConnectionError)):
+                raise MersalError(
+                    f"cannot open an AMQP 1.0 connection to {mask(self.address)} ({error}): is "
+                    "the broker's AMQP 1.0 listener on (RabbitMQ 3.x: rabbitmq-plugins enable "
+                    "rabbitmq_amqp1_0)?"
+                ) from None
+            raise
+        log.info("connected over AMQP 1.0 to %s", mask(self.address))
+
+    async def stop(self) -> None:
+        """Disconnect: the broker returns what was not settled; temporary queues are deleted."""
+        consumers, self._consumers = list(self._consumers), set()
+        for consumer in consumers:
+            await consumer.close()
+        await self._connection.close()
+        await self._topology.stop()
+
+    async def declare(self, queue: str, *, temporary: bool = False, partitions: int = 0) -> None:
+        """Make sure `queue` exists (through the topology)."""
+        await self._topology.declare(queue, temporary=temporary, partitions=partitions)
+
+    async def declare_error_queue(self, queue: str) -> None:
+        """Make sure the error queue `queue` exists (a classic queue on RabbitMQ)."""
+        await self._topology.declare_error_queue(queue)
+
+    async def bind(self, queue: str, topic: str) -> None:
+        """Deliver messages published on `topic` to `queue` too."""
+        await self._topology.bind(queue, topic)
+
+    async def prune_bindings(self, queue: str, topics: Collection[str]) -> None:
+        """Stop delivering to `queue` what is published on any topic not in `topics`."""
+        await self._topology.prune_bindings(queue, topics)
+
+    async def send(self, messages: Sequence[Outgoing]) -> None:
+        """Send all messages, in order, each accepted by the broker within publish_timeout."""
+        first_failure(await self.send_each(messages))
+
+    async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
+        """Send every message it can, in order, all in flight at once; for each, None or why."""
+        results: list[Exception | None] = [None] * len(messages)
+        sends: list[tuple[int, str, Outgoing]] = []
+        for index, outgoing in enumerate(messages):
+            problem = problem_of(outgoing, self.limits)
+            if problem is not None:
+                results[index] = Unsendable(f"cannot send it to {outgoing.address!r}: {problem}")
+                continue
+            try:
+                address = await self._topology.target(outgoing)
+            except MersalError as error:
+                results[index] = error
+                continue
+            except (ConnectionError, TimeoutError) as error:
+                results[index] = OutcomeUnknown(
+                    f"{_what(outgoing)} was not sent ({error}): send again"
+                )
+                continue
+            sends.append((index, address, outgoing))
+        outcomes = await asyncio.gather(*(self._send_one(address, o) for _, address, o in sends))
+        for (index, _, _), outcome in zip(sends, outcomes, strict=True):
+            results[index] = outcome
+        return results
+
+    async def _send_one(self, address: str, outgoing: Outgoing) -> Exception | None:
+        """Send one message on its address's link; None once accepted, or why not."""
+        sender = None
+        try:
+            async with asyncio.timeout(self.publish_timeout):
+                sender = await self._connection.sender(address)
+                outcome = await sender.send(encode(outgoing.envelope))
+        except TimeoutError:
+            return OutcomeUnknown(
+                f"{_what(outgoing)} was not accepted within {self.publish_timeout:g}s; send it "
+                "again (the receiver's inbox drops duplicates)"
+            )
+        except LinkRefused as error:
+            if sender is not None:
+                self._connection.drop_sender(sender)
+            return OutcomeUnknown(f"{_what(outgoing)} had no outcome ({error}): send it again")
+        except MersalError as error:  # the connection is closed for good
+            return OutcomeUnknown(f"{_what(outgoing)} was not sent ({error})")
+        return _result(outgoing, address, outcome)
+
+    async def consume(self, queue: str, *, prefetch: int) -> Amqp10Consumer:
+        """Start receiving from an existing `queue` (and its partitions), `prefetch` credit each."""
+        consumer = Amqp10Consumer(
+            self._connection, self._topology, queue, prefetch, self.resubscribe_delays
+        )
+        await consumer.start()
+        self._consumers.add(consumer)
+        return consumer
+
+    # For `mersal status` and `mersal dlq`, which ask the broker over 0-9-1.
+
+    async def queue_status(
+        self,
+        names: Sequence[str],
+        *,
+        waits_of: Sequence[str] = (),
+        delays: Sequence[float] = (),
+        management: str | None = None,
+    ) -> QueueReport:
+        """Ready, unacked and consumer counts of `names` and their wait queues (see amqp://)."""
+        return await self._rabbitmq().queue_status(
+            names, waits_of=waits_of, delays=delays, management=management
+        )
+
+    async def check_give_back(self, queue: str, management: str | None = None) -> None:
+        """Raise LookingWouldLose if messages of `queue` given back could be dropped."""
+        await self._rabbitmq().check_give_back(queue, management)
+
+    def abort_connection(self) -> None:
+        """Drop the AMQP 1.0 socket as a network failure would (it reconnects by itself)."""
+        self._connection.abort()
+
+    def _rabbitmq(self) -> RabbitMQTransport:
+        topology = self._topology
+        if not isinstance(topology, RabbitMQ3Topology):
+            raise ConfigurationError(f"{type(topology).__name__} cannot report on queues")
+        return topology.rabbitmq
+
+
+def _result(outgoing: Outgoing, address: str, outcome: Outcome) -> Exception | None:
+    if outcome.accepted:
+        return None
+    why = condition_text(outcome.condition)
+    if outcome.state == proton.Delivery.REJECTED:
+        return Unsendable(f"the broker rejected {_what(outgoing)} (at {address!r}){why}")
+    return MersalError(
+        f"the broker did not take {_what(outgoing)} (at {address!r}, outcome "
+        f"{_state_name(outcome.state)}){why}: it may be short of memory or disk, or the queue "
+        "full; send it again later"
+    )
+
+
+def _state_name(state: int) -> str:
+    names: dict[int, str] = {
+        int(proton.Delivery.RELEASED): "released",
+        int(proton.Delivery.MODIFIED): "modified",
+        int(proton.Delivery.REJECTED): "rejected",
+    }
+    return names.get(state, str(state))
+
+
+def _what(outgoing: Outgoing) -> str:
+    return f"{describe(outgoing.envelope.headers)} to {outgoing.address!r}"
+
+
+def _parse(url: str) -> tuple[Peer, str, float]:
+    """The peer, the topology's 0-9-1 URL, and the reconnect interval, from our URL."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES:
+        raise ConfigurationError(f"{mask(url)} is not an amqp10:// or amqps10:// URL")
+    if ";" in url:
+        raise ConfigurationError(
+            f"{mask(url)} lists several nodes: the AMQP 1.0 transport connects to one; put a "
+            "load balancer in front of the nodes, or use amqp:// for failover"
+        )
+    plain, default_port = SCHEMES[scheme]
+    try:
+        port = parts.port or default_port
+    except ValueError:
+        raise ConfigurationError(f"{mask(url)} has a port that is not a number") from None
+    options = dict(parse_qsl(parts.query, keep_blank_values=True))
+    interval = seconds_option(options.pop("reconnect_interval", "1"), "reconnect_interval")
+    vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
+    peer = Peer(
+        host=parts.hostname or "localhost",
+        port=port,
+        user=unquote(parts.username or "guest"),
+        password=unquote(parts.password or "guest"),
+        vhost=vhost,
+        tls=_tls(options) if plain == "amqps" else None,
+    )
+    netloc = parts.netloc
+    query = urlencode(options)
+    topology_url = f"{plain}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+    return peer, topology_url, interval
+
+
+def _tls(options: dict[str, str]) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=options.get("cafile") or None)
+    if options.get("certfile"):
+        context.load_cert_chain(options["certfile"], options.get("keyfile") or None)
+    if options.get("no_verify_ssl", "0").lower() in ("1", "true", "yes"):
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
