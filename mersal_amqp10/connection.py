@@ -26,7 +26,7 @@ class Peer:
 
     host: str
     port: int
-    user: str
+    user: str | None
     password: str
     vhost: str
     tls: ssl.SSLContext | None = None

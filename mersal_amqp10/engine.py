@@ -49,18 +49,21 @@ class LinkOwner(Protocol):
 class Engine(asyncio.Protocol):
     """One AMQP 1.0 connection: the engine's state, its socket, and who owns each link."""
 
-    def __init__(self, user: str, password: str, vhost: str) -> None:
+    def __init__(self, user: str | None, password: str, vhost: str) -> None:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self.connection = proton.Connection()
         self.connection.container = f"mersal-{uuid.uuid4().hex[:12]}"
         self.connection.hostname = f"vhost:{vhost}"  # how RabbitMQ 3.x picks the vhost
-        self.connection.user = user
-        self.connection.password = password
         self.wire = proton.Transport()
         sasl = self.wire.sasl()
-        sasl.allowed_mechs("PLAIN")
-        sasl.allow_insecure_mechs = True  # PLAIN without TLS, as amqp:// sends it
+        if user is None:
+            sasl.allowed_mechs("ANONYMOUS")
+        else:
+            self.connection.user = user
+            self.connection.password = password
+            sasl.allowed_mechs("PLAIN")
+            sasl.allow_insecure_mechs = True  # PLAIN without TLS, as amqp:// sends it
         self.wire.bind(self.connection)
         self._collector = proton.Collector()
         self.connection.collect(self._collector)
@@ -250,13 +253,16 @@ async def connect(
     host: str,
     port: int,
     *,
-    user: str,
+    user: str | None,
     password: str,
     vhost: str,
     tls: ssl.SSLContext | None = None,
     timeout: float = 10.0,
 ) -> Engine:
-    """An open AMQP 1.0 connection to `host:port`, logged in to `vhost` (over TLS with `tls`)."""
+    """An open AMQP 1.0 connection to `host:port`, logged in to `vhost` (over TLS with `tls`).
+
+    With a `user`, SASL PLAIN; without, SASL ANONYMOUS.
+    """
     loop = asyncio.get_running_loop()
     async with asyncio.timeout(timeout):
         _, engine = await loop.create_connection(

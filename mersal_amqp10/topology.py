@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Collection
 from functools import partial
 from typing import Protocol
 
-from mersal.errors import ConfigurationError, Unroutable
+from mersal.errors import ConfigurationError, Unroutable, Unsendable
 from mersal.transport import Outgoing
 from mersal.transport.limits import Limits
 from mersal_rabbitmq import RabbitMQTransport
@@ -192,3 +192,56 @@ def _check_name(queue: str) -> None:
             f"queue name {queue!r} has a '/', which RabbitMQ's AMQP 1.0 addresses cannot carry: "
             "name it without one"
         )
+
+
+class QueuesByName:
+    """A broker that makes a queue at the first link to its name (Artemis, Qpid, Proton's example).
+
+    Addresses are queue names, and nothing is declared: topics (`bind`, `publish`) and delays
+    (which RabbitMQ's wait queues carry) need the broker's own way and are refused here.
+    """
+
+    def __init__(self) -> None:
+        self.limits = Limits(max_delay=0.0)
+
+    async def start(self) -> None:
+        """Nothing to connect."""
+
+    async def stop(self) -> None:
+        """Nothing to disconnect."""
+
+    async def declare(self, queue: str, *, temporary: bool = False, partitions: int = 0) -> None:
+        """Nothing to declare: the broker makes the queue when a link first names it."""
+        if partitions:
+            raise ConfigurationError(
+                f"queue {queue!r} cannot have partitions on a broker without RabbitMQ's exchanges"
+            )
+
+    async def declare_error_queue(self, queue: str) -> None:
+        """Nothing to declare."""
+
+    async def bind(self, queue: str, topic: str) -> None:
+        """Refused: there is no standard way to subscribe a queue to a topic over AMQP 1.0."""
+        raise ConfigurationError(
+            f"cannot subscribe queue {queue!r} to {topic!r}: this broker's topics are not known "
+            "to the AMQP 1.0 transport (topology=queues); send to queues, or use RabbitMQ"
+        )
+
+    async def prune_bindings(self, queue: str, topics: Collection[str]) -> None:
+        """No bindings are made, so none are pruned."""
+
+    async def target(self, outgoing: Outgoing) -> str:
+        """The queue's name; an event is refused."""
+        if outgoing.publish:
+            raise Unsendable(
+                f"cannot publish {outgoing.address!r}: this broker's topics are not known to "
+                "the AMQP 1.0 transport (topology=queues)"
+            )
+        return outgoing.address
+
+    async def sources(self, queue: str) -> list[tuple[str, str]]:
+        """The queue, by its name."""
+        return [(queue, queue)]
+
+    async def restore(self, queue: str) -> None:
+        """Nothing to declare again."""

@@ -30,7 +30,7 @@ from mersal_amqp10.connection import Connection, Peer
 from mersal_amqp10.consuming import RESUBSCRIBE_DELAYS, Amqp10Consumer
 from mersal_amqp10.engine import condition_text
 from mersal_amqp10.links import LinkRefused, Outcome
-from mersal_amqp10.topology import RabbitMQ3Topology, Topology
+from mersal_amqp10.topology import QueuesByName, RabbitMQ3Topology, Topology
 from mersal_amqp10.wire import encode
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_rabbitmq.urls import seconds_option
@@ -39,8 +39,8 @@ log = logging.getLogger("mersal.amqp10")
 
 SCHEMES = {"amqp10": ("amqp", 5672), "amqps10": ("amqps", 5671)}
 """Our scheme -> the 0-9-1 scheme the topology connects with, and the default port."""
-TLS_OPTIONS = ("cafile", "certfile", "keyfile", "no_verify_ssl")
-"""URL options that set up TLS (read here, and by the topology's 0-9-1 connection)."""
+TOPOLOGIES = ("rabbitmq", "queues")
+"""`?topology=`: RabbitMQ 3.x (queues made over 0-9-1), or a broker that makes them by name."""
 
 
 class Amqp10Transport:
@@ -50,7 +50,9 @@ class Amqp10Transport:
     `cafile`, `certfile`, `keyfile` and `no_verify_ssl` options). `queue_type` (or
     `?queue_type=` in the URL) is that of the 0-9-1 transport: quorum by default.
     `reconnect_interval` is the first pause before connecting again (doubled each time, up to
-    30 s). A send completes when the broker accepted the message, within `publish_timeout`.
+    30 s). `?topology=queues` is for a broker that makes a queue when a link first names it
+    (addresses are queue names; no topics, no delays); `topology=` takes any `Topology`. A
+    send completes when the broker accepted the message, within `publish_timeout`.
     """
 
     resubscribe_delays: Sequence[float] = RESUBSCRIBE_DELAYS
@@ -70,12 +72,16 @@ class Amqp10Transport:
             )
         self.address = url
         self.publish_timeout = publish_timeout
-        peer, topology_url, interval = _parse(url)
+        peer, topology_url, interval, kind = _parse(url)
         self._peer = peer
         self._reconnect_interval = interval
-        self._topology: Topology = topology or RabbitMQ3Topology(
-            topology_url, queue_type=queue_type
-        )
+        if topology is None:
+            topology = (
+                QueuesByName()
+                if kind == "queues"
+                else RabbitMQ3Topology(topology_url, queue_type=queue_type)
+            )
+        self._topology: Topology = topology
         self.limits = Limits(max_delay=self._topology.limits.max_delay)
         self._connection = Connection(peer, reconnect_interval=interval)
         self._consumers: set[Amqp10Consumer] = set()
@@ -253,8 +259,8 @@ def _what(outgoing: Outgoing) -> str:
     return f"{describe(outgoing.envelope.headers)} to {outgoing.address!r}"
 
 
-def _parse(url: str) -> tuple[Peer, str, float]:
-    """The peer, the topology's 0-9-1 URL, and the reconnect interval, from our URL."""
+def _parse(url: str) -> tuple[Peer, str, float, str]:
+    """The peer, the topology's 0-9-1 URL, the reconnect interval and topology, from our URL."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
@@ -271,19 +277,24 @@ def _parse(url: str) -> tuple[Peer, str, float]:
         raise ConfigurationError(f"{mask(url)} has a port that is not a number") from None
     options = dict(parse_qsl(parts.query, keep_blank_values=True))
     interval = seconds_option(options.pop("reconnect_interval", "1"), "reconnect_interval")
+    kind = options.pop("topology", "rabbitmq")
+    if kind not in TOPOLOGIES:
+        raise ConfigurationError(
+            f"{mask(url)}: topology={kind!r} must be one of {', '.join(TOPOLOGIES)}"
+        )
     vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
     peer = Peer(
         host=parts.hostname or "localhost",
         port=port,
-        user=unquote(parts.username or "guest"),
-        password=unquote(parts.password or "guest"),
+        user=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password or ""),
         vhost=vhost,
         tls=_tls(options) if plain == "amqps" else None,
     )
     netloc = parts.netloc
     query = urlencode(options)
     topology_url = f"{plain}://{netloc}{parts.path}" + (f"?{query}" if query else "")
-    return peer, topology_url, interval
+    return peer, topology_url, interval, kind
 
 
 def _tls(options: dict[str, str]) -> ssl.SSLContext:

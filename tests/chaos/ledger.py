@@ -631,7 +631,7 @@ class Database:
 class Scenario:
     """One fault scenario's world: its database, its vhost, its processes, its ledger."""
 
-    def __init__(self, name: str, intents: int, logs: Path) -> None:
+    def __init__(self, name: str, intents: int, logs: Path, *, protocol: str = "amqp") -> None:
         self.name = name
         self.intents = intents
         self.logs = logs
@@ -645,7 +645,9 @@ class Scenario:
         self.dsn = admin.set(drivername="postgresql", database=self.database_name).render_as_string(
             hide_password=False
         )
-        self.transport = f"amqp://guest:guest@{RABBITMQ_HOST}/{self.vhost}"
+        self.amqp_url = f"amqp://guest:guest@{RABBITMQ_HOST}/{self.vhost}"
+        self.transport = f"{protocol}://guest:guest@{RABBITMQ_HOST}/{self.vhost}"
+        """What the apps connect with: amqp:// (0-9-1) or amqp10://; the test looks over 0-9-1."""
         self.db = Database(self.dsn)
         self.zygote = Zygote(logs / "zygote.log")
         self.fleets: list[Fleet] = []
@@ -705,7 +707,7 @@ class Scenario:
 
     async def _declare_queues(self) -> None:
         """Declare the work queue as the worker app will, so the driver can send before it runs."""
-        transport = RabbitMQTransport(self.transport)
+        transport = RabbitMQTransport(self.amqp_url)
         await transport.start()
         try:
             await transport.declare(WORK_QUEUE)
@@ -825,7 +827,7 @@ class Scenario:
             listed = await asyncio.to_thread(management, "GET", f"queues/{self.vhost}")
             queues = [row["name"] for row in listed]
         counts: dict[str, int] = {}
-        connection = await aio_pika.connect(self.transport)
+        connection = await aio_pika.connect(self.amqp_url)
         try:
             channel = await connection.channel()
             for queue in queues:

@@ -42,16 +42,22 @@ SIZES = [
 ]
 
 
-def name(scenario: str, size: str) -> str:
+PROTOCOLS = ["amqp", "amqp10"]
+"""The scenarios that hit the transport run on 0-9-1 and on AMQP 1.0."""
+
+
+def name(scenario: str, size: str, protocol: str = "amqp") -> str:
     """The scenario's name in the ledger."""
-    return f"{scenario}[{size}]"
+    return f"{scenario}[{size}]" if protocol == "amqp" else f"{scenario}[{size}-{protocol}]"
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("size", SIZES)
-async def test_worker_killed_inside_the_handler(size: str, tmp_path: Path) -> None:
+async def test_worker_killed_inside_the_handler(size: str, protocol: str, tmp_path: Path) -> None:
     """kill -9 in a handler, its effect written and not committed: a fresh worker takes over."""
     intents, at, faults = {REDUCED: (300, 40, 4), FULL: (4000, 300, 10)}[size]
-    async with Scenario(name("worker_killed_in_handler", size), intents, tmp_path) as s:
+    scenario = name("worker_killed_in_handler", size, protocol)
+    async with Scenario(scenario, intents, tmp_path, protocol=protocol) as s:
         workers, _ = await asyncio.gather(
             s.workers(2, faulty=["--die-in-handler-at", str(at)], faults=faults),
             s.driver(),
@@ -157,8 +163,11 @@ async def test_relay_killed_after_confirm_before_delete(size: str, tmp_path: Pat
     assert figures.raw_duplicate_deliveries >= driver.kills
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("size", SIZES)
-async def test_rabbitmq_outage_while_publishing_and_consuming(size: str, tmp_path: Path) -> None:
+async def test_rabbitmq_outage_while_publishing_and_consuming(
+    size: str, protocol: str, tmp_path: Path
+) -> None:
     """Reduced: the broker closes every connection; full: RabbitMQ stops and starts again.
 
     Once while the driver's relay publishes a burst (no worker runs yet), once while the
@@ -166,7 +175,8 @@ async def test_rabbitmq_outage_while_publishing_and_consuming(size: str, tmp_pat
     """
     intents, rate, delay = {REDUCED: (300, 80, "0.1"), FULL: (3000, 300, "0.05")}[size]
     full = size == FULL
-    async with Scenario(name("rabbitmq_outage", size), intents, tmp_path) as s:
+    scenario = name("rabbitmq_outage", size, protocol)
+    async with Scenario(scenario, intents, tmp_path, protocol=protocol) as s:
 
         async def outage() -> Progress:
             if full:

@@ -64,9 +64,10 @@ from mersal import App, Header, MessageContext, Outgoing, RetryPolicy, message
 from mersal.cli.run import serve
 from mersal.errors import ConcurrencyConflict
 from mersal.pipeline import Next
+from mersal.plugins import transport_from
 from mersal.retry import attempts_made
 from mersal.sagas import Saga
-from mersal_rabbitmq import RabbitMQTransport
+from mersal.transport import Transport
 from mersal_sqlalchemy import attach, make_engine
 from tests.support import DelegatingTransport
 
@@ -431,7 +432,7 @@ async def work(args: argparse.Namespace) -> None:
 class FaultyTransport(DelegatingTransport):
     """The driver's transport: the real RabbitMQ transport, and a kill around the relay's sends."""
 
-    def __init__(self, inner: RabbitMQTransport, die_before: int, die_after: int) -> None:
+    def __init__(self, inner: Transport, die_before: int, die_after: int) -> None:
         super().__init__(inner)
         self.die_before = die_before
         self.die_after = die_after
@@ -520,7 +521,7 @@ class Committer:
 async def drive(args: argparse.Namespace) -> None:
     """Commit the intents, keep relaying until SIGTERM or SIGINT, then stop gracefully."""
     transport = FaultyTransport(
-        RabbitMQTransport(args.transport), args.die_before_send_at, args.die_after_send_at
+        transport_from(args.transport), args.die_before_send_at, args.die_after_send_at
     )
     app = App(DRIVER_QUEUE, transport=transport, database=args.database, concurrency=1)
     attach(
