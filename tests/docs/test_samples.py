@@ -24,6 +24,7 @@ from sqlalchemy import Connection, MetaData, inspect
 
 from docs.samples import (
     alembic_env,
+    amqp10,
     cluster,
     handlers,
     inbox,
@@ -222,6 +223,11 @@ async def amqp_url(vhost: str) -> AsyncIterator[str]:
 @pytest.mark.integration
 async def test_rabbitmq(amqp_url: str) -> None:
     assert await rabbitmq.main(amqp_url) == [0, 1, 2]
+
+
+@pytest.mark.integration
+async def test_amqp10(vhost: str) -> None:
+    assert await amqp10.main(f"amqp10://guest:guest@{RABBITMQ_HOST}/{vhost}") == [0, 1, 2]
 
 
 @pytest.mark.integration

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.packaging
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 VERSION = PROJECT["version"]
-PACKAGES = {"mersal", "mersal_rabbitmq", "mersal_sqlalchemy"}
+PACKAGES = {"mersal", "mersal_amqp10", "mersal_rabbitmq", "mersal_sqlalchemy"}
 EXTRAS = ("rabbitmq", "sqlalchemy")
 """The extras the installed wheel is tried with."""
 
