@@ -13,11 +13,11 @@ same protocol.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from functools import partial
 from typing import Protocol
 
-from mersal.errors import ConfigurationError, Unroutable, Unsendable
+from mersal.errors import ConfigurationError, MersalError, OutcomeUnknown, Unroutable, Unsendable
 from mersal.transport import Outgoing
 from mersal.transport.limits import Limits
 from mersal_rabbitmq import RabbitMQTransport
@@ -55,8 +55,8 @@ class Topology(Protocol):
         """Unbind `queue` from the topics it no longer subscribes to."""
         ...
 
-    async def target(self, outgoing: Outgoing) -> str:
-        """The address to send `outgoing` to; raises Unroutable if its queue does not exist."""
+    async def targets(self, messages: Sequence[Outgoing]) -> list[str | Exception]:
+        """For each message, the address to send it to, or why not (Unroutable: no queue)."""
         ...
 
     async def sources(self, queue: str) -> list[tuple[str, str]]:
@@ -106,13 +106,27 @@ class RabbitMQ3Topology:
         """Unbind `queue` from the events exchange's topics not in `topics`."""
         await self.rabbitmq.prune_bindings(queue, topics)
 
-    async def target(self, outgoing: Outgoing) -> str:
-        """`/exchange/E/KEY` through an exchange, `/amq/queue/Q` to a queue that exists."""
-        exchange, routing_key = await self.rabbitmq.route(outgoing)
-        if exchange:
-            return f"/exchange/{exchange}/{routing_key}"
-        await self._check_exists(routing_key)
-        return queue_address(routing_key)
+    async def targets(self, messages: Sequence[Outgoing]) -> list[str | Exception]:
+        """`/exchange/E/KEY` through an exchange, `/amq/queue/Q` to a queue that exists.
+
+        Each queue is checked once for all the messages, all queues at once.
+        """
+        routes: list[tuple[str, str] | Exception] = []
+        for outgoing in messages:
+            try:
+                routes.append(await self.rabbitmq.route(outgoing))
+            except MersalError as error:
+                routes.append(error)
+            except (ConnectionError, TimeoutError) as error:
+                routes.append(OutcomeUnknown(f"no route for it ({error}): send it again"))
+        queues = sorted({route[1] for route in routes if isinstance(route, tuple) and not route[0]})
+        found = await asyncio.gather(
+            *(self._check_exists(queue) for queue in queues), return_exceptions=True
+        )
+        missing = {
+            queue: result for queue, result in zip(queues, found, strict=True) if result is not None
+        }
+        return [_address(route, missing) for route in routes]
 
     async def sources(self, queue: str) -> list[tuple[str, str]]:
         """The queue and its partitions, each at `/amq/queue/NAME`."""
@@ -124,7 +138,11 @@ class RabbitMQ3Topology:
         await self.rabbitmq.restore_queue(queue)
 
     async def _check_exists(self, queue: str, *, consuming: bool = False) -> None:
-        """Raise Unroutable unless `queue` exists: a send to a missing one is accepted and lost."""
+        """Raise Unroutable unless `queue` exists: a send to a missing one is accepted and lost.
+
+        Asked over 0-9-1 for every send, since a queue may be deleted at any time; sends that
+        wait meanwhile share the next answer.
+        """
         _check_name(queue)
         checking = self._checks.get(queue)
         if checking is None:
@@ -181,6 +199,22 @@ def _pass_on(waiting: asyncio.Future[bool], task: asyncio.Task[bool]) -> None:
         waiting.set_result(task.result())
 
 
+def _address(
+    route: tuple[str, str] | BaseException, missing: dict[str, BaseException]
+) -> str | Exception:
+    if isinstance(route, BaseException):
+        return route if isinstance(route, Exception) else MersalError(str(route))
+    exchange, key = route
+    if exchange:
+        return f"/exchange/{exchange}/{key}"
+    problem = missing.get(key)
+    if problem is None:
+        return queue_address(key)
+    if isinstance(problem, Exception):
+        return problem
+    raise problem  # a cancellation, or an exit: let it through
+
+
 def queue_address(queue: str) -> str:
     """The AMQP 1.0 plugin's address of an existing queue."""
     return f"/amq/queue/{queue}"
@@ -230,14 +264,17 @@ class QueuesByName:
     async def prune_bindings(self, queue: str, topics: Collection[str]) -> None:
         """No bindings are made, so none are pruned."""
 
-    async def target(self, outgoing: Outgoing) -> str:
-        """The queue's name; an event is refused."""
-        if outgoing.publish:
-            raise Unsendable(
+    async def targets(self, messages: Sequence[Outgoing]) -> list[str | Exception]:
+        """Each queue's name; an event is refused."""
+        return [
+            Unsendable(
                 f"cannot publish {outgoing.address!r}: this broker's topics are not known to "
                 "the AMQP 1.0 transport (topology=queues)"
             )
-        return outgoing.address
+            if outgoing.publish
+            else outgoing.address
+            for outgoing in messages
+        ]
 
     async def sources(self, queue: str) -> list[tuple[str, str]]:
         """The queue, by its name."""

@@ -152,23 +152,20 @@ class Amqp10Transport:
     async def send_each(self, messages: Sequence[Outgoing]) -> list[Exception | None]:
         """Send every message it can, in order, all in flight at once; for each, None or why."""
         results: list[Exception | None] = [None] * len(messages)
-        sends: list[tuple[int, str, Outgoing]] = []
+        carried: list[int] = []
         for index, outgoing in enumerate(messages):
             problem = problem_of(outgoing, self.limits)
-            if problem is not None:
+            if problem is None:
+                carried.append(index)
+            else:
                 results[index] = Unsendable(f"cannot send it to {outgoing.address!r}: {problem}")
-                continue
-            try:
-                address = await self._topology.target(outgoing)
-            except MersalError as error:
-                results[index] = error
-                continue
-            except (ConnectionError, TimeoutError) as error:
-                results[index] = OutcomeUnknown(
-                    f"{_what(outgoing)} was not sent ({error}): send again"
-                )
-                continue
-            sends.append((index, address, outgoing))
+        targets = await self._topology.targets([messages[index] for index in carried])
+        sends: list[tuple[int, str, Outgoing]] = []
+        for index, target in zip(carried, targets, strict=True):
+            if isinstance(target, Exception):
+                results[index] = target
+            else:
+                sends.append((index, target, messages[index]))
         outcomes = await asyncio.gather(*(self._send_one(address, o) for _, address, o in sends))
         for (index, _, _), outcome in zip(sends, outcomes, strict=True):
             results[index] = outcome
