@@ -67,11 +67,18 @@ class Connection:
                 return engine
             await self._up.wait()
 
+    def cached_sender(self, address: str) -> Sender | None:
+        """The sender link to `address`, if there is one still usable."""
+        sender = self._senders.get(address)
+        return sender if sender is not None and sender.usable else None
+
     async def sender(self, address: str) -> Sender:
         """The sender link to `address` on the open connection (made on first use)."""
         sender = self._senders.get(address)
         if sender is not None and sender.usable:
             return sender
+        if sender is not None:
+            sender.end()  # its session, if the broker ended only the link
         engine = await self.ready()
         sender = self._senders[address] = Sender(engine, address)
         return sender

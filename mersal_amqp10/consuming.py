@@ -114,6 +114,9 @@ class Amqp10Consumer:
 
     async def _attach_again(self) -> None:
         """Attach every ended receiver again, pausing between tries; at the end, give up."""
+        for receiver in self._receivers:
+            if not receiver.usable:
+                log.warning("%s: attaching again", receiver.error)
         error: BaseException | None = None
         for pause in (0.0, *self._delays):
             await asyncio.sleep(pause)

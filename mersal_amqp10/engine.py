@@ -15,7 +15,7 @@ import logging
 import ssl
 import time
 import uuid
-from typing import Protocol
+from typing import Protocol, cast
 
 import proton
 
@@ -78,8 +78,7 @@ class Engine(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Open the AMQP connection as the socket connects."""
-        assert isinstance(transport, asyncio.Transport)
-        self._socket = transport
+        self._socket = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         self.connection.open()
         self.touch()
 
@@ -264,13 +263,19 @@ async def connect(
     With a `user`, SASL PLAIN; without, SASL ANONYMOUS.
     """
     loop = asyncio.get_running_loop()
-    async with asyncio.timeout(timeout):
-        _, engine = await loop.create_connection(
-            lambda: Engine(user, password, vhost), host, port, ssl=tls
-        )
-        try:
+    engine: Engine | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            _, engine = await loop.create_connection(
+                lambda: Engine(user, password, vhost), host, port, ssl=tls
+            )
             await engine.opened
-        except BaseException:
+    except BaseException as error:
+        if engine is not None:
             engine.abort()
-            raise
+        if isinstance(error, TimeoutError):
+            raise TimeoutError(
+                f"no AMQP 1.0 answer from {host}:{port} within {timeout:g}s"
+            ) from None
+        raise
     return engine

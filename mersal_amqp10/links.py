@@ -34,12 +34,20 @@ class LinkRefused(ConnectionError):
     """The peer refused to attach a link, or ended it."""
 
 
+LOST = -1
+"""The state of a message whose link ended before the peer's outcome came."""
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What the peer made of a message sent: a state (`proton.Delivery.ACCEPTED`, ...), and why."""
+    """What the peer made of a message sent: a state (`proton.Delivery.ACCEPTED`, ...), and why.
+
+    `LOST`, with the link's error in `lost`, when the link ended before the outcome came.
+    """
 
     state: int
     condition: proton.Condition | None = None
+    lost: Exception | None = None
 
     @property
     def accepted(self) -> bool:
@@ -109,7 +117,7 @@ def _session(engine: Engine) -> proton.Session:
 
 
 class Sender(_Link):
-    """A sender link to one address: `send` returns the peer's outcome."""
+    """A sender link to one address: `put` sends at once, its future the peer's outcome."""
 
     def __init__(self, engine: Engine, address: str) -> None:
         link = _session(engine).sender(f"mersal-sender-{next(_names)}")
@@ -117,24 +125,45 @@ class Sender(_Link):
         link.snd_settle_mode = proton.Link.SND_UNSETTLED
         super().__init__(engine, address, link)
         self._outcomes: dict[str, asyncio.Future[Outcome]] = {}
-        self._room = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self._roomy = asyncio.Event()
+        self._roomy.set()
         self._tags = itertools.count()
+        self._loop = asyncio.get_running_loop()
         link.open()
         engine.touch()
 
+    @property
+    def full(self) -> bool:
+        """Whether `MAX_IN_FLIGHT` messages await their outcome: `room()` waits for one."""
+        return len(self._outcomes) >= MAX_IN_FLIGHT
+
+    async def room(self) -> None:
+        """Wait until fewer than `MAX_IN_FLIGHT` messages await their outcome."""
+        while self.full and self.error is None:
+            self._roomy.clear()
+            await self._roomy.wait()
+
+    def put(self, encoded: bytes) -> asyncio.Future[Outcome]:
+        """Send one encoded message now (it leaves this turn); the future of its outcome.
+
+        Raises if the link has ended; a link that ends later gives the outcome `lost`.
+        """
+        if self.error is not None:
+            raise self.error
+        tag = str(next(self._tags))
+        link = self._link
+        link.delivery(tag)
+        link.send(encoded)
+        link.advance()
+        outcome: asyncio.Future[Outcome] = self._loop.create_future()
+        self._outcomes[tag] = outcome
+        self._engine.touch()
+        return outcome
+
     async def send(self, encoded: bytes) -> Outcome:
-        """Send one encoded message; the peer's outcome."""
-        async with self._room:
-            if self.error is not None:
-                raise self.error
-            tag = str(next(self._tags))
-            self._link.delivery(tag)
-            self._link.send(encoded)
-            self._link.advance()
-            outcome: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-            self._outcomes[tag] = outcome
-            self._engine.touch()
-            return await outcome
+        """Send one encoded message, waiting for room first; the peer's outcome."""
+        await self.room()
+        return await self.put(encoded)
 
     def on_delivery(self, delivery: proton.Delivery) -> None:
         """The peer's outcome for one message."""
@@ -145,14 +174,18 @@ class Sender(_Link):
         delivery.settle()
         if outcome is not None and not outcome.done():
             outcome.set_result(result)
+        if not self._roomy.is_set() and not self.full:
+            self._roomy.set()
 
     def on_closed(self, error: Exception) -> None:
-        """Every send in flight fails: its outcome is unknown."""
+        """Every send in flight ends with its outcome unknown (`lost`)."""
         super().on_closed(error)
+        lost = Outcome(LOST, lost=self.error or error)
         outcomes, self._outcomes = list(self._outcomes.values()), {}
         for outcome in outcomes:
             if not outcome.done():
-                outcome.set_exception(self.error or error)
+                outcome.set_result(lost)
+        self._roomy.set()
 
 
 def _text(tag: object) -> str:

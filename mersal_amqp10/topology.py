@@ -120,13 +120,20 @@ class RabbitMQ3Topology:
             except (ConnectionError, TimeoutError) as error:
                 routes.append(OutcomeUnknown(f"no route for it ({error}): send it again"))
         queues = sorted({route[1] for route in routes if isinstance(route, tuple) and not route[0]})
-        found = await asyncio.gather(
-            *(self._check_exists(queue) for queue in queues), return_exceptions=True
-        )
-        missing = {
-            queue: result for queue, result in zip(queues, found, strict=True) if result is not None
-        }
+        if len(queues) == 1:  # the common case needs no task
+            found = [await self._missing(queues[0])]
+        else:
+            found = await asyncio.gather(*(self._missing(queue) for queue in queues))
+        missing = {queue: problem for queue, problem in zip(queues, found, strict=True) if problem}
         return [_address(route, missing) for route in routes]
+
+    async def _missing(self, queue: str) -> Exception | None:
+        """Why nothing can be sent to `queue` (Unroutable: it does not exist), or None."""
+        try:
+            await self._check_exists(queue)
+        except Exception as error:
+            return error
+        return None
 
     async def sources(self, queue: str) -> list[tuple[str, str]]:
         """The queue and its partitions, each at `/amq/queue/NAME`."""
@@ -199,20 +206,13 @@ def _pass_on(waiting: asyncio.Future[bool], task: asyncio.Task[bool]) -> None:
         waiting.set_result(task.result())
 
 
-def _address(
-    route: tuple[str, str] | BaseException, missing: dict[str, BaseException]
-) -> str | Exception:
-    if isinstance(route, BaseException):
-        return route if isinstance(route, Exception) else MersalError(str(route))
+def _address(route: tuple[str, str] | Exception, missing: dict[str, Exception]) -> str | Exception:
+    if isinstance(route, Exception):
+        return route
     exchange, key = route
     if exchange:
         return f"/exchange/{exchange}/{key}"
-    problem = missing.get(key)
-    if problem is None:
-        return queue_address(key)
-    if isinstance(problem, Exception):
-        return problem
-    raise problem  # a cancellation, or an exit: let it through
+    return missing.get(key) or queue_address(key)
 
 
 def queue_address(queue: str) -> str:

@@ -166,30 +166,59 @@ class Amqp10Transport:
                 results[index] = target
             else:
                 sends.append((index, target, messages[index]))
-        outcomes = await asyncio.gather(*(self._send_one(address, o) for _, address, o in sends))
-        for (index, _, _), outcome in zip(sends, outcomes, strict=True):
-            results[index] = outcome
+        for (index, _, _), result in zip(sends, await self._send_all(sends), strict=True):
+            results[index] = result
         return results
 
-    async def _send_one(self, address: str, outgoing: Outgoing) -> Exception | None:
-        """Send one message on its address's link; None once accepted, or why not."""
-        sender = None
-        try:
-            async with asyncio.timeout(self.publish_timeout):
-                sender = await self._connection.sender(address)
-                outcome = await sender.send(encode(outgoing.envelope))
-        except TimeoutError:
-            return OutcomeUnknown(
-                f"{_what(outgoing)} was not accepted within {self.publish_timeout:g}s; send it "
-                "again (the receiver's inbox drops duplicates)"
-            )
-        except LinkRefused as error:
-            if sender is not None:
-                self._connection.drop_sender(sender)
-            return OutcomeUnknown(f"{_what(outgoing)} had no outcome ({error}): send it again")
-        except MersalError as error:  # the connection is closed for good
-            return OutcomeUnknown(f"{_what(outgoing)} was not sent ({error})")
+    async def _send_all(self, sends: Sequence[tuple[int, str, Outgoing]]) -> list[Exception | None]:
+        """Put every message on its address's link, in order, then wait for the outcomes.
+
+        One deadline for the batch: what has no outcome by then is "outcome unknown".
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.publish_timeout
+        sent: list[asyncio.Future[Outcome] | Exception] = []
+        for _, address, outgoing in sends:
+            sender = self._connection.cached_sender(address)
+            try:
+                if sender is None or sender.full:
+                    async with asyncio.timeout_at(deadline):
+                        sender = await self._connection.sender(address)
+                        await sender.room()
+                sent.append(sender.put(encode(outgoing.envelope)))
+            except TimeoutError:
+                sent.append(self._unknown(outgoing))
+            except LinkRefused as error:
+                if sender is not None:
+                    self._connection.drop_sender(sender)
+                sent.append(OutcomeUnknown(f"{_what(outgoing)} was not sent ({error}): send again"))
+            except MersalError as error:  # the connection is closed for good
+                sent.append(OutcomeUnknown(f"{_what(outgoing)} was not sent ({error})"))
+        waiting = [future for future in sent if isinstance(future, asyncio.Future)]
+        if waiting:
+            await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()))
+        return [
+            self._result(outgoing, address, future)
+            for (_, address, outgoing), future in zip(sends, sent, strict=True)
+        ]
+
+    def _result(
+        self, outgoing: Outgoing, address: str, sent: asyncio.Future[Outcome] | Exception
+    ) -> Exception | None:
+        if isinstance(sent, Exception):
+            return sent
+        if not sent.done():
+            return self._unknown(outgoing)
+        outcome = sent.result()
+        if outcome.lost is not None:
+            return OutcomeUnknown(f"{_what(outgoing)} had no outcome ({outcome.lost}): send again")
         return _result(outgoing, address, outcome)
+
+    def _unknown(self, outgoing: Outgoing) -> OutcomeUnknown:
+        return OutcomeUnknown(
+            f"{_what(outgoing)} was not accepted within {self.publish_timeout:g}s; send it "
+            "again (the receiver's inbox drops duplicates)"
+        )
 
     async def consume(self, queue: str, *, prefetch: int) -> Amqp10Consumer:
         """Start receiving from an existing `queue` (and its partitions), `prefetch` credit each."""

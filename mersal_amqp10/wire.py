@@ -9,25 +9,45 @@ standard properties fill what they lack.
 
 from __future__ import annotations
 
+import struct
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import proton
 
 from mersal.messages import Envelope, Header
+from mersal_amqp10 import encoding
 from mersal_rabbitmq.wire import header_text
 
 UNREADABLE = "application/x-amqp-value"
 """The content type given to a body that is not bytes or a string (the decode step refuses it)."""
 
 _MIRRORED = (
-    ("id", Header.MESSAGE_ID),
-    ("correlation_id", Header.CORRELATION_ID),
-    ("reply_to", Header.REPLY_TO),
-    ("content_type", Header.CONTENT_TYPE),
-    ("subject", Header.TYPE),
+    (0, Header.MESSAGE_ID),
+    (3, Header.TYPE),
+    (4, Header.REPLY_TO),
+    (5, Header.CORRELATION_ID),
+    (6, Header.CONTENT_TYPE),
 )
-"""(proton.Message attribute, Mersal header) pairs: the headers mirrored to standard properties."""
+"""(field of the properties section, Mersal header): the headers mirrored to standard properties."""
+CREATION_TIME = 9
+"""The properties section's creation-time field."""
+FIRST_ACQUIRER, DELIVERY_COUNT = 3, 4
+"""The header section's fields that tell a redelivery."""
+_PROTON_PROPERTIES = (
+    "id",
+    "user_id",
+    "address",
+    "subject",
+    "reply_to",
+    "correlation_id",
+    "content_type",
+    "content_encoding",
+    "expiry_time",
+    "creation_time",
+)
+"""proton.Message's names of the properties section's fields, in order."""
 
 
 @dataclass(slots=True)
@@ -41,53 +61,78 @@ class Received:
 def encode(envelope: Envelope) -> bytes:
     """The AMQP 1.0 message for `envelope`: durable, its headers, its body in a data section."""
     headers = envelope.headers
-    message = proton.Message(
-        body=envelope.body, inferred=True, durable=True, properties=dict(headers)
+    return encoding.message(
+        headers,
+        message_id=headers.get(Header.MESSAGE_ID) or None,
+        subject=headers.get(Header.TYPE) or None,
+        reply_to=headers.get(Header.REPLY_TO) or None,
+        correlation_id=headers.get(Header.CORRELATION_ID) or None,
+        content_type=headers.get(Header.CONTENT_TYPE) or None,
+        creation_time=_seconds(headers.get(Header.SENT_AT)),
+        body=envelope.body,
     )
-    for attribute, header in _MIRRORED:
-        value = headers.get(header)
-        if value:
-            setattr(message, attribute, value)
-    sent_at = _seconds(headers.get(Header.SENT_AT))
-    if sent_at is not None:
-        message.creation_time = sent_at
-    return message.encode()
 
 
 def decode(encoded: bytes) -> Received:
     """Our envelope for a received message, and whether the broker delivered it before.
 
-    A body that is not bytes or a string (an AMQP value of another type, or several sections)
-    is kept AMQP-encoded, with a content type that says so, for the decode step to refuse.
+    A body that is not bytes or a string (an AMQP value of another type, a sequence, several
+    sections) is kept AMQP-encoded, with a content type that says so, for the decode step to
+    refuse.
     """
-    message = proton.Message()
-    message.decode(encoded)
+    try:
+        found = encoding.sections(encoded)
+    except (TypeError, ValueError, IndexError, struct.error):  # Unknown is a ValueError
+        found = _read_by_proton(encoded)
     headers: dict[str, str] = {}
-    properties: dict[object, object] = message.properties or {}
-    for key, value in properties.items():
+    for key, value in found.application_properties.items():
         text = _text(value)
         if text is not None and isinstance(key, str):
             headers[key] = text
-    for attribute, header in _MIRRORED:
-        value = getattr(message, attribute, None)
-        if isinstance(value, proton.symbol) and value == "None":
-            continue  # proton's content_type when the message has none
+    properties = found.properties
+    for index, header in _MIRRORED:
+        value = properties[index] if index < len(properties) else None
         if value and header not in headers:
             text = _text(value)
             if text is not None:
                 headers[header] = text
-    if Header.SENT_AT not in headers and message.creation_time:
-        headers[Header.SENT_AT] = f"{message.creation_time:.6f}"
-    body = message.body
+    if Header.SENT_AT not in headers and _field(properties, CREATION_TIME):
+        headers[Header.SENT_AT] = f"{properties[CREATION_TIME]:.6f}"
+    body = found.body
     if isinstance(body, str):
         body = body.encode()
-    elif isinstance(body, bytes | bytearray | memoryview):
+    elif isinstance(body, bytes | bytearray | memoryview) and found.body_raw is None:
         body = bytes(body)
     else:
-        body = _amqp_encoded(body)
-        headers[Header.CONTENT_TYPE] = f"{UNREADABLE}; type={type(message.body).__name__}"
-    redelivered = not message.first_acquirer or message.delivery_count > 0
+        kind = "sections" if found.body_raw is not None else type(body).__name__
+        body = found.body_raw or found.encoded_body() or _amqp_encoded(body)
+        headers[Header.CONTENT_TYPE] = f"{UNREADABLE}; type={kind}"
+    fields = found.header
+    redelivered = _field(fields, FIRST_ACQUIRER) is False or bool(_field(fields, DELIVERY_COUNT))
     return Received(Envelope(headers, body), redelivered)
+
+
+def _field(fields: list[Any], index: int) -> Any:
+    return fields[index] if index < len(fields) else None
+
+
+def _read_by_proton(encoded: bytes) -> encoding.Sections:
+    """The sections as proton reads them, for an encoding our own reader does not know."""
+    message = proton.Message()
+    message.decode(encoded)
+    properties: list[Any] = [None] * 10
+    for index, name in enumerate(_PROTON_PROPERTIES):
+        value = getattr(message, name)
+        properties[index] = None if isinstance(value, proton.symbol) and value == "None" else value
+    header = [message.durable, message.priority, message.ttl, message.first_acquirer]
+    header.append(message.delivery_count)
+    body = message.body
+    return encoding.Sections(
+        header=header,
+        properties=properties,
+        application_properties=dict(message.properties or {}),
+        body=bytes(body) if isinstance(body, bytearray | memoryview) else body,
+    )
 
 
 def _amqp_encoded(value: object) -> bytes:
@@ -96,7 +141,7 @@ def _amqp_encoded(value: object) -> bytes:
         data.put_object(value)
     except Exception:  # a value proton read but cannot write back: keep what it shows
         return repr(value).encode()
-    return data.encode()
+    return bytes(data.encode())
 
 
 def _text(value: object) -> str | None:
