@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "outbox": "bench.outbox",
     "sqlite": "bench.sqlite",
     "scaleout": "bench.scaleout",
+    "amqp10": "bench.amqp10",
 }
 """Every benchmark by name: a module with `async def run() -> dict[str, float | int]`."""
 
