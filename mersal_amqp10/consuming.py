@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Sequence
 
 import proton
@@ -66,6 +67,11 @@ class Amqp10Consumer:
     def closed(self) -> bool:
         """Whether `close()` was called."""
         return self._closed
+
+    @property
+    def settled_all(self) -> bool:
+        """Whether every delivery handed out was settled (or left to the close)."""
+        return not self._outstanding
 
     async def start(self) -> None:
         """Attach a receiver to the queue and to each partition; on failure none stays."""
@@ -159,6 +165,10 @@ class Amqp10Consumer:
         if not self._outstanding:
             self._end_receivers()
 
+    async def ended(self) -> None:
+        """Wait until the broker ended the receivers' sessions (after `close()`, all settled)."""
+        await asyncio.gather(*(receiver.ended() for receiver in self._receivers))
+
     def settled(self, delivery: Amqp10Delivery) -> None:
         """A delivery handed out was settled (or left to the close)."""
         self._outstanding.discard(delivery)
@@ -235,7 +245,7 @@ def _read(encoded: bytes) -> Received:
     """The received message; one that is not AMQP 1.0 at all is kept whole, to be refused."""
     try:
         return decode(encoded)
-    except Exception as error:  # proton's decoder raises several kinds
+    except (ValueError, TypeError, IndexError, struct.error, RecursionError) as error:
         reason = f"{type(error).__name__}: {error}".replace(";", ",")[:200]
         headers = {Header.CONTENT_TYPE: f"{UNREADABLE}; unreadable={reason}"}
         return Received(Envelope(headers, encoded), False)

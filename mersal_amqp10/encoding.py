@@ -2,9 +2,9 @@
 
 Proton's `Message.encode` and `decode` convert every property through its Python wrappers,
 about 25 µs a message each way; a message is a few described sections of primitive types, so
-writing ours and reading any takes a fraction of that in plain Python. What this reader does
-not know (an encoding it has no code for) raises `Unknown`, and the caller hands the bytes to
-proton instead.
+writing ours and reading any takes a fraction of that in plain Python. What this reader cannot
+read (bytes that are not AMQP 1.0, an encoding it has no code for) raises `Unknown` (a
+ValueError), and the consumer dead-letters the message whole with that reason.
 """
 
 from __future__ import annotations

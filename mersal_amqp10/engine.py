@@ -137,10 +137,11 @@ class Engine(asyncio.Protocol):
         self._process()
         socket = self._socket
         pending = self.wire.pending()
-        if pending > 0 and socket is not None and not socket.is_closing():
-            socket.write(self.wire.peek(pending) or b"")
+        while pending > 0 and socket is not None and not socket.is_closing():
+            socket.write(self.wire.peek(pending) or b"")  # the engine gives a frame or so
             self.wire.pop(pending)
-        elif pending < 0 and socket is not None:  # the engine is done writing
+            pending = self.wire.pending()
+        if pending < 0 and socket is not None:  # the engine is done writing
             socket.close()
         self._tick()
 
@@ -219,7 +220,10 @@ class Engine(asyncio.Protocol):
     ) -> None:
         owner = self._owners.pop(link.name, None)
         condition = (endpoint or link).remote_condition or link.remote_condition
-        if link.state & proton.Endpoint.LOCAL_ACTIVE:
+        if (
+            link.state & proton.Endpoint.LOCAL_ACTIVE
+            and link.session.state & proton.Endpoint.LOCAL_ACTIVE
+        ):
             link.close()
         self.touch()
         if owner is not None:

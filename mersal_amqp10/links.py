@@ -63,7 +63,10 @@ class _Link:
         self.error: Exception | None = None
         self._engine = engine
         self._link = link
-        self._opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._opened: asyncio.Future[None] = loop.create_future()
+        self._ended: asyncio.Future[None] = loop.create_future()
+        self._ending = False
         engine.own(link, self)
 
     async def opened(self) -> None:
@@ -87,12 +90,19 @@ class _Link:
         """The credit changed: proton sends what waited for it by itself."""
 
     def on_closed(self, error: Exception) -> None:
-        """Nothing more comes on the link."""
-        what = "sending to" if self._link.is_sender else "receiving from"
-        self.error = LinkRefused(f"{what} {self.address!r}: {error}")
+        """Nothing more comes on the link (its session ended, as asked or not)."""
+        if not self._ending:
+            what = "sending to" if self._link.is_sender else "receiving from"
+            self.error = LinkRefused(f"{what} {self.address!r}: {error}")
         if not self._opened.done():
-            self._opened.set_exception(self.error)
+            self._opened.set_exception(self.error or error)
             self._opened.exception()  # heard, even if nobody waits for the attach any more
+        if not self._ended.done():
+            self._ended.set_result(None)
+
+    async def ended(self) -> None:
+        """Wait until the peer ended the link's session, after `end()` (or the connection went)."""
+        await asyncio.shield(self._ended)
 
     @property
     def usable(self) -> bool:
@@ -100,14 +110,20 @@ class _Link:
         return self.error is None
 
     def end(self) -> None:
-        """End the link's session: the peer returns what the link has not settled."""
-        self._engine.disown(self._link)
+        """End the link's session: the peer returns what the link has not settled.
+
+        `ended()` then waits for the peer's end: what was settled before counts only then.
+        """
         if self.error is None:
             self.error = LinkRefused(f"the link of {self.address!r} was ended here")
+        self._ending = True
         session = self._link.session
         if session.state & proton.Endpoint.LOCAL_ACTIVE:
             session.close()
             self._engine.touch()
+        elif not self._ended.done():  # ended already, by the peer or with the connection
+            self._engine.disown(self._link)
+            self._ended.set_result(None)
 
 
 def _session(engine: Engine) -> proton.Session:
@@ -243,6 +259,8 @@ class Receiver(_Link):
 
     def on_delivery(self, delivery: proton.Delivery) -> None:
         """A message arrived, whole or in part: whole ones are buffered."""
+        if self._ending:
+            return  # its session is ending: the peer takes it back
         if not delivery.readable or delivery.partial or delivery.pending <= 0:
             return  # a part, or one read already (its disposition changed)
         encoded = self._link.recv(delivery.pending)

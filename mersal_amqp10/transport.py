@@ -37,6 +37,11 @@ from mersal_rabbitmq.urls import seconds_option
 
 log = logging.getLogger("mersal.amqp10")
 
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+"""Header bytes a message may carry: more than a 0-9-1 frame, as AMQP 1.0 messages span frames."""
+END_TIMEOUT = 2.0
+"""Seconds a stop waits for the broker to end the sessions of closed consumers."""
+
 SCHEMES = {"amqp10": ("amqp", 5672), "amqps10": ("amqps", 5671)}
 """Our scheme -> the 0-9-1 scheme the topology connects with, and the default port."""
 TOPOLOGIES = ("rabbitmq", "queues")
@@ -82,7 +87,7 @@ class Amqp10Transport:
                 else RabbitMQ3Topology(topology_url, queue_type=queue_type)
             )
         self._topology: Topology = topology
-        self.limits = Limits(max_delay=self._topology.limits.max_delay)
+        self.limits = _limits(self._topology)
         self._connection = Connection(peer, reconnect_interval=interval)
         self._consumers: set[Amqp10Consumer] = set()
 
@@ -106,7 +111,7 @@ class Amqp10Transport:
         if self._connection.engine is not None:
             return
         await self._topology.start()
-        self.limits = Limits(max_delay=self._topology.limits.max_delay)
+        self.limits = _limits(self._topology)
         self._connection = Connection(self._peer, reconnect_interval=self._reconnect_interval)
         try:
             await self._connection.open()
@@ -126,6 +131,12 @@ class Amqp10Transport:
         consumers, self._consumers = list(self._consumers), set()
         for consumer in consumers:
             await consumer.close()
+        ending = [consumer.ended() for consumer in consumers if consumer.settled_all]
+        try:  # the broker counts what was settled once a session's end is through, not before
+            async with asyncio.timeout(END_TIMEOUT):
+                await asyncio.gather(*ending)
+        except TimeoutError:
+            log.warning("the broker did not end the receivers' sessions within %gs", END_TIMEOUT)
         await self._connection.close()
         await self._topology.stop()
 
@@ -257,6 +268,11 @@ class Amqp10Transport:
         if not isinstance(topology, RabbitMQ3Topology):
             raise ConfigurationError(f"{type(topology).__name__} cannot report on queues")
         return topology.rabbitmq
+
+
+def _limits(topology: Topology) -> Limits:
+    """RabbitMQ's limits, but headers are not bound by one frame: messages span frames."""
+    return Limits(max_delay=topology.limits.max_delay, max_header_bytes=MAX_HEADER_BYTES)
 
 
 def _result(outgoing: Outgoing, address: str, outcome: Outcome) -> Exception | None:

@@ -9,12 +9,9 @@ standard properties fill what they lack.
 
 from __future__ import annotations
 
-import struct
 import uuid
 from dataclasses import dataclass
 from typing import Any
-
-import proton
 
 from mersal.messages import Envelope, Header
 from mersal_amqp10 import encoding
@@ -35,19 +32,6 @@ CREATION_TIME = 9
 """The properties section's creation-time field."""
 FIRST_ACQUIRER, DELIVERY_COUNT = 3, 4
 """The header section's fields that tell a redelivery."""
-_PROTON_PROPERTIES = (
-    "id",
-    "user_id",
-    "address",
-    "subject",
-    "reply_to",
-    "correlation_id",
-    "content_type",
-    "content_encoding",
-    "expiry_time",
-    "creation_time",
-)
-"""proton.Message's names of the properties section's fields, in order."""
 
 
 @dataclass(slots=True)
@@ -80,10 +64,7 @@ def decode(encoded: bytes) -> Received:
     sections) is kept AMQP-encoded, with a content type that says so, for the decode step to
     refuse.
     """
-    try:
-        found = encoding.sections(encoded)
-    except (TypeError, ValueError, IndexError, struct.error):  # Unknown is a ValueError
-        found = _read_by_proton(encoded)
+    found = encoding.sections(encoded)
     headers: dict[str, str] = {}
     for key, value in found.application_properties.items():
         text = _text(value)
@@ -96,16 +77,19 @@ def decode(encoded: bytes) -> Received:
             text = _text(value)
             if text is not None:
                 headers[header] = text
-    if Header.SENT_AT not in headers and _field(properties, CREATION_TIME):
-        headers[Header.SENT_AT] = f"{properties[CREATION_TIME]:.6f}"
+    created = _field(properties, CREATION_TIME)
+    if Header.SENT_AT not in headers and isinstance(created, int | float) and created:
+        headers[Header.SENT_AT] = f"{created:.6f}"
     body = found.body
-    if isinstance(body, str):
+    if found.body_span == (0, 0):  # no body section: an empty body
+        body = b""
+    elif isinstance(body, str):
         body = body.encode()
     elif isinstance(body, bytes | bytearray | memoryview) and found.body_raw is None:
         body = bytes(body)
     else:
         kind = "sections" if found.body_raw is not None else type(body).__name__
-        body = found.body_raw or found.encoded_body() or _amqp_encoded(body)
+        body = found.encoded_body()
         headers[Header.CONTENT_TYPE] = f"{UNREADABLE}; type={kind}"
     fields = found.header
     redelivered = _field(fields, FIRST_ACQUIRER) is False or bool(_field(fields, DELIVERY_COUNT))
@@ -114,34 +98,6 @@ def decode(encoded: bytes) -> Received:
 
 def _field(fields: list[Any], index: int) -> Any:
     return fields[index] if index < len(fields) else None
-
-
-def _read_by_proton(encoded: bytes) -> encoding.Sections:
-    """The sections as proton reads them, for an encoding our own reader does not know."""
-    message = proton.Message()
-    message.decode(encoded)
-    properties: list[Any] = [None] * 10
-    for index, name in enumerate(_PROTON_PROPERTIES):
-        value = getattr(message, name)
-        properties[index] = None if isinstance(value, proton.symbol) and value == "None" else value
-    header = [message.durable, message.priority, message.ttl, message.first_acquirer]
-    header.append(message.delivery_count)
-    body = message.body
-    return encoding.Sections(
-        header=header,
-        properties=properties,
-        application_properties=dict(message.properties or {}),
-        body=bytes(body) if isinstance(body, bytearray | memoryview) else body,
-    )
-
-
-def _amqp_encoded(value: object) -> bytes:
-    data = proton.Data()
-    try:
-        data.put_object(value)
-    except Exception:  # a value proton read but cannot write back: keep what it shows
-        return repr(value).encode()
-    return bytes(data.encode())
 
 
 def _text(value: object) -> str | None:
