@@ -15,11 +15,25 @@ import logging
 import ssl
 import time
 import uuid
-from typing import Protocol, cast
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import proton
+from cproton import (  # proton's C binding, which its Python classes wrap
+    PN_DELIVERY,
+    isnull,
+    pn_collector_peek,
+    pn_collector_pop,
+    pn_delivery_link,
+    pn_event_delivery,
+    pn_event_type,
+    pn_link_name,
+)
 
 log = logging.getLogger("mersal.amqp10")
+
+_event = cast(Callable[[Any], "proton.Event | None"], proton.Event.wrap)
+_delivery = cast(Callable[[Any], proton.Delivery], proton.Delivery.wrap)
 
 
 class EngineClosed(ConnectionError):
@@ -160,19 +174,32 @@ class Engine(asyncio.Protocol):
         self.touch()
 
     def _process(self) -> None:
-        while (event := self._collector.peek()) is not None:
+        """Hand out the collector's events; a delivery's without proton's `Event` wrappers.
+
+        `Collector.peek` wraps each event's delivery, link, session, connection and transport
+        in Python objects; for the delivery events (two per message, nearly all there are) the
+        owner needs only the delivery, found by its link's name through proton's C binding.
+        """
+        collector = self._collector._impl
+        while not isnull(impl := pn_collector_peek(collector)):
             try:
-                self._dispatch(event)
+                if pn_event_type(impl) == PN_DELIVERY:
+                    self._delivered(pn_event_delivery(impl))
+                else:
+                    event = _event(impl)
+                    if event is not None:
+                        self._dispatch(event)
             finally:
-                self._collector.pop()
+                pn_collector_pop(collector)
+
+    def _delivered(self, impl: Any) -> None:
+        owner = self._owners.get(pn_link_name(pn_delivery_link(impl)))
+        if owner is not None:
+            owner.on_delivery(_delivery(impl))
 
     def _dispatch(self, event: proton.Event) -> None:
         kind = event.type
-        if kind == proton.Event.DELIVERY:
-            owner = self._owner(event.link)
-            if owner is not None and event.delivery is not None:
-                owner.on_delivery(event.delivery)
-        elif kind == proton.Event.LINK_FLOW:
+        if kind == proton.Event.LINK_FLOW:
             owner = self._owner(event.link)
             if owner is not None:
                 owner.on_flow()
