@@ -286,6 +286,8 @@ class _Reader:
             element = self.byte()
             if element == 0x00:
                 raise Unknown("an array of described values")
+            if count > len(self.data) - self.at:  # elements of no width (nulls) cost no bytes
+                raise Unknown(f"an array of {count} elements in fewer bytes")
             return [self.of(element) for _ in range(count)]
         raise Unknown(f"byte {self.at - 1}: unknown type code 0x{code:02x}")
 

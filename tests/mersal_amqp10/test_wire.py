@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import uuid
 
 import proton
@@ -226,3 +227,19 @@ def test_redelivered_is_read_from_first_acquirer_and_the_delivery_count(
 
 def test_a_message_as_encoded_reads_as_a_first_delivery() -> None:
     assert decode(encode(sent())).redelivered is False
+
+
+def test_an_array_claiming_more_elements_than_bytes_is_refused_at_once() -> None:
+    nulls = b"\x00\x53\x77" + b"\xf0" + struct.pack(">II", 5, 0xFFFFFFFF) + b"\x40"
+
+    with pytest.raises(ValueError, match="4294967295 elements"):
+        decode(nulls)
+
+
+def test_a_body_nested_past_the_stack_is_kept_whole_and_marked_unreadable() -> None:
+    deep = b"\x00\x53\x77" + b"\xc0\x02\x01" * 100_000 + b"\x40"
+
+    received = _read(deep)
+
+    assert received.envelope.body == deep
+    assert received.envelope.headers[Header.CONTENT_TYPE].startswith(UNREADABLE)
