@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 from collections.abc import Sequence
 
 import proton
@@ -245,7 +244,7 @@ def _read(encoded: bytes) -> Received:
     """The received message; one that is not AMQP 1.0 at all is kept whole, to be refused."""
     try:
         return decode(encoded)
-    except (ValueError, TypeError, IndexError, struct.error, RecursionError) as error:
+    except Exception as error:  # hostile bytes fail in many ways (overflow, recursion, ...)
         reason = f"{type(error).__name__}: {error}".replace(";", ",")[:200]
         headers = {Header.CONTENT_TYPE: f"{UNREADABLE}; unreadable={reason}"}
         return Received(Envelope(headers, encoded), False)

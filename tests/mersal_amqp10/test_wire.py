@@ -243,3 +243,12 @@ def test_a_body_nested_past_the_stack_is_kept_whole_and_marked_unreadable() -> N
 
     assert received.envelope.body == deep
     assert received.envelope.headers[Header.CONTENT_TYPE].startswith(UNREADABLE)
+
+
+def test_a_character_past_unicode_is_kept_whole_and_marked_unreadable() -> None:
+    past_unicode = b"\x00\x53\x77\x73\xff\xff\xff\xff"
+
+    received = _read(past_unicode)
+
+    assert received.envelope.body == past_unicode
+    assert received.envelope.headers[Header.CONTENT_TYPE].startswith(UNREADABLE)
