@@ -131,7 +131,7 @@ def sections(data: bytes | bytearray | memoryview) -> Sections:
             raise Unknown(f"byte {start}: a section must be a described type")
         descriptor = reader.value()
         code = _section_code(descriptor)
-        value = reader.value()
+        value = reader.body() if code in (SEQUENCE, VALUE) else reader.value()
         if code == HEADER and isinstance(value, list):
             found.header = value
         elif code == PROPERTIES and isinstance(value, list):
@@ -210,6 +210,17 @@ _FIXED: dict[int, tuple[int, Callable[[bytes], Any]]] = {
     0x98: (16, lambda raw: uuid.UUID(bytes=raw)),
 }
 """Fixed-width codes: (width, how the bytes read). 0x83, a timestamp, reads as seconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A body section of another type than binary or string, not read: it is kept encoded."""
+
+    kind: str
+
+
+_KINDS = {0x45: "list", 0xC0: "list", 0xD0: "list", 0xC1: "map", 0xD1: "map"}
+_KINDS.update({0xE0: "array", 0xF0: "array", 0x00: "described"})
 _EMPTY: dict[int, Any] = {0x40: None, 0x41: True, 0x42: False, 0x43: 0, 0x44: 0, 0x45: []}
 
 
@@ -290,6 +301,32 @@ class _Reader:
                 raise Unknown(f"an array of {count} elements in fewer bytes")
             return [self.of(element) for _ in range(count)]
         raise Unknown(f"byte {self.at - 1}: unknown type code 0x{code:02x}")
+
+    def body(self) -> Any:
+        """A body section's value if it is binary or a string; else skipped by its size (None).
+
+        A body of another type is kept encoded, not read: a large list would hold the loop.
+        """
+        code = self.data[self.at] if self.at < len(self.data) else None
+        if code in (0xA0, 0xB0, 0xA1, 0xB1):
+            return self.value()
+        self.skip()
+        return Skipped(_KINDS.get(code, "value") if code is not None else "value")
+
+    def skip(self) -> None:
+        """Step over one value by its encoded size, building nothing."""
+        code = self.byte()
+        if code == 0x00:
+            self.skip()
+            self.skip()
+        elif code in _EMPTY:
+            pass
+        elif code in _FIXED:
+            self.take(_FIXED[code][0])
+        elif code >> 4 in (0xA, 0xB, 0xC, 0xD, 0xE, 0xF):
+            self.take(self._size(code >> 4 in (0xB, 0xD, 0xF)))
+        else:
+            raise Unknown(f"byte {self.at - 1}: unknown type code 0x{code:02x}")
 
     def _size(self, wide: bool) -> int:
         return int(struct.unpack(">I", self.take(4))[0]) if wide else self.byte()

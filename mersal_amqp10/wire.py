@@ -88,7 +88,8 @@ def decode(encoded: bytes) -> Received:
     elif isinstance(body, bytes | bytearray | memoryview) and found.body_raw is None:
         body = bytes(body)
     else:
-        kind = "sections" if found.body_raw is not None else type(body).__name__
+        kind = body.kind if isinstance(body, encoding.Skipped) else type(body).__name__
+        kind = "sections" if found.body_raw is not None else kind
         body = found.encoded_body()
         headers[Header.CONTENT_TYPE] = f"{UNREADABLE}; type={kind}"
     fields = found.header

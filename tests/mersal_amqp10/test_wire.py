@@ -173,7 +173,7 @@ def test_a_body_that_is_neither_bytes_nor_text_is_kept_encoded_and_marked_unread
 
     content_type = received.envelope.headers[Header.CONTENT_TYPE]
     assert content_type.startswith(UNREADABLE)
-    assert content_type.endswith("type=dict")
+    assert content_type.endswith("type=map")
     assert amqp_decoded(received.envelope.body) == {"order_id": "o-1"}
 
 
@@ -230,10 +230,20 @@ def test_a_message_as_encoded_reads_as_a_first_delivery() -> None:
 
 
 def test_an_array_claiming_more_elements_than_bytes_is_refused_at_once() -> None:
-    nulls = b"\x00\x53\x77" + b"\xf0" + struct.pack(">II", 5, 0xFFFFFFFF) + b"\x40"
+    nulls = b"\x00\x53\x74\xf0" + struct.pack(">II", 5, 0xFFFFFFFF) + b"\x40"
 
     with pytest.raises(ValueError, match="4294967295 elements"):
         decode(nulls)
+
+
+def test_a_large_body_of_another_type_is_kept_encoded_without_being_read() -> None:
+    count = 20_000_000
+    array = b"\x00\x53\x77\xf0" + struct.pack(">II", 5 + count, count) + b"\x56" + b"\x01" * count
+
+    received = decode(array)
+
+    assert received.envelope.body == array
+    assert received.envelope.headers[Header.CONTENT_TYPE] == f"{UNREADABLE}; type=array"
 
 
 def test_a_body_nested_past_the_stack_is_kept_whole_and_marked_unreadable() -> None:
