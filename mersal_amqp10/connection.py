@@ -108,11 +108,6 @@ class Connection:
                 engine.abort()
         self._up.clear()
 
-    def abort(self) -> None:
-        """Drop the socket at once, as a network failure would (for tests and chaos)."""
-        if self.engine is not None:
-            self.engine.abort()
-
     async def _connect(self) -> None:
         peer = self.peer
         self.engine = await connect(

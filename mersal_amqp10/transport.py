@@ -259,10 +259,6 @@ class Amqp10Transport:
         """Raise LookingWouldLose if messages of `queue` given back could be dropped."""
         await self._rabbitmq().check_give_back(queue, management)
 
-    def abort_connection(self) -> None:
-        """Drop the AMQP 1.0 socket as a network failure would (it reconnects by itself)."""
-        self._connection.abort()
-
     def _rabbitmq(self) -> RabbitMQTransport:
         topology = self._topology
         if not isinstance(topology, RabbitMQ3Topology):
