@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aio_pika
 import proton
@@ -248,45 +248,26 @@ async def test_a_queue_name_with_a_slash_is_refused_as_no_address_can_carry_it(
 # Losses.
 
 
-async def test_after_the_broker_ends_the_sessions_consuming_and_sending_carry_on(
-    make_transport: Make, broker: Broker, vhost: str, prefix: str
+@pytest.mark.parametrize(
+    "fault", [end_amqp10_sessions, drop_amqp10_connections], ids=["sessions", "connection"]
+)
+async def test_after_the_broker_ends_the_sessions_or_the_connection_consuming_and_sending_carry_on(
+    fault: Callable[..., Awaitable[int]],
+    make_transport: Make,
+    broker: Broker,
+    vhost: str,
+    prefix: str,
 ) -> None:
     queue = f"{prefix}.in"
     since = time.time()
     transport = await started(make_transport, queue)
-    await broker.publish(aio_pika.Message(b"0", message_id="m-0"), queue)
+    await broker.publish(aio_pika.Message(b"0", message_id="m-0"), queue)  # no sender session
     consumer = await transport.consume(queue, prefetch=5)  # its receiver: the one session
     before = await receive(consumer)
     pending = asyncio.create_task(consumer.get())
 
-    assert await end_amqp10_sessions(vhost, since=since) == 1
-    again = await asyncio.wait_for(pending, 10)
-    assert (again.envelope.message_id, again.redelivered) == ("m-0", True)
-    with pytest.raises(MersalError, match="link is gone"):
-        await before.ack()
-    await transport.send([Outgoing(queue, envelope("m-1"))])
-    after = await receive(consumer)
-    assert (after.envelope.message_id, after.redelivered) == ("m-1", False)
-    await again.ack()
-    await after.ack()
-    await consumer.close()
-
-    assert await count_unconsumed(broker, queue) == 0
-
-
-async def test_after_the_broker_drops_the_connection_consuming_and_sending_carry_on(
-    make_transport: Make, broker: Broker, vhost: str, prefix: str
-) -> None:
-    queue = f"{prefix}.in"
-    since = time.time()
-    transport = await started(make_transport, queue)
-    await transport.send([Outgoing(queue, envelope("m-0"))])
-    consumer = await transport.consume(queue, prefetch=5)
-    before = await receive(consumer)
-    pending = asyncio.create_task(consumer.get())
-
-    assert await drop_amqp10_connections(vhost, since=since) == 1
-    again = await asyncio.wait_for(pending, 15)  # on the next connection
+    assert await fault(vhost, since=since) == 1
+    again = await asyncio.wait_for(pending, 15)  # on the same connection, or the next
     assert (again.envelope.message_id, again.redelivered) == ("m-0", True)
     await eventually(lambda: transport.connected, "connected again", timeout=10)
     with pytest.raises(MersalError, match="link is gone"):
