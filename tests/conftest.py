@@ -16,7 +16,6 @@ import pytest
 
 from mersal.transport import Transport
 from mersal.transport.memory import MemoryTransport
-from mersal_amqp10 import Amqp10Transport
 from mersal_rabbitmq import RabbitMQTransport
 from tests.support import (
     BACKENDS,
@@ -152,8 +151,9 @@ async def rabbitmq_namespace(request: pytest.FixtureRequest) -> AsyncIterator[Ne
 @asynccontextmanager
 async def amqp10_namespace(request: pytest.FixtureRequest) -> AsyncIterator[NewTransport]:
     """Unstarted AMQP 1.0 transports on the session's vhost (tests use unique queue names)."""
+    amqp10 = pytest.importorskip("mersal_amqp10", reason="the amqp10 extra is not installed")
     url = f"amqp10://guest:guest@{RABBITMQ_HOST}/{request.getfixturevalue('vhost')}"
-    yield lambda: Amqp10Transport(url)
+    yield lambda: amqp10.Amqp10Transport(url)
 
 
 NAMESPACES: dict[
