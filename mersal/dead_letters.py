@@ -10,8 +10,10 @@ has a `check_give_back(queue)` method that raises `LookingWouldLose` first, and 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -117,6 +119,95 @@ def epoch_time(value: str | None) -> datetime | None:
         return datetime.fromtimestamp(float(value), tz=UTC)
     except (ValueError, OverflowError, OSError):
         return None
+
+
+@dataclass(frozen=True)
+class FailureGroup:
+    """Failures that share a cause: the exception type, its message's fixed words, the handler."""
+
+    key: str
+    """A digest of the three, the same for every failure of the group."""
+    label: str
+    """The group in words: `Type: message with <n> for its variable parts (in handler)`."""
+    error_type: str | None
+    handler: str | None
+
+
+MAX_LABEL = 500
+"""The most characters of a failure's message kept in its group's label."""
+
+VARIABLE_PARTS = (
+    (
+        re.compile(
+            r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"
+        ),
+        "<id>",
+    ),
+    (
+        re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?"),
+        "<time>",
+    ),
+    (re.compile(r"\b0x[0-9a-fA-F]+\b"), "<address>"),
+    (re.compile(r"\b(?=[0-9a-fA-F]*\d)[0-9a-fA-F]{16,}\b"), "<id>"),
+    (re.compile(r"'[^']*'|\"[^\"]*\""), "<text>"),
+    (re.compile(r"\b\d+(?:\.\d+)?\b"), "<n>"),
+)
+"""What varies from one failure of a cause to the next, each with what it becomes in the group."""
+
+FRAME = re.compile(r'^  File "(?P<path>[^"]*)", line \d+, in (?P<function>.+)$', re.MULTILINE)
+SEPARATOR = re.compile(r"[/\\]")
+DISPATCH = re.compile(r"[/\\]mersal[/\\]pipeline\.py$")
+WRAPPERS = re.compile(r"[/\\](?:mersal[/\\](?:binding|handlers|sagas)\.py|lagom[/\\].*)$")
+
+
+def normalized(message: str) -> str:
+    """`message` with its ids, numbers, times and quoted values replaced by placeholders."""
+    text = " ".join(message.split())
+    for pattern, placeholder in VARIABLE_PARTS:
+        text = pattern.sub(placeholder, text)
+    return text[:MAX_LABEL]
+
+
+def failing_handler(traceback: str | None) -> str | None:
+    """`file.py:function` of the handler the last traceback passes through, if it has one.
+
+    The handler's frame is the first after the pipeline's dispatch step that is not one of the
+    framework's wrappers; a failure outside the handlers (decoding, say) has none.
+    """
+    if not traceback:
+        return None
+    last = traceback.rpartition("Traceback (most recent call last):")[2]
+    frames = [(m["path"], m["function"].strip()) for m in FRAME.finditer(last)]
+    dispatched = [i for i, (path, function) in enumerate(frames) if DISPATCH.search(path)]
+    if not dispatched:
+        return None
+    for path, function in frames[dispatched[-1] + 1 :]:
+        if not WRAPPERS.search(path):
+            return f"{SEPARATOR.split(path)[-1]}:{function}"
+    return None
+
+
+def failure_group(letter: DeadLetter) -> FailureGroup:
+    """The group of failures `letter` belongs to."""
+    error_type = letter.error_type
+    handler = failing_handler(letter.headers.get(Header.ERROR_TRACEBACK))
+    message = normalized(letter.error_message or "")
+    named = (error_type or "no error type").rpartition(".")[2]
+    label = f"{named}: {message}" if message else named
+    if handler:
+        label = f"{label} (in {handler})"
+    digest = hashlib.sha256("\0".join((error_type or "", message, handler or "")).encode())
+    return FailureGroup(digest.hexdigest(), label, error_type, handler)
+
+
+def letter_key(queue: str, envelope: Envelope) -> str:
+    """A digest of a dead letter as it came from `queue`: the same for each delivery of it."""
+    digest = hashlib.sha256(queue.encode("utf-8", "surrogatepass"))
+    for name in sorted(envelope.headers):
+        digest.update(b"\0" + name.encode("utf-8", "surrogatepass"))
+        digest.update(b"\1" + envelope.headers[name].encode("utf-8", "surrogatepass"))
+    digest.update(b"\2" + envelope.body)
+    return digest.hexdigest()
 
 
 def summary(letter: DeadLetter) -> tuple[str, ...]:

@@ -66,7 +66,9 @@ def add_db_commands(commands: argparse._SubParsersAction[Any]) -> None:
         "revision", help="the revision to go back to; with --sql, FROM:TO (head:base)"
     )
     downgrade_parser.add_argument(
-        "--force", action="store_true", help="drop an outbox or saga table even if it holds rows"
+        "--force",
+        action="store_true",
+        help="drop an outbox, saga or dead-letter table even if it holds rows",
     )
     downgrade_parser.set_defaults(handler=run_downgrade)
     stamp_parser = actions.add_parser(

@@ -138,9 +138,9 @@ def downgrade(
 ) -> str:
     """Undo the migrations down to `revision` (`base` drops the tables); returns what was done.
 
-    A table another pair's version table records is left (and said so); an outbox or a saga
-    table holding rows is not dropped unless `force`. With `sql` it cannot look, and prints
-    every drop.
+    A table another pair's version table records is left (and said so); an outbox, saga or
+    dead-letter table holding rows is not dropped unless `force`. With `sql` it cannot look,
+    and prints every drop.
     """
     tables = make_tables(outbox_table, inbox_table)
     config = alembic_config(database, outbox_table, inbox_table, dialect=dialect)
@@ -389,9 +389,11 @@ def _before_drop(database: str, tables: Tables, dropped: list[str], force: bool)
 
 
 def _held_in(tables: Tables, name: str) -> str:
-    """What the rows of the outbox or the saga table are, in words."""
+    """What the rows of the outbox, the saga or the dead-letter table are, in words."""
     if name == tables.outbox.name:
         return "messages not sent yet (or parked)"
+    if name == tables.dead_letters.name:
+        return "failed messages not retried or deleted yet"
     return "the state of sagas not finished yet"
 
 
@@ -408,14 +410,15 @@ def _shared_and_rows(
         for name, version in shared.items()
         if name in dropped
     }
-    for table, what in ((tables.sagas, "saga"), (tables.schema, "schema")):
+    ours = ((tables.sagas, "saga"), (tables.schema, "schema"), (tables.dead_letters, "dead-letter"))
+    for table, what in ours:
         columns = foreign_columns(connection, table)
         if table.name in dropped and table.name not in left and columns is not None:
             left[table.name] = (
                 f"it is not Mersal's {what} table (it has the column(s) {', '.join(columns)})"
             )
     present = set(inspect(connection).get_table_names())
-    guarded = [tables.outbox.name, tables.sagas.name]
+    guarded = [tables.outbox.name, tables.sagas.name, tables.dead_letters.name]
     return left, {
         name: count_rows(connection, name)
         for name in guarded

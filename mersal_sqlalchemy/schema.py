@@ -20,6 +20,7 @@ from mersal.urls import mask
 from mersal_sqlalchemy.engines import CANNOT_CONNECT_NOW
 from mersal_sqlalchemy.tables import (
     COMPATIBLE_WITH,
+    DEAD_LETTERS_SUFFIX,
     DEFAULT_INBOX,
     DEFAULT_OUTBOX,
     HEAD_REVISION,
@@ -29,6 +30,7 @@ from mersal_sqlalchemy.tables import (
     SCHEMA_SUFFIX,
     Tables,
     compatible,
+    dead_letters_table_name,
     legacy_version_table_name,
     made_by,
     revision_rank,
@@ -436,6 +438,7 @@ def recorded_elsewhere(connection: Connection, outbox: str, inbox: str) -> dict[
     after_inbox = {
         saga_table_name(inbox): (saga_table_name, SAGAS_SUFFIX),
         schema_table_name(inbox): (schema_table_name, SCHEMA_SUFFIX),
+        dead_letters_table_name(inbox): (dead_letters_table_name, DEAD_LETTERS_SUFFIX),
     }
     found: dict[str, str] = {}
     for name, revision in made_by(outbox, inbox).items():

@@ -32,20 +32,23 @@ DEFAULT_SAGAS = "mersal_sagas"
 SAGAS_SUFFIX = "_sagas"
 DEFAULT_SCHEMA = "mersal_schema"
 SCHEMA_SUFFIX = "_schema"
+DEFAULT_DEAD_LETTERS = "mersal_dead_letters"
+DEAD_LETTERS_SUFFIX = "_dead_letters"
 
-HEAD_REVISION = "mersal_0003"
+HEAD_REVISION = "mersal_0004"
 """The Alembic revision (in migrations/versions) the tables below correspond to."""
 
-REVISIONS = ("mersal_0001", "mersal_0002", HEAD_REVISION)
+REVISIONS = ("mersal_0001", "mersal_0002", "mersal_0003", HEAD_REVISION)
 """Every revision of ours, oldest first."""
 
-PAIR_REVISION, SAGAS_REVISION, SCHEMA_REVISION = REVISIONS[:3]
-"""The revisions that create the outbox and inbox, the saga table, and the schema table."""
+PAIR_REVISION, SAGAS_REVISION, SCHEMA_REVISION, DEAD_LETTERS_REVISION = REVISIONS[:4]
+"""The revisions that create the outbox and inbox, the sagas, schema and dead-letter tables."""
 
 COMPATIBLE_WITH = {
     "mersal_0001": "mersal_0001",
     "mersal_0002": "mersal_0001",
     "mersal_0003": "mersal_0001",
+    "mersal_0004": "mersal_0001",
 }
 """Each revision of ours, with the oldest revision whose code still runs on it.
 
@@ -58,6 +61,7 @@ CORRELATION_LENGTH = 255
 SAGA_NAME_LENGTH = 200
 SAGA_ID_LENGTH = 36
 REVISION_LENGTH = 32
+DIGEST_LENGTH = 64
 
 VERSION_SUFFIX = "alembic_version"
 VERSION_NAME_LENGTH = 59
@@ -101,7 +105,12 @@ def check_pair(outbox: str, inbox: str) -> None:
     """A ConfigurationError unless the outbox, the inbox and its saga table are three tables."""
     if outbox == inbox:
         raise ConfigurationError(f"the outbox and the inbox need two tables, not both {outbox!r}")
-    for what, name in (("saga", saga_table_name(inbox)), ("schema", schema_table_name(inbox))):
+    after_inbox = (
+        ("saga", saga_table_name(inbox)),
+        ("schema", schema_table_name(inbox)),
+        ("dead-letter", dead_letters_table_name(inbox)),
+    )
+    for what, name in after_inbox:
         if outbox == name:
             raise ConfigurationError(
                 f"the outbox {outbox!r} would be the {what} table of the inbox {inbox!r}: "
@@ -131,6 +140,16 @@ def schema_table_name(inbox: str) -> str:
     return DEFAULT_SCHEMA if inbox == DEFAULT_INBOX else f"{inbox}{SCHEMA_SUFFIX}"
 
 
+def dead_letters_table_name(inbox: str) -> str:
+    """The dead-letter store of the storage whose inbox is `inbox`.
+
+    `mersal_dead_letters` beside the default inbox, else `<inbox>_dead_letters` (at most 53
+    characters, so that its indexes' names fit PostgreSQL's 63).
+    """
+    check_identifier(inbox, "inbox table")
+    return DEFAULT_DEAD_LETTERS if inbox == DEFAULT_INBOX else f"{inbox}{DEAD_LETTERS_SUFFIX}"
+
+
 def made_by(outbox: str, inbox: str) -> dict[str, str]:
     """The pair's tables (its version table aside), each with the revision of ours creating it."""
     return {
@@ -138,6 +157,7 @@ def made_by(outbox: str, inbox: str) -> dict[str, str]:
         inbox: PAIR_REVISION,
         saga_table_name(inbox): SAGAS_REVISION,
         schema_table_name(inbox): SCHEMA_REVISION,
+        dead_letters_table_name(inbox): DEAD_LETTERS_REVISION,
     }
 
 
@@ -196,6 +216,7 @@ class Tables:
     version: Table
     sagas: Table
     schema: Table
+    dead_letters: Table
 
     @property
     def channel(self) -> str:
@@ -203,9 +224,9 @@ class Tables:
         return self.outbox.name
 
     @property
-    def migrated(self) -> tuple[Table, Table, Table, Table]:
+    def migrated(self) -> tuple[Table, ...]:
         """The tables our revisions create (the version table aside), oldest first."""
-        return (self.outbox, self.inbox, self.sagas, self.schema)
+        return (self.outbox, self.inbox, self.sagas, self.schema, self.dead_letters)
 
     @property
     def made_by(self) -> dict[str, str]:
@@ -235,6 +256,14 @@ def make_tables(
         version_table(version_table_name(outbox, inbox), MetaData()),
         saga_table(saga_table_name(inbox), metadata),
         schema_table(schema_table_name(inbox), metadata),
+        dead_letters_table(dead_letters_table_name(inbox), metadata),
+    )
+
+
+def serial_id() -> Column[int]:
+    """A table's `id`: a 64-bit serial primary key (SQLite's integer rowid)."""
+    return Column(
+        "id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
     )
 
 
@@ -243,12 +272,7 @@ def outbox_table(name: str, metadata: MetaData) -> Table:
     table = Table(
         check_identifier(name, "outbox table"),
         metadata,
-        Column(
-            "id",
-            BigInteger().with_variant(Integer, "sqlite"),
-            primary_key=True,
-            autoincrement=True,
-        ),
+        serial_id(),
         Column("app", String(APP_LENGTH), nullable=False),
         Column("address", Text, nullable=False),
         Column("publish", Boolean, nullable=False),
@@ -321,6 +345,42 @@ def schema_table(name: str, metadata: MetaData) -> Table:
         Column("revision", String(REVISION_LENGTH), primary_key=True),
         Column("compatible_with", String(REVISION_LENGTH), nullable=False),
     )
+
+
+def dead_letters_table(name: str, metadata: MetaData) -> Table:
+    """The dead-letter store: the messages ingested from the error queues, until retried or deleted.
+
+    `key` is a digest of the message as it came from its error queue (one row per dead letter,
+    however often it is delivered); `group_key` digests its failure group, which `group_label`
+    names. `headers` is the JSON object of its headers, `body` its bytes as they came.
+    """
+    table = Table(
+        name,
+        metadata,
+        serial_id(),
+        Column("app", String(APP_LENGTH), nullable=False),
+        Column("key", String(DIGEST_LENGTH), nullable=False),
+        Column("error_queue", Text, nullable=False),
+        Column("source_queue", Text, nullable=True),
+        Column("message_id", Text, nullable=True),
+        Column("type_name", Text, nullable=True),
+        Column("error_type", Text, nullable=True),
+        Column("error_message", Text, nullable=True),
+        Column("traceback", Text, nullable=True),
+        Column("handler", Text, nullable=True),
+        Column("attempts", Integer, nullable=True),
+        Column("failed_at", DateTime(timezone=True), nullable=True),
+        Column("ingested_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        Column("group_key", String(DIGEST_LENGTH), nullable=False),
+        Column("group_label", Text, nullable=False),
+        Column("headers", Text, nullable=False),
+        Column("body", LargeBinary, nullable=False),
+        sqlite_autoincrement=True,
+    )
+    Index(f"ix_{name}_key", table.c.key, unique=True)
+    Index(f"ix_{name}_group", table.c.app, table.c.group_key, table.c.id)
+    Index(f"ix_{name}_app", table.c.app, table.c.id)
+    return table
 
 
 def version_table(name: str, metadata: MetaData) -> Table:

@@ -25,8 +25,8 @@ from mersal_sqlalchemy.tables import (
     INBOX_OPTION,
     OUTBOX_OPTION,
     legacy_version_table_name,
+    made_by,
     migration_table_names,
-    saga_table_name,
     schema_table,
     schema_table_name,
     version_table_name,
@@ -58,7 +58,7 @@ def include_object_for(outbox: str = DEFAULT_OUTBOX, inbox: str = DEFAULT_INBOX)
     your metadata (`make_tables(metadata=...)`), they are compared like your own tables.
     """
     versions = {version_table_name(outbox, inbox), legacy_version_table_name(outbox)}
-    tables = {outbox, inbox, saga_table_name(inbox), schema_table_name(inbox)}
+    tables = {outbox, inbox, *made_by(outbox, inbox)}
 
     def include(
         item: SchemaItem,

@@ -38,7 +38,7 @@ from tests.support import sqlite_file
 
 Mersal = Callable[..., Awaitable[Ran]]
 
-OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas", "mersal_schema"}
+OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas", "mersal_schema", "mersal_dead_letters"}
 
 
 @pytest.fixture
@@ -98,20 +98,21 @@ async def test_an_empty_database_is_reported_and_stamping_it_is_refused(
     assert (current.code, current.out) == (
         0,
         "no revision recorded; the table(s) mersal_outbox, mersal_inbox, mersal_sagas, "
-        "mersal_schema do not exist\n",
+        "mersal_schema, mersal_dead_letters do not exist\n",
     )
     check = await mersal("db", "check", "--database", db)
     assert check.code == 1
     assert check.said == (
-        "mersal: the table(s) mersal_outbox, mersal_inbox, mersal_sagas, mersal_schema do not "
-        f"exist in database {db}: run `mersal db upgrade --database '{db}'`"
+        "mersal: the table(s) mersal_outbox, mersal_inbox, mersal_sagas, mersal_schema, "
+        f"mersal_dead_letters do not exist in database {db}: run `mersal db upgrade --database "
+        f"'{db}'`"
     )
     stamp = await mersal("db", "stamp", "--database", db)
     assert stamp.code == 2
     assert stamp.said == (
-        "mersal: the table(s) mersal_outbox, mersal_inbox, mersal_sagas, mersal_schema do not "
-        f"exist in {db}: create them with `mersal db upgrade --database '{db}'` rather than "
-        "record a revision for them"
+        "mersal: the table(s) mersal_outbox, mersal_inbox, mersal_sagas, mersal_schema, "
+        f"mersal_dead_letters do not exist in {db}: create them with `mersal db upgrade "
+        f"--database '{db}'` rather than record a revision for them"
     )
     assert await tables_in(db) == set()
 
@@ -121,14 +122,14 @@ async def test_upgrade_current_check_stamp_and_downgrade_in_turn(
 ) -> None:
     db = empty_database
     run = mersal
-    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0003 (head)\n"
+    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0004 (head)\n"
     at_base = f"the outbox, inbox and saga tables in {db} are at base (no revision recorded)\n"
 
     upgraded = await run("db", "upgrade", "--database", db)
     assert (upgraded.code, upgraded.out) == (0, at_head)
     assert await tables_in(db) == {*OURS, "mersal_outbox_alembic_version"}
     current = await run("db", "current", "--database", db)
-    assert current.out == "mersal_0003 (head), recorded in mersal_outbox_alembic_version\n"
+    assert current.out == "mersal_0004 (head), recorded in mersal_outbox_alembic_version\n"
     check = await run("db", "check", "--database", db)
     assert (check.code, check.out) == (
         0,
@@ -159,8 +160,9 @@ async def test_history_lists_our_revisions_without_a_database(mersal: Mersal) ->
     history = await mersal("db", "history")
     assert (history.code, history.out) == (
         0,
-        "mersal_0002 -> mersal_0003 (mersal) (head), The schema table: which releases can run "
-        "on the tables.\n"
+        "mersal_0003 -> mersal_0004 (mersal) (head), The dead-letter store.\n"
+        "mersal_0002 -> mersal_0003 (mersal), The schema table: which releases can run on the "
+        "tables.\n"
         "mersal_0001 -> mersal_0002 (mersal), The saga table.\n"
         "<base> -> mersal_0001 (mersal), The outbox and inbox tables.\n",
     )
@@ -196,6 +198,12 @@ async def test_commands_on_a_missing_sqlite_file_do_not_create_it(
                 "CREATE UNIQUE INDEX ix_mersal_sagas_id ON mersal_sagas (id);",
                 "UPDATE mersal_outbox_alembic_version SET version_num='mersal_0002' WHERE "
                 "mersal_outbox_alembic_version.version_num = 'mersal_0001';",
+                "CREATE TABLE mersal_dead_letters (",
+                "CREATE UNIQUE INDEX ix_mersal_dead_letters_key ON mersal_dead_letters (key);",
+                "INSERT INTO mersal_schema (revision, compatible_with) VALUES ('mersal_0004', "
+                "'mersal_0001');",
+                "UPDATE mersal_outbox_alembic_version SET version_num='mersal_0004' WHERE "
+                "mersal_outbox_alembic_version.version_num = 'mersal_0003';",
                 "COMMIT;",
             ],
             id="upgrade for PostgreSQL",
@@ -222,12 +230,16 @@ async def test_commands_on_a_missing_sqlite_file_do_not_create_it(
                 "CREATE TABLE orders_inbox (",
                 "CREATE TABLE orders_inbox_sagas (",
                 "CREATE UNIQUE INDEX ix_orders_inbox_sagas_id ON orders_inbox_sagas (id);",
+                "CREATE TABLE orders_inbox_dead_letters (",
             ],
             id="a URL only for its dialect, and other names",
         ),
         pytest.param(
             ["downgrade", "--sql", "head:base", "--dialect", "postgresql"],
             [
+                "DROP INDEX ix_mersal_dead_letters_key;\n\nDROP TABLE mersal_dead_letters;",
+                "UPDATE mersal_outbox_alembic_version SET version_num='mersal_0003' WHERE "
+                "mersal_outbox_alembic_version.version_num = 'mersal_0004';",
                 "DROP INDEX ix_mersal_sagas_id;\n\nDROP TABLE mersal_sagas;",
                 "DROP TABLE mersal_inbox;",
                 "DROP TABLE mersal_outbox;",
@@ -238,7 +250,7 @@ async def test_commands_on_a_missing_sqlite_file_do_not_create_it(
         ),
         pytest.param(
             ["stamp", "--sql", "--dialect", "sqlite"],
-            ["INSERT INTO mersal_outbox_alembic_version (version_num) VALUES ('mersal_0003')"],
+            ["INSERT INTO mersal_outbox_alembic_version (version_num) VALUES ('mersal_0004')"],
             id="stamp",
         ),
     ],
@@ -299,8 +311,8 @@ async def test_a_migrated_outbox_beside_an_unmigrated_inbox_is_fixed_by_the_comm
     names = {"outbox_table": "billing_outbox", "inbox_table": "billing_inbox"}
     message = await start_error(db, memory_url, **names)
     assert message == (
-        f"the table(s) billing_inbox, billing_inbox_sagas, billing_inbox_schema do not exist in "
-        f"database {db}: run "
+        "the table(s) billing_inbox, billing_inbox_sagas, billing_inbox_schema, "
+        f"billing_inbox_dead_letters do not exist in database {db}: run "
         f"`mersal db upgrade --database '{db}' --outbox-table billing_outbox --inbox-table "
         "billing_inbox`"
     )
@@ -311,9 +323,9 @@ async def test_a_migrated_outbox_beside_an_unmigrated_inbox_is_fixed_by_the_comm
     if made_by == "the release before":  # the first pair is behind, at mersal_0001
         message = await start_error(db, memory_url, outbox_table="billing_outbox")
         assert message == (
-            "the tables are at migration mersal_0001, behind mersal_0003 (the table(s) "
-            f"mersal_sagas, mersal_schema do not exist yet) in database {db}: run `mersal db "
-            f"upgrade --database '{db}' --outbox-table billing_outbox`"
+            "the tables are at migration mersal_0001, behind mersal_0004 (the table(s) "
+            "mersal_sagas, mersal_schema, mersal_dead_letters do not exist yet) in database "
+            f"{db}: run `mersal db upgrade --database '{db}' --outbox-table billing_outbox`"
         )
         [command] = suggested(message)
         assert (await mersal(*command)).code == 0
@@ -337,7 +349,7 @@ async def test_tables_of_your_own_that_lack_a_column_are_not_recorded_at_the_hea
 
     if alembic_project:
         remedy = (
-            "apply revision mersal_0003 in your Alembic project: `alembic upgrade head` if it "
+            "apply revision mersal_0004 in your Alembic project: `alembic upgrade head` if it "
             "includes our versions (after `alembic merge heads` if it shows two heads), else a "
             "migration of your own that adds the columns"
         )
@@ -362,7 +374,7 @@ async def test_tables_of_your_own_that_lack_a_column_are_not_recorded_at_the_hea
     assert (stamp.code, stamp.said) == (
         2,
         "mersal: table mersal_outbox has no column(s) parked_reason, so it is not at "
-        "mersal_0003: record the revision it is at",
+        "mersal_0004: record the revision it is at",
     )
 
 
@@ -473,8 +485,8 @@ async def test_tables_made_without_alembic_are_taken_over_by_upgrade(
     assert (upgraded.code, upgraded.out) == (
         0,
         "found mersal_outbox and mersal_inbox without a revision of ours (made by your own "
-        "migration?): recorded them at mersal_0003 in mersal_outbox_alembic_version\n"
-        f"the outbox, inbox and saga tables in {db} are at mersal_0003 (head)\n",
+        "migration?): recorded them at mersal_0004 in mersal_outbox_alembic_version\n"
+        f"the outbox, inbox and saga tables in {db} are at mersal_0004 (head)\n",
     )
 
 
@@ -525,7 +537,7 @@ async def test_four_upgrades_at_once_on_a_fresh_database_all_succeed(
     db = empty_postgres_url
     inboxes = [f"inbox_{n}" if shared else "billing_inbox" for n in range(4)]
     results = await upgrade_at_once(db, [pair(inbox) for inbox in inboxes])
-    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0003 (head)\n"
+    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0004 (head)\n"
     assert [(code, out.endswith(at_head)) for code, out, _ in results] == [(0, True)] * 4, results
     for inbox in set(inboxes):
         assert await starts(db, memory_url, outbox_table="billing_outbox", inbox_table=inbox)
@@ -566,6 +578,25 @@ async def indexes_of(database: str, name: str) -> list[tuple[str, list[str], boo
     return [(str(i["name"]), [str(c) for c in i["column_names"]], i["unique"]) for i in found]
 
 
+async def add_dead_letter_row(database: str) -> None:
+    """Store one failed message in the dead-letter table."""
+    engine = make_engine(database)
+    row = {
+        "app": "orders",
+        "key": "k" * 64,
+        "error_queue": "error",
+        "group_key": "g" * 64,
+        "group_label": "ValueError: x",
+        "headers": "{}",
+        "body": b"{}",
+    }
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(insert(make_tables().dead_letters).values(**row))
+    finally:
+        await engine.dispose()
+
+
 async def add_saga_row(database: str, inbox: str = "mersal_inbox") -> None:
     """Write the state of one running saga into the saga table of `inbox`."""
     engine = make_engine(database)
@@ -593,7 +624,7 @@ async def test_upgrade_from_base_creates_the_saga_table_and_records_the_head(
     assert await indexes_of(db, "mersal_sagas") == [("ix_mersal_sagas_id", ["id"], True)]
     assert await rows_in(db, "mersal_outbox_alembic_version") == 1
     current = await mersal("db", "current", "--database", db)
-    assert current.out == "mersal_0003 (head), recorded in mersal_outbox_alembic_version\n"
+    assert current.out == "mersal_0004 (head), recorded in mersal_outbox_alembic_version\n"
     await add_saga_row(db)
     with pytest.raises(IntegrityError):  # the same saga of the same app, correlated alike
         await add_saga_row(db)
@@ -613,9 +644,9 @@ async def test_tables_at_the_first_revision_fail_the_start_until_upgraded(
     assert current.out == "mersal_0001, recorded in mersal_outbox_alembic_version\n"
 
     advice = (
-        "the tables are at migration mersal_0001, behind mersal_0003 (the table(s) mersal_sagas, "
-        f"mersal_schema do not exist yet) in database {db}: run `mersal db upgrade --database "
-        f"'{db}'`"
+        "the tables are at migration mersal_0001, behind mersal_0004 (the table(s) mersal_sagas, "
+        f"mersal_schema, mersal_dead_letters do not exist yet) in database {db}: run `mersal db "
+        f"upgrade --database '{db}'`"
     )
     assert await start_error(db, memory_url) == advice
     check = await mersal("db", "check", "--database", db)
@@ -624,7 +655,7 @@ async def test_tables_at_the_first_revision_fail_the_start_until_upgraded(
     upgraded = await mersal(*command)
     assert (upgraded.code, upgraded.out) == (
         0,
-        f"the outbox, inbox and saga tables in {db} are at mersal_0003 (head)\n",
+        f"the outbox, inbox and saga tables in {db} are at mersal_0004 (head)\n",
     )
     assert "mersal_sagas" in await tables_in(db)
     assert await indexes_of(db, "mersal_sagas") == [("ix_mersal_sagas_id", ["id"], True)]
@@ -645,7 +676,7 @@ async def test_downgrading_to_the_first_revision_drops_only_the_saga_table(
     )
     assert await tables_in(db) == {"mersal_outbox", "mersal_inbox", "mersal_outbox_alembic_version"}
     assert await rows_in(db, "mersal_outbox") == 1
-    assert "behind mersal_0003" in await start_error(db, memory_url)
+    assert "behind mersal_0004" in await start_error(db, memory_url)
 
     assert (await mersal("db", "upgrade", "--database", db)).code == 0
     assert await starts(db, memory_url)
@@ -658,7 +689,11 @@ async def test_each_step_back_drops_only_the_table_of_its_revision(
     db = empty_database
     assert (await mersal("db", "upgrade", "--database", db)).code == 0
     await add_outbox_row(db, "mersal_outbox")  # no refusal: the outbox stays
-    for revision, dropped in (("mersal_0002", "mersal_schema"), ("mersal_0001", "mersal_sagas")):
+    for revision, dropped in (
+        ("mersal_0003", "mersal_dead_letters"),
+        ("mersal_0002", "mersal_schema"),
+        ("mersal_0001", "mersal_sagas"),
+    ):
         before = await tables_in(db)
         back = await mersal("db", "downgrade", "-1", "--database", db)
         assert (back.code, back.out) == (
@@ -697,6 +732,26 @@ async def test_a_saga_table_holding_rows_is_dropped_only_with_force(
     assert "mersal_sagas" not in await tables_in(db)
 
 
+async def test_a_dead_letter_table_holding_failures_is_dropped_only_with_force(
+    empty_database: str, mersal: Mersal
+) -> None:
+    db = empty_database
+    assert (await mersal("db", "upgrade", "--database", db)).code == 0
+    await add_dead_letter_row(db)
+
+    refused = await mersal("db", "downgrade", "mersal_0003", "--database", db)
+    assert (refused.code, refused.said) == (
+        2,
+        f"mersal: mersal_dead_letters in {db} holds 1 row(s), failed messages not retried or "
+        "deleted yet: the downgrade would drop them; pass --force to drop them anyway",
+    )
+    assert await rows_in(db, "mersal_dead_letters") == 1
+
+    forced = await mersal("db", "downgrade", "mersal_0003", "--force", "--database", db)
+    assert forced.code == 0, forced.err
+    assert "mersal_dead_letters" not in await tables_in(db)
+
+
 async def test_the_saga_table_of_other_table_names_is_named_after_the_inbox(
     empty_database: str, memory_url: str, mersal: Mersal
 ) -> None:
@@ -708,6 +763,7 @@ async def test_the_saga_table_of_other_table_names_is_named_after_the_inbox(
         "billing_inbox",
         "billing_inbox_sagas",
         "billing_inbox_schema",
+        "billing_inbox_dead_letters",
         "billing_outbox_billing_inbox_alembic_version",
     }
     indexes = await indexes_of(db, "billing_inbox_sagas")
@@ -738,6 +794,8 @@ async def test_pairs_sharing_an_inbox_share_its_saga_table_and_downgrades_leave_
         "another pair of tables\n"
         "left shared_inbox_schema: shipping_outbox_shared_inbox_alembic_version records it for "
         "another pair of tables\n"
+        "left shared_inbox_dead_letters: shipping_outbox_shared_inbox_alembic_version records it "
+        "for another pair of tables\n"
         f"the outbox, inbox and saga tables in {db} are at mersal_0001\n",
     )
     assert "shared_inbox_sagas" in await tables_in(db)
@@ -748,10 +806,14 @@ async def test_pairs_sharing_an_inbox_share_its_saga_table_and_downgrades_leave_
         "left shared_inbox: billing_outbox_shared_inbox_alembic_version records it for another "
         "pair of tables\n"
         f"the outbox, inbox and saga tables in {db} are at base (no revision recorded)\n",
-    ), down.err  # the billing pair, at mersal_0001, has no saga or schema table: they went
-    assert not {"shipping_outbox", "shared_inbox_sagas", "shared_inbox_schema"} & await tables_in(
-        db
-    )
+    ), down.err  # the billing pair, at mersal_0001, has none of the inbox's later tables: they went
+    gone = {
+        "shipping_outbox",
+        "shared_inbox_sagas",
+        "shared_inbox_schema",
+        "shared_inbox_dead_letters",
+    }
+    assert not gone & await tables_in(db)
     assert {"billing_outbox", "shared_inbox"} <= await tables_in(db)
 
     names = {"outbox_table": "billing_outbox", "inbox_table": "shared_inbox"}
@@ -767,11 +829,19 @@ SAGA_COLUMNS = "app, saga, correlation, id, revision, data, created_at, updated_
 NAMED_AFTER_THE_INBOX = [
     ("schema", "orders_schema", "revision, compatible_with", "mersal_0002"),
     ("saga", "orders_sagas", SAGA_COLUMNS, "mersal_0001"),
+    (
+        "dead-letter",
+        "orders_dead_letters",
+        ", ".join(column.name for column in make_tables().dead_letters.columns),
+        "mersal_0003",
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("what", "name", "ours", "before"), NAMED_AFTER_THE_INBOX, ids=["schema", "sagas"]
+    ("what", "name", "ours", "before"),
+    NAMED_AFTER_THE_INBOX,
+    ids=["schema", "sagas", "dead-letters"],
 )
 async def test_a_table_of_your_own_named_after_the_inbox_fails_the_upgrade_and_is_kept(
     empty_database: str, mersal: Mersal, what: str, name: str, ours: str, before: str
@@ -818,7 +888,7 @@ async def test_the_start_brings_tables_at_the_first_revision_to_the_head_when_cr
     assert await indexes_of(db, "mersal_sagas") == [("ix_mersal_sagas_id", ["id"], True)]
     assert await rows_in(db, "mersal_outbox") == 1
     current = await mersal("db", "current", "--database", db)
-    assert current.out == "mersal_0003 (head), recorded in mersal_outbox_alembic_version\n"
+    assert current.out == "mersal_0004 (head), recorded in mersal_outbox_alembic_version\n"
     down = await mersal("db", "downgrade", "mersal_0001", "--database", db)
     assert down.code == 0, down.err  # what the start made, the revision undoes
     assert "mersal_sagas" not in await tables_in(db)
@@ -854,10 +924,10 @@ async def test_tables_of_your_own_without_the_saga_table_are_upgraded_from_the_f
     upgrade = await mersal("db", "upgrade", "--database", db)
     if alembic_project:
         assert check.said == (
-            f"mersal: the table(s) mersal_sagas, mersal_schema do not exist in database {db}: "
-            "apply revision mersal_0003 in your Alembic project: `alembic upgrade head` if it "
-            "includes our versions (after `alembic merge heads` if it shows two heads), else a "
-            "migration of your own that adds the table(s)"
+            "mersal: the table(s) mersal_sagas, mersal_schema, mersal_dead_letters do not exist "
+            f"in database {db}: apply revision mersal_0004 in your Alembic project: `alembic "
+            "upgrade head` if it includes our versions (after `alembic merge heads` if it shows "
+            "two heads), else a migration of your own that adds the table(s)"
         )
         assert (upgrade.code, upgrade.said) == (
             2,
@@ -870,24 +940,25 @@ async def test_tables_of_your_own_without_the_saga_table_are_upgraded_from_the_f
         head = await mersal("db", "stamp", "head", "--database", db)
         assert (head.code, head.said) == (
             2,
-            f"mersal: the table(s) mersal_sagas, mersal_schema do not exist in {db}, so the "
-            "tables are not at mersal_0003: record the revision they are at with `mersal db "
-            f"stamp mersal_0001 --database '{db}'`, then run `mersal db upgrade --database '{db}'`",
+            "mersal: the table(s) mersal_sagas, mersal_schema, mersal_dead_letters do not exist "
+            f"in {db}, so the tables are not at mersal_0004: record the revision they are at "
+            f"with `mersal db stamp mersal_0001 --database '{db}'`, then run `mersal db upgrade "
+            f"--database '{db}'`",
         )
         for command in suggested(head.said):
             ran = await mersal(*command)
             assert ran.code == 0, ran.err
-        assert ran.out == f"the outbox, inbox and saga tables in {db} are at mersal_0003 (head)\n"
+        assert ran.out == f"the outbox, inbox and saga tables in {db} are at mersal_0004 (head)\n"
     else:
         assert check.said == (
-            f"mersal: the table(s) mersal_sagas, mersal_schema do not exist in database {db}: "
-            f"run `mersal db upgrade --database '{db}'`"
+            "mersal: the table(s) mersal_sagas, mersal_schema, mersal_dead_letters do not exist "
+            f"in database {db}: run `mersal db upgrade --database '{db}'`"
         )
         assert (upgrade.code, upgrade.out) == (
             0,
             "found mersal_outbox and mersal_inbox without a revision of ours (made by your own "
             "migration?): recorded them at mersal_0001 in mersal_outbox_alembic_version\n"
-            f"the outbox, inbox and saga tables in {db} are at mersal_0003 (head)\n",
+            f"the outbox, inbox and saga tables in {db} are at mersal_0004 (head)\n",
         )
     assert "mersal_sagas" in await tables_in(db)
     assert await starts(db, memory_url)

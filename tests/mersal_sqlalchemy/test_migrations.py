@@ -32,7 +32,7 @@ MIGRATIONS_PAGE = HERE.parents[1] / "docs" / "setup" / "migrations.md"
 ENV_SAMPLE = HERE.parents[1] / "docs" / "samples" / "alembic_env.py"
 TEMPLATE = Path(alembic.__file__).parent / "templates" / "async" / "script.py.mako"
 NO_CHANGES = "No new upgrade operations detected."
-OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas", "mersal_schema"}
+OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas", "mersal_schema", "mersal_dead_letters"}
 
 CUSTOMERS = '''"""Customers."""
 
@@ -193,7 +193,7 @@ async def test_our_branch_in_your_project_upgrades_to_head_after_one_merge(
 ) -> None:
     project = write_project(tmp_path / "project", empty_database, our_branch=True)
     heads = await project.alembic("heads")
-    assert sorted(heads.out.splitlines()) == ["mersal_0003 (mersal) (head)", "u0001 (head)"]
+    assert sorted(heads.out.splitlines()) == ["mersal_0004 (mersal) (head)", "u0001 (head)"]
     refused = await project.alembic("upgrade", "head")
     assert refused.code != 0
     assert refused.out.startswith(
@@ -216,6 +216,7 @@ async def test_our_branch_in_your_project_upgrades_to_head_after_one_merge(
         "mersal_outbox",
         "mersal_sagas",
         "mersal_schema",
+        "mersal_dead_letters",
     }
     checked = await project.alembic("check")
     assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
@@ -234,15 +235,15 @@ async def test_without_a_merge_upgrade_heads_works_and_check_finds_nothing(
 
     assert await mersal("db", "current", "--database", empty_database) == 0
     assert capsys.readouterr().out == (
-        "mersal_0003 (head), recorded in alembic_version (your Alembic project's)\n"
+        "mersal_0004 (head), recorded in alembic_version (your Alembic project's)\n"
     )
     for action in ("upgrade", "downgrade"):
         arguments = ["base"] if action == "downgrade" else []
         assert await mersal("db", action, *arguments, "--database", empty_database) == 2
         assert capsys.readouterr().err == (
             f"mersal: the tables in {empty_database} are migrated by your own Alembic project "
-            f"(mersal_0003 in alembic_version): {action} them there (`alembic {action} ...`), "
-            f"or take them over with `mersal db stamp mersal_0003 --database '{empty_database}'` "
+            f"(mersal_0004 in alembic_version): {action} them there (`alembic {action} ...`), "
+            f"or take them over with `mersal db stamp mersal_0004 --database '{empty_database}'` "
             "first\n"
         )
     assert await table_names(empty_database) >= OURS
@@ -260,7 +261,13 @@ async def test_our_branch_takes_the_table_names_from_alembic_ini(
     upgraded = await project.alembic("upgrade", "head")
     assert upgraded.code == 0, upgraded.err
     tables = await table_names(empty_postgres_url)
-    assert {"orders_outbox", "orders_inbox", "orders_inbox_sagas"} <= tables
+    assert {
+        "orders_outbox",
+        "orders_inbox",
+        "orders_inbox_sagas",
+        "orders_inbox_schema",
+        "orders_inbox_dead_letters",
+    } <= tables
     assert not OURS & tables
     checked = await project.alembic("check")
     assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
@@ -284,6 +291,7 @@ async def test_tables_you_own_are_refused_by_upgrade_and_recorded_by_stamp(
     assert "op.create_table('mersal_outbox'" in written
     assert "op.create_table('mersal_inbox'" in written
     assert "op.create_table('mersal_sagas'" in written
+    assert "op.create_table('mersal_dead_letters'" in written
     assert (await project.alembic("upgrade", "head")).code == 0
     checked = await project.alembic("check")
     assert (checked.code, checked.out.strip()) == (0, NO_CHANGES), checked.err
@@ -295,7 +303,7 @@ async def test_tables_you_own_are_refused_by_upgrade_and_recorded_by_stamp(
     assert "mersal_outbox_alembic_version" not in await table_names(empty_database)
 
     assert await mersal("db", "stamp", "head", "--database", empty_database) == 0
-    at_head = f"the outbox, inbox and saga tables in {empty_database} are at mersal_0003 (head)\n"
+    at_head = f"the outbox, inbox and saga tables in {empty_database} are at mersal_0004 (head)\n"
     assert capsys.readouterr().out == at_head
     assert await mersal("db", "upgrade", "--database", empty_database) == 0
     assert capsys.readouterr().out == at_head
@@ -365,10 +373,10 @@ async def test_our_next_revision_reaches_your_project_through_alembic(
 
     if merged:
         assert await start_error(empty_database, memory_url) == (
-            "the table(s) mersal_sagas, mersal_schema do not exist in database "
-            f"{empty_database}: apply revision mersal_0003 in your Alembic project: `alembic "
-            "upgrade head` if it includes our versions (after `alembic merge heads` if it shows "
-            "two heads), else a migration of your own that adds the table(s)"
+            "the table(s) mersal_sagas, mersal_schema, mersal_dead_letters do not exist in "
+            f"database {empty_database}: apply revision mersal_0004 in your Alembic project: "
+            "`alembic upgrade head` if it includes our versions (after `alembic merge heads` if it "
+            "shows two heads), else a migration of your own that adds the table(s)"
         )
         heads = await project.alembic("heads")
         assert len(heads.out.splitlines()) == 2
@@ -376,10 +384,10 @@ async def test_our_next_revision_reaches_your_project_through_alembic(
         upgraded = await project.alembic("upgrade", "head")
     else:
         assert await start_error(empty_database, memory_url) == (
-            "the tables are at migration mersal_0001, behind mersal_0003 (the table(s) "
-            f"mersal_sagas, mersal_schema do not exist yet) in database {empty_database}: they "
-            "are migrated by your own Alembic project: run `alembic upgrade heads` there (after "
-            "`alembic merge heads`, `alembic upgrade head` does it too)"
+            "the tables are at migration mersal_0001, behind mersal_0004 (the table(s) "
+            "mersal_sagas, mersal_schema, mersal_dead_letters do not exist yet) in database "
+            f"{empty_database}: they are migrated by your own Alembic project: run `alembic "
+            "upgrade heads` there (after `alembic merge heads`, `alembic upgrade head` does it too)"
         )
         upgraded = await project.alembic("upgrade", "heads")
     assert upgraded.code == 0, upgraded.err
@@ -422,15 +430,15 @@ async def test_an_empty_version_table_without_the_tables_is_a_fresh_database(
     capsys.readouterr()
     assert await mersal("db", "check", "--database", empty_database) == 1
     assert capsys.readouterr().err == (
-        "mersal: the table(s) mersal_outbox, mersal_inbox, mersal_sagas, mersal_schema do not "
-        f"exist in database {empty_database}: run `mersal db upgrade --database "
-        f"'{empty_database}'`\n"
+        "mersal: the table(s) mersal_outbox, mersal_inbox, mersal_sagas, mersal_schema, "
+        f"mersal_dead_letters do not exist in database {empty_database}: run `mersal db upgrade "
+        f"--database '{empty_database}'`\n"
     )
     async with orders_app(empty_database, memory_url, Probe(), create_tables=True) as app:
         assert app.running  # created them, as on a fresh database
     assert await mersal("db", "current", "--database", empty_database) == 0
     assert capsys.readouterr().out == (
-        "mersal_0003 (head), recorded in mersal_outbox_alembic_version\n"
+        "mersal_0004 (head), recorded in mersal_outbox_alembic_version\n"
     )
     assert await mersal("db", "downgrade", "base", "--database", empty_database) == 0
     assert await mersal("db", "upgrade", "--database", empty_database) == 0

@@ -28,6 +28,7 @@ from mersal_sqlalchemy.migrations import include_object_for
 from mersal_sqlalchemy.tables import (
     COMPATIBLE_WITH,
     REVISIONS,
+    dead_letters_table_name,
     migration_table_names,
     saga_table_name,
     schema_table_name,
@@ -79,7 +80,7 @@ async def schema_of(database: str) -> dict[str, Any]:
         await engine.dispose()
 
 
-OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas", "mersal_schema"}
+OURS = {"mersal_outbox", "mersal_inbox", "mersal_sagas", "mersal_schema", "mersal_dead_letters"}
 
 
 def with_password(url: str, password: str) -> str:
@@ -109,7 +110,14 @@ async def test_db_upgrade_on_an_empty_database_creates_the_tables(
         ("created_at", "TIMESTAMP", False),
         ("updated_at", "TIMESTAMP", False),
     ]
-    said = f"the outbox, inbox and saga tables in {empty_postgres_url} are at mersal_0003 (head)\n"
+    dead_letters = schema["mersal_dead_letters"]
+    assert dead_letters["primary_key"] == ("id",)
+    assert dead_letters["indexes"] == [
+        ("ix_mersal_dead_letters_app", ("app", "id"), False),
+        ("ix_mersal_dead_letters_group", ("app", "group_key", "id"), False),
+        ("ix_mersal_dead_letters_key", ("key",), True),
+    ]
+    said = f"the outbox, inbox and saga tables in {empty_postgres_url} are at mersal_0004 (head)\n"
     assert capsys.readouterr().out == said
     # a second run finds nothing to do
     assert await asyncio.to_thread(main, ["db", "upgrade", "--database", empty_postgres_url]) == 0
@@ -216,7 +224,8 @@ def test_the_head_revision_in_the_code_is_the_head_of_the_migrations() -> None:
     scripts = ScriptDirectory.from_config(alembic_config("sqlite:///unused.db", "a", "b"))
     assert scripts.get_heads() == [HEAD_REVISION]
     walked = [script.revision for script in scripts.walk_revisions()]
-    assert walked == list(reversed(REVISIONS)) == ["mersal_0003", "mersal_0002", "mersal_0001"]
+    assert walked == list(reversed(REVISIONS))
+    assert REVISIONS == ("mersal_0001", "mersal_0002", "mersal_0003", "mersal_0004")
 
 
 def test_each_revision_declares_the_compatibility_the_code_records() -> None:
@@ -270,9 +279,15 @@ def test_the_saga_table_has_the_columns_the_saga_store_uses() -> None:
 
 
 @pytest.mark.parametrize(
-    ("outbox", "inbox"), [("orders_sagas", "orders"), ("orders_schema", "orders"), ("x", "x")]
+    ("outbox", "inbox"),
+    [
+        ("orders_sagas", "orders"),
+        ("orders_schema", "orders"),
+        ("orders_dead_letters", "orders"),
+        ("x", "x"),
+    ],
 )
-def test_an_outbox_named_like_the_inbox_or_its_saga_or_schema_table_is_refused(
+def test_an_outbox_named_like_the_inbox_or_a_table_named_after_it_is_refused(
     outbox: str, inbox: str
 ) -> None:
     with pytest.raises(ConfigurationError, match="the outbox"):
@@ -281,10 +296,14 @@ def test_an_outbox_named_like_the_inbox_or_its_saga_or_schema_table_is_refused(
         migration_table_names({"outbox_table": outbox, "inbox_table": inbox})
 
 
-def test_include_object_hides_the_saga_and_schema_tables_our_migrations_made() -> None:
+def test_include_object_hides_the_tables_our_migrations_made_after_the_inbox() -> None:
     include = include_object_for("billing_outbox", "billing_inbox")
     tables = make_tables("billing_outbox", "billing_inbox")
-    for table, other in ((tables.sagas, "mersal_sagas"), (tables.schema, "mersal_schema")):
+    for table, other in (
+        (tables.sagas, "mersal_sagas"),
+        (tables.schema, "mersal_schema"),
+        (tables.dead_letters, "mersal_dead_letters"),
+    ):
         assert not include(table, table.name, "table", True, None)
         assert include(table, table.name, "table", True, table)  # on your metadata
         assert include(table, other, "table", True, None)  # another pair's
@@ -465,6 +484,7 @@ async def test_a_database_the_release_before_migrated_is_behind_until_upgraded(
     outbox = names.get("outbox_table", "mersal_outbox")
     sagas = saga_table_name(names.get("inbox_table", "mersal_inbox"))
     schema = schema_table_name(names.get("inbox_table", "mersal_inbox"))
+    dead_letters = dead_letters_table_name(names.get("inbox_table", "mersal_inbox"))
     engine = make_engine(db)
     async with engine.begin() as connection:
         await connection.execute(
@@ -479,15 +499,16 @@ async def test_a_database_the_release_before_migrated_is_behind_until_upgraded(
         await behind.start()
     upgrade_command = " ".join(["mersal db upgrade --database", f"'{db}'", *flags])
     assert str(raised.value) == (
-        "the tables are at migration mersal_0001, behind mersal_0003 (the table(s) "
-        f"{sagas}, {schema} do not exist yet) in database {db}: run `{upgrade_command}`"
+        "the tables are at migration mersal_0001, behind mersal_0004 (the table(s) "
+        f"{sagas}, {schema}, {dead_letters} do not exist yet) in database {db}: run "
+        f"`{upgrade_command}`"
     )
 
     capsys.readouterr()
     assert await asyncio.to_thread(main, ["db", "current", "--database", db, *flags]) == 0
     assert capsys.readouterr().out == f"mersal_0001, recorded in {outbox}_alembic_version\n"
     assert await asyncio.to_thread(main, ["db", "upgrade", "--database", db, *flags]) == 0
-    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0003 (head)\n"
+    at_head = f"the outbox, inbox and saga tables in {db} are at mersal_0004 (head)\n"
     assert capsys.readouterr().out == found + at_head
     assert await asyncio.to_thread(main, ["db", "upgrade", "--database", db, *flags]) == 0
     assert capsys.readouterr().out == at_head
@@ -504,8 +525,8 @@ PACKAGES = ("mersal", "mersal_sqlalchemy")
 
 NEXT_REVISION = '''"""An audit table.
 
-Revision ID: mersal_0004
-Revises: mersal_0003
+Revision ID: mersal_0005
+Revises: mersal_0004
 Create Date: 2026-06-01 00:00:00
 """
 
@@ -514,8 +535,8 @@ from alembic import op
 
 from mersal_sqlalchemy.migrations import record_compatibility, table_names
 
-revision = "mersal_0004"
-down_revision = "mersal_0003"
+revision = "mersal_0005"
+down_revision = "mersal_0004"
 branch_labels = None
 depends_on = None
 compatible_with = "{compatible_with}"
@@ -533,12 +554,12 @@ def downgrade() -> None:
 '''
 
 RELEASE_TABLES = {  # what the newer release's tables.py says of its revisions
-    'HEAD_REVISION = "mersal_0003"': 'HEAD_REVISION = "mersal_0004"',
-    'REVISIONS = ("mersal_0001", "mersal_0002", HEAD_REVISION)': (
-        'REVISIONS = ("mersal_0001", "mersal_0002", "mersal_0003", HEAD_REVISION)'
+    'HEAD_REVISION = "mersal_0004"': 'HEAD_REVISION = "mersal_0005"',
+    'REVISIONS = ("mersal_0001", "mersal_0002", "mersal_0003", HEAD_REVISION)': (
+        'REVISIONS = ("mersal_0001", "mersal_0002", "mersal_0003", "mersal_0004", HEAD_REVISION)'
     ),
-    '    "mersal_0003": "mersal_0001",\n}': (
-        '    "mersal_0003": "mersal_0001",\n    "mersal_0004": "{compatible_with}",\n}'
+    '    "mersal_0004": "mersal_0001",\n}': (
+        '    "mersal_0004": "mersal_0001",\n    "mersal_0005": "{compatible_with}",\n}'
     ),
 }
 
@@ -557,7 +578,7 @@ class Release:
 
 
 def next_release(directory: Path, compatible_with: str) -> Release:
-    """This package tree with `mersal_0004`, on which code of `compatible_with` or later runs."""
+    """This package tree with `mersal_0005`, on which code of `compatible_with` or later runs."""
     for package in PACKAGES:
         shutil.copytree(
             ROOT / package, directory / package, ignore=shutil.ignore_patterns("__pycache__")
@@ -569,7 +590,7 @@ def next_release(directory: Path, compatible_with: str) -> Release:
         source = source.replace(old, new.replace("{compatible_with}", compatible_with))
     tables.write_text(source)
     versions = directory / "mersal_sqlalchemy" / "migrations" / "versions"
-    (versions / "0004_audit.py").write_text(NEXT_REVISION.format(compatible_with=compatible_with))
+    (versions / "0005_audit.py").write_text(NEXT_REVISION.format(compatible_with=compatible_with))
     return Release(directory)
 
 
@@ -602,18 +623,18 @@ async def test_an_additive_revision_of_a_newer_release_keeps_this_release_runnin
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     db = empty_database
-    newer = next_release(tmp_path / "next", compatible_with="mersal_0003")
+    newer = next_release(tmp_path / "next", compatible_with="mersal_0004")
     upgraded = await newer.mersal("db", "upgrade", "--database", db)
     assert upgraded.code == 0, upgraded.err
-    assert upgraded.out == f"the outbox, inbox and saga tables in {db} are at mersal_0004 (head)\n"
+    assert upgraded.out == f"the outbox, inbox and saga tables in {db} are at mersal_0005 (head)\n"
     await create_business_tables(db)
 
     caplog.set_level(logging.INFO, logger="mersal.sqlalchemy")
     assert await handles_a_message(db, memory_url)
     newer_and_compatible = (
-        f"the tables in {db} are at migration mersal_0004 (in mersal_outbox_alembic_version), "
+        f"the tables in {db} are at migration mersal_0005 (in mersal_outbox_alembic_version), "
         f"newer than this version of mersal_sqlalchemy ({HEAD_REVISION}) and compatible with "
-        "it: mersal_0004 runs code of mersal_0003 or later"
+        "it: mersal_0005 runs code of mersal_0004 or later"
     )
     logged = [r for r in caplog.records if r.name == "mersal.sqlalchemy"]
     assert [(r.levelno, r.getMessage()) for r in logged][:1] == [
@@ -625,15 +646,15 @@ async def test_an_additive_revision_of_a_newer_release_keeps_this_release_runnin
     assert capsys.readouterr().out == newer_and_compatible + "\n"
     assert await asyncio.to_thread(main, ["db", "current", "--database", db]) == 0
     assert capsys.readouterr().out == (
-        "mersal_0004, recorded in mersal_outbox_alembic_version (newer than this release's "
-        "mersal_0003; code of mersal_0003 or later runs on it)\n"
+        "mersal_0005, recorded in mersal_outbox_alembic_version (newer than this release's "
+        "mersal_0004; code of mersal_0004 or later runs on it)\n"
     )
     assert await asyncio.to_thread(main, ["db", "upgrade", "--database", db]) == 0
     assert capsys.readouterr().out == newer_and_compatible + ": nothing to upgrade\n"
 
-    back = await newer.mersal("db", "downgrade", "mersal_0003", "--database", db)
+    back = await newer.mersal("db", "downgrade", "mersal_0004", "--database", db)
     assert back.code == 0, back.err  # no --force: the revision only added a table
-    assert back.out == f"the outbox, inbox and saga tables in {db} are at mersal_0003\n"
+    assert back.out == f"the outbox, inbox and saga tables in {db} are at mersal_0004\n"
     assert await asyncio.to_thread(main, ["db", "check", "--database", db]) == 0
 
 
@@ -641,17 +662,17 @@ async def test_a_revision_that_breaks_older_code_is_refused_with_what_it_needs(
     empty_database: str, tmp_path: Path, memory_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     db = empty_database
-    newer = next_release(tmp_path / "next", compatible_with="mersal_0004")
+    newer = next_release(tmp_path / "next", compatible_with="mersal_0005")
     upgraded = await newer.mersal("db", "upgrade", "--database", db)
     assert upgraded.code == 0, upgraded.err
     await create_business_tables(db)
 
     refused = (
-        "the tables are at migration mersal_0004 (in mersal_outbox_alembic_version), on which "
-        "only code of mersal_0004 or later runs: this version of mersal_sqlalchemy is at "
-        f"mersal_0003 in database {db}: install a newer release of mersal-bus[sqlalchemy], one "
-        "that knows mersal_0004; or, to run this one, undo the migration with the release that "
-        f"made it: `mersal db downgrade mersal_0003 --database '{db}'`"
+        "the tables are at migration mersal_0005 (in mersal_outbox_alembic_version), on which "
+        "only code of mersal_0005 or later runs: this version of mersal_sqlalchemy is at "
+        f"mersal_0004 in database {db}: install a newer release of mersal-bus[sqlalchemy], one "
+        "that knows mersal_0005; or, to run this one, undo the migration with the release that "
+        f"made it: `mersal db downgrade mersal_0004 --database '{db}'`"
     )
     app = orders_app(db, memory_url, Probe(), create_tables=False)
     with pytest.raises(ConfigurationError) as raised:
@@ -664,8 +685,8 @@ async def test_a_revision_that_breaks_older_code_is_refused_with_what_it_needs(
     assert capsys.readouterr().err == f"mersal: {refused}\n"
     assert await asyncio.to_thread(main, ["db", "current", "--database", db]) == 0
     assert capsys.readouterr().out == (
-        "mersal_0004, recorded in mersal_outbox_alembic_version (newer than this release's "
-        "mersal_0003; it needs code of mersal_0004 or later)\n"
+        "mersal_0005, recorded in mersal_outbox_alembic_version (newer than this release's "
+        "mersal_0004; it needs code of mersal_0005 or later)\n"
     )
     assert await asyncio.to_thread(main, ["db", "upgrade", "--database", db]) == 2
     assert capsys.readouterr().err == f"mersal: {refused}\n"
@@ -676,11 +697,11 @@ async def test_a_revision_that_breaks_older_code_is_refused_with_what_it_needs(
     assert await handles_a_message(db, memory_url)
 
 
-AT_NEXT = "UPDATE mersal_outbox_alembic_version SET version_num = 'mersal_0004'"
+AT_NEXT = "UPDATE mersal_outbox_alembic_version SET version_num = 'mersal_0005'"
 """What a newer release's upgrade records, without its revision (the tables stay as they are)."""
 
 WITH_THE_NEWER_RELEASE = (
-    "with the release of mersal-bus[sqlalchemy] that migrated them (it knows mersal_0004), run "
+    "with the release of mersal-bus[sqlalchemy] that migrated them (it knows mersal_0005), run "
 )
 
 BROKEN_SCHEMA_TABLES = {
@@ -691,19 +712,19 @@ BROKEN_SCHEMA_TABLES = {
         ", or unknown to it; no compatibility recorded)",
     ),
     "not a revision": (
-        ["INSERT INTO mersal_schema VALUES ('mersal_0004', 'garbage')"],
-        "the tables are at migration mersal_0004 (in mersal_outbox_alembic_version), and the "
-        "row of mersal_0004 in mersal_schema records compatible_with 'garbage', which is not a "
+        ["INSERT INTO mersal_schema VALUES ('mersal_0005', 'garbage')"],
+        "the tables are at migration mersal_0005 (in mersal_outbox_alembic_version), and the "
+        "row of mersal_0005 in mersal_schema records compatible_with 'garbage', which is not a "
         "Mersal revision: this version of mersal_sqlalchemy cannot tell whether it runs on them "
         "in database {db}: set that row's compatible_with to the one in the revision file of "
-        "mersal_0004, in the release of mersal-bus[sqlalchemy] that made it; or run that release",
-        "; the compatible_with recorded for mersal_0004 in mersal_schema, 'garbage', is not a "
+        "mersal_0005, in the release of mersal-bus[sqlalchemy] that made it; or run that release",
+        "; the compatible_with recorded for mersal_0005 in mersal_schema, 'garbage', is not a "
         "Mersal revision)",
     ),
     "missing": (
         ["DROP TABLE mersal_schema"],
         "the table(s) mersal_schema do not exist (without the schema table, this version of "
-        "mersal_sqlalchemy cannot tell whether it runs on mersal_0004) in database {db}: "
+        "mersal_sqlalchemy cannot tell whether it runs on mersal_0005) in database {db}: "
         "mersal_outbox_alembic_version records tables that are gone: "
         + WITH_THE_NEWER_RELEASE
         + "`mersal db stamp base --database '{db}'`, then `mersal db upgrade --database '{db}'`",
@@ -732,6 +753,6 @@ async def test_a_broken_schema_table_at_a_newer_revision_is_refused_saying_what_
     assert capsys.readouterr().err == f"mersal: {refused}\n"
     assert await asyncio.to_thread(main, ["db", "current", "--database", db]) == 0
     assert capsys.readouterr().out == (
-        "mersal_0004, recorded in mersal_outbox_alembic_version (newer than this release's "
-        f"mersal_0003{compatibility}\n"
+        "mersal_0005, recorded in mersal_outbox_alembic_version (newer than this release's "
+        f"mersal_0004{compatibility}\n"
     )

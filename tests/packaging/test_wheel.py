@@ -26,7 +26,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, HEAD_REVISION
+from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, HEAD_REVISION, made_by
 
 pytestmark = pytest.mark.packaging
 
@@ -218,7 +218,7 @@ def test_the_installed_mersal_command_has_the_adapters_commands_and_migrates(
     venv: Path, tmp_path: Path
 ) -> None:
     usage = run(venv / "bin" / "mersal", "--help", cwd=tmp_path).stdout.splitlines()[0]
-    assert usage == "usage: mersal [-h] {run,dlq,status,db,outbox,queues} ..."
+    assert usage == "usage: mersal [-h] {run,dlq,status,db,failures,outbox,queues} ..."
     database = f"sqlite+aiosqlite:///{tmp_path / 'orders.db'}"
     upgraded = run(venv / "bin" / "mersal", "db", "upgrade", "--database", database, cwd=tmp_path)
     assert upgraded.stdout == (
@@ -226,4 +226,4 @@ def test_the_installed_mersal_command_has_the_adapters_commands_and_migrates(
     )
     with sqlite3.connect(tmp_path / "orders.db") as connection:
         tables = {row[0] for row in connection.execute("select name from sqlite_master")}
-    assert {DEFAULT_OUTBOX, DEFAULT_INBOX} <= tables
+    assert set(made_by(DEFAULT_OUTBOX, DEFAULT_INBOX)) <= tables  # each revision's table
