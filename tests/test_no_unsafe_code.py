@@ -260,6 +260,7 @@ def test_the_command_line_import_takes_only_the_target_given_on_the_command_line
         ["mersal/cli/run.py", "open_app(args.target)"],
         ["mersal/cli/status.py", "load_app(args.app)"],
         ["mersal_rabbitmq/migrating.py", "load_app(args.app)"],
+        ["mersal_sqlalchemy/failure_commands.py", "load_app(args.app)"],
     ]
 
 
