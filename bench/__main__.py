@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "sqlite": "bench.sqlite",
     "scaleout": "bench.scaleout",
     "amqp10": "bench.amqp10",
+    "dead_letters": "bench.dead_letters",
 }
 """Every benchmark by name: a module with `async def run() -> dict[str, float | int]`."""
 
