@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 unexport PYTHONDONTWRITEBYTECODE
 
 # Paths that ruff looks at; ones that do not exist (yet) are left out.
-LINT_PATHS := $(wildcard mersal mersal_amqp10 mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples \
+LINT_PATHS := $(wildcard mersal mersal_amqp10 mersal_dashboard mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples \
 	scripts/docs-samples)
 
 .PHONY: help run services test test-lowest lint format bench chaos cluster-test fuzz docs \

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from sqlalchemy import event, func, select
 
-from mersal import App, Header, MessageContext, RetryPolicy, message
+from mersal import App, Header
 from mersal.dead_letters import DeadLetters, Held
 from mersal.messages import Envelope
 from mersal.transport import Outgoing, Transport
@@ -18,57 +17,10 @@ from mersal.transport.memory import MemoryTransport
 from mersal.urls import mask
 from mersal_rabbitmq import RabbitMQTransport
 from mersal_sqlalchemy.dead_letters import DeadLetterStore
+from tests.payments import Charge, Payments, running_payments
 from tests.support import eventually, mersal
 
 IDLE = 0.2
-
-
-@message("tests.dead_letter_store.Charge.v1")
-@dataclass
-class Charge:
-    """A command that fails while the card service is broken."""
-
-    order_id: str
-
-
-class CardDeclined(Exception):
-    """The handler's failure, on purpose."""
-
-
-@dataclass
-class Payments:
-    """The payments app, what its handler saw, and its dead-letter store."""
-
-    app: App
-    broken: bool = True
-    handled: list[str] = field(default_factory=list)
-
-    async def charge(self, command: Charge, context: MessageContext) -> None:
-        """Fail while broken; record the order otherwise."""
-        if self.broken:
-            raise CardDeclined(f"card declined for order {command.order_id}")
-        self.handled.append(command.order_id)
-
-    @property
-    def store(self) -> DeadLetterStore:
-        """The app's dead-letter store."""
-        return DeadLetterStore.of(self.app)
-
-    @property
-    def error_queue(self) -> str:
-        """The app's error queue."""
-        return self.app.retry.error_queue
-
-
-async def running_payments(transport: str, database: str, prefix: str) -> AsyncIterator[Payments]:
-    """A started payments app whose failures go straight to its own error queue."""
-    retry = RetryPolicy(immediate=0, delayed=[], error_queue=f"{prefix}-error")
-    app = App(f"{prefix}-payments", transport=transport, database=database, retry=retry)
-    payments = Payments(app)
-    app.register(Charge, payments.charge)
-    app.route(Charge, app.name)
-    async with app:
-        yield payments
 
 
 @pytest.fixture
@@ -133,13 +85,13 @@ async def test_ingesting_stores_each_failure_with_why_and_empties_the_error_queu
         (failure.id for failure in page), reverse=True
     )
     first = next(failure for failure in page if failure.message_id == ids[0])
-    assert first.type_name == "tests.dead_letter_store.Charge.v1"
-    assert first.error_type == f"{__name__}.CardDeclined"
+    assert first.type_name == "tests.payments.Charge.v1"
+    assert first.error_type == "tests.payments.CardDeclined"
     assert first.error_message == "card declined for order o-1"
     assert first.attempts == 1
     assert first.source_queue == payments.app.name
     assert first.error_queue == payments.error_queue
-    assert first.handler == "test_dead_letters.py:charge"
+    assert first.handler == "payments.py:charge"
     shown = await payments.store.get(first.id)
     assert shown is not None and shown.body is not None
     assert b'"o-1"' in shown.body
@@ -156,10 +108,8 @@ async def test_failures_that_differ_only_in_their_values_are_one_group(
 
     [group] = await payments.store.groups()
     assert group.count == 3
-    assert (
-        group.label == "CardDeclined: card declined for order <n> (in test_dead_letters.py:charge)"
-    )
-    assert group.error_type == f"{__name__}.CardDeclined"
+    assert group.label == "CardDeclined: card declined for order <n> (in payments.py:charge)"
+    assert group.error_type == "tests.payments.CardDeclined"
     assert group.first_seen is not None and group.last_seen is not None
     assert group.first_seen <= group.last_seen
     assert await payments.store.count(group.key) == 3

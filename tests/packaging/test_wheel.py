@@ -33,7 +33,7 @@ pytestmark = pytest.mark.packaging
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 VERSION = PROJECT["version"]
-PACKAGES = {"mersal", "mersal_amqp10", "mersal_rabbitmq", "mersal_sqlalchemy"}
+PACKAGES = {"mersal", "mersal_amqp10", "mersal_dashboard", "mersal_rabbitmq", "mersal_sqlalchemy"}
 EXTRAS = ("rabbitmq", "sqlalchemy")
 """The extras the installed wheel is tried with."""
 
@@ -125,6 +125,10 @@ def test_the_wheel_carries_the_packages_py_typed_and_the_migrations(
     }
     assert "mersal_sqlalchemy/migrations/env.py" in shipped
     assert shipped <= names
+    dashboard = ROOT / "mersal_dashboard"
+    pages = {p.relative_to(ROOT).as_posix() for p in dashboard.glob("*/*") if p.suffix != ".pyc"}
+    assert "mersal_dashboard/templates/base.html" in pages
+    assert pages <= names
 
 
 def test_the_wheel_declares_the_command_and_the_adapters_entry_points(

@@ -1,0 +1,269 @@
+"""The dashboard over HTTP: what its pages show of the store and the broker, and who may act."""
+
+from __future__ import annotations
+
+import html
+import re
+
+import aiohttp
+import pytest
+
+from tests.mersal_dashboard.conftest import TOKEN, Served
+from tests.payments import Payments
+from tests.support import eventually
+
+pytestmark = pytest.mark.integration
+
+
+async def signed_in(served: Served) -> tuple[aiohttp.ClientSession, str]:
+    """A client signed in with the token, and the CSRF field its forms carry."""
+    client = aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))
+    answer = await client.post(f"{served.url}/signin", data={"token": TOKEN, "then": "/"})
+    assert answer.status == 200, await answer.text()
+    page = await client_page(client, f"{served.url}/signin")
+    assert "Sign out" in page
+    return client, _csrf_of(page)
+
+
+async def client_page(client: aiohttp.ClientSession, url: str) -> str:
+    """The page at `url`, which must answer 200."""
+    answer = await client.get(url)
+    assert answer.status == 200, await answer.text()
+    return await answer.text()
+
+
+def _csrf_of(page: str) -> str:
+    found = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+    assert found is not None, page
+    return found.group(1)
+
+
+async def test_a_failed_message_is_ingested_and_shown_in_its_group(
+    payments: Payments, served: Served
+) -> None:
+    await payments.fail("order-1", "order-2")
+    failures = await payments.stored(2)
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as client:
+        page = await client_page(client, f"{served.url}/apps/{payments.app.name}/failures")
+        detail = await client_page(
+            client, f"{served.url}/apps/{payments.app.name}/failures/{failures[0].id}"
+        )
+    assert page.count('data-group="') == 1
+    assert f"{html.escape(failures[0].group_label)}</a>" in page
+    assert failures[0].group_label.startswith("CardDeclined: card declined for order")
+    assert failures[0].handler is not None and failures[0].handler.endswith(":charge")
+    assert f'data-failure="{failures[0].id}"' in page and f'data-failure="{failures[1].id}"' in page
+    assert "card declined for order order-" in detail
+    assert "Traceback" in detail and "raise CardDeclined" in detail
+
+
+async def test_a_retry_signed_in_sends_the_message_back_and_it_is_handled_once(
+    payments: Payments, served: Served
+) -> None:
+    await payments.fail("order-7")
+    [failure] = await payments.stored(1)
+    payments.broken = False
+    client, csrf = await signed_in(served)
+    async with client:
+        answer = await client.post(
+            f"{served.url}/apps/{payments.app.name}/failures/do",
+            data={"csrf": csrf, "action": "retry", "id": str(failure.id)},
+        )
+        assert answer.status == 200
+        assert "/jobs/" in str(answer.url)
+        await eventually(
+            lambda: _job_done(client, str(answer.url)), "the retry job to finish", timeout=10
+        )
+    await eventually(lambda: payments.handled == ["order-7"], "the retried order handled")
+    assert await payments.store.get(failure.id) is None
+    assert payments.handled == ["order-7"]
+
+
+async def _job_done(client: aiohttp.ClientSession, url: str) -> bool:
+    return 'data-job-state="done"' in await client_page(client, url)
+
+
+async def test_a_delete_removes_the_failures_of_a_whole_group(
+    payments: Payments, served: Served
+) -> None:
+    await payments.fail("order-1", "order-2", "order-3")
+    failures = await payments.stored(3)
+    client, csrf = await signed_in(served)
+    async with client:
+        answer = await client.post(
+            f"{served.url}/apps/{payments.app.name}/failures/do",
+            data={"csrf": csrf, "action": "delete", "group": failures[0].group_key},
+        )
+        await eventually(lambda: _job_done(client, str(answer.url)), "the delete job", timeout=10)
+    assert await payments.store.count() == 0
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("no session", "sign in with the dashboard"),
+        ("no csrf", "the form did not come from this dashboard"),
+        ("other origin", "another site"),
+        ("cross-site fetch", "another site"),
+        ("wrong bearer", "the token is wrong"),
+    ],
+)
+async def test_an_action_without_the_token_or_from_another_site_is_refused(
+    payments: Payments, served: Served, how: str, expected: str
+) -> None:
+    await payments.fail("order-1")
+    [failure] = await payments.stored(1)
+    client, csrf = await signed_in(served)
+    data = {"csrf": csrf, "action": "delete", "id": str(failure.id)}
+    headers: dict[str, str] = {}
+    if how == "no session":
+        client.cookie_jar.clear()
+    elif how == "no csrf":
+        del data["csrf"]
+    elif how == "other origin":
+        headers["Origin"] = "http://evil.example"
+    elif how == "cross-site fetch":
+        headers["Sec-Fetch-Site"] = "cross-site"
+    else:
+        client.cookie_jar.clear()
+        headers["Authorization"] = "Bearer not-the-token-at-all"
+    async with client:
+        answer = await client.post(
+            f"{served.url}/apps/{payments.app.name}/failures/do", data=data, headers=headers
+        )
+        text = await answer.text()
+    assert answer.status == 403
+    assert expected in text
+    assert await payments.store.get(failure.id) is not None
+
+
+async def test_the_token_as_a_bearer_header_allows_an_action_without_a_session(
+    payments: Payments, served: Served
+) -> None:
+    await payments.fail("order-1")
+    [failure] = await payments.stored(1)
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as client:
+        answer = await client.post(
+            f"{served.url}/apps/{payments.app.name}/failures/do",
+            data={"action": "delete", "id": str(failure.id)},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        await eventually(lambda: _job_done(client, str(answer.url)), "the delete job", timeout=10)
+    assert await payments.store.get(failure.id) is None
+
+
+async def test_a_wrong_token_does_not_sign_in(served: Served) -> None:
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as client:
+        answer = await client.post(f"{served.url}/signin", data={"token": "x" * 30})
+        assert answer.status == 403
+        assert "That is not the token" in await answer.text()
+        assert not client.cookie_jar.filter_cookies(served.url)
+
+
+async def test_signing_in_never_sends_the_browser_to_another_site(served: Served) -> None:
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as client:
+        for then in ("//evil.example/", "https://evil.example/", "/\\evil.example"):
+            answer = await client.post(
+                f"{served.url}/signin", data={"token": TOKEN, "then": then}, allow_redirects=False
+            )
+            assert answer.status == 303
+            assert answer.headers["Location"] == "/"
+
+
+async def test_without_a_token_the_dashboard_is_read_only_and_leaves_the_error_queue_alone(
+    payments: Payments, read_only: Served
+) -> None:
+    await payments.fail("order-1")
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as client:
+        await eventually(
+            lambda: _error_queue_holds(client, read_only, payments, "1"),
+            "the overview to count the message in the error queue",
+        )
+        page = await client_page(client, f"{read_only.url}/apps/{payments.app.name}/failures")
+        answer = await client.post(
+            f"{read_only.url}/apps/{payments.app.name}/failures/do",
+            data={"action": "delete", "group": "x"},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        assert answer.status == 403
+        assert "read-only" in await answer.text()
+    assert "read-only" in page and "Retry selected" not in page
+    assert await payments.store.count() == 0
+
+
+async def _error_queue_holds(
+    client: aiohttp.ClientSession, served: Served, payments: Payments, count: str
+) -> bool:
+    page = await client_page(client, f"{served.url}/live/overview")
+    return f'data-figure="error-queue">{count}<' in page
+
+
+async def test_a_script_in_a_header_is_shown_as_text(payments: Payments, served: Served) -> None:
+    hostile = '<script>window.pwned = 1</script><img src=x onerror="alert(1)">'
+    await payments.fail("order-1", headers={"x-note": hostile, "<b>name</b>": "v"})
+    [failure] = await payments.stored(1)
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as client:
+        answer = await client.get(f"{served.url}/apps/{payments.app.name}/failures/{failure.id}")
+        page = await answer.text()
+    assert "<script>window.pwned" not in page and "<img src=x" not in page
+    assert "&lt;script&gt;window.pwned = 1&lt;/script&gt;" in page
+    assert "&lt;b&gt;name&lt;/b&gt;" in page
+    assert "script-src 'self'" in answer.headers["Content-Security-Policy"]
+
+
+async def test_a_large_body_is_cut_on_the_page_and_downloaded_whole(
+    payments: Payments, served: Served
+) -> None:
+    big = "x" * 100_000
+    await payments.fail(big)
+    [failure] = await payments.stored(1)
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as client:
+        page = await client_page(
+            client, f"{served.url}/apps/{payments.app.name}/failures/{failure.id}"
+        )
+        answer = await client.get(
+            f"{served.url}/apps/{payments.app.name}/failures/{failure.id}/body"
+        )
+        body = await answer.read()
+    assert "The first 16,384 bytes are shown" in page
+    assert len(page) < 60_000
+    assert big.encode() in body
+    assert answer.headers["Content-Disposition"].startswith("attachment")
+
+
+async def test_the_broker_password_is_masked_on_every_page(
+    payments: Payments, served: Served
+) -> None:
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as client:
+        pages = [
+            await client_page(client, f"{served.url}{path}")
+            for path in ("/", "/live/overview", f"/apps/{payments.app.name}/failures")
+        ]
+    assert "guest:***@" in pages[0]
+    assert all("guest:guest" not in page for page in pages)
+
+
+async def test_a_host_it_does_not_listen_for_is_refused(served: Served) -> None:
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as client:
+        answer = await client.get(f"{served.url}/", headers={"Host": "rebound.example:80"})
+    assert answer.status == 421
+
+
+async def test_the_overview_counts_the_queues_and_the_store(
+    payments: Payments, served: Served
+) -> None:
+    await payments.fail("order-1", "order-2")
+    await payments.stored(2)
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as client:
+        page = await eventually(
+            lambda: _overview_with(client, served, 'data-figure="failures">2<'),
+            "the overview to count two stored failures",
+        )
+    assert f'data-queue="{payments.app.name}"' in page
+    assert f'data-queue="{payments.app.retry.error_queue}"' in page
+    assert 'data-figure="outbox-parked">0<' in page
+
+
+async def _overview_with(client: aiohttp.ClientSession, served: Served, text: str) -> str | None:
+    page = await client_page(client, f"{served.url}/live/overview")
+    return page if text in page else None
