@@ -12,7 +12,7 @@ unexport PYTHONDONTWRITEBYTECODE
 LINT_PATHS := $(wildcard mersal mersal_amqp10 mersal_dashboard mersal_rabbitmq mersal_sqlalchemy tests bench examples docs/samples \
 	scripts/docs-samples)
 
-.PHONY: help run services test test-lowest lint format bench chaos cluster-test fuzz docs \
+.PHONY: help run services test test-lowest lint format bench chaos cluster-test fuzz docs screenshots \
 	docs-samples docs-serve dist clean
 
 help:
@@ -28,6 +28,7 @@ help:
 	@echo "  make chaos   [PYTEST_ARGS=...]  run only the chaos tests"
 	@echo "  make cluster-test [PYTEST_ARGS=...]  boot a local 3-node RabbitMQ cluster, run tests/cluster"
 	@echo "  make fuzz    [PYTEST_ARGS=...]  the property tests with new random examples, 10x as many"
+	@echo "  make screenshots                the dashboard's browser tests, keeping their PNGs for the docs"
 	@echo "  make docs                       build the docs site into site/ (mkdocs build --strict)"
 	@echo "  make dist                       build the sdist and the wheel of mersal-bus into dist/"
 	@echo "  make docs-serve                 serve the docs site on http://127.0.0.1:8000, rebuilt on change"
@@ -58,6 +59,10 @@ services:
 
 # Worker processes for make test (pytest-xdist); WORKERS=0 runs the tests in this one process.
 WORKERS ?= 3
+
+# docs/dashboard.md's pictures, taken by the dashboard's browser tests in headless Chromium.
+screenshots: $(STAMP) services
+	MERSAL_SCREENSHOTS=docs/images/dashboard $(BIN)/pytest tests/mersal_dashboard/test_browser.py
 
 test: $(STAMP) services
 	$(MAKE) --no-print-directory lint

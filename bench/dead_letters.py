@@ -23,10 +23,11 @@ One run, on a PostgreSQL database of its own (`mersal_bench_dlq_<random>`, creat
   it returns; then the same work by hand on asyncpg on another group of the same size: per
   transaction of `RETRY_BATCH` rows, SELECT ... FOR UPDATE, the headers made replayable
   (error and retry headers dropped, `replays` counted), the outbox rows inserted with
-  executemany (the columns `write_outbox` writes) and one NOTIFY, the rows deleted. Messages
+  executemany (the columns `write_outbox` writes) and one NOTIFY, the rows resolved (kept as
+  tombstones: key kept, headers and body emptied). Messages
   per second for each; `retry_ratio` is the store's rate / the raw rate. Which side goes
   first alternates from run to run (both groups share the table's pages). Both are checked:
-  every row of both groups gone, one outbox row each.
+  every row of both groups resolved, one outbox row each.
 
 Environment: MERSAL_BENCH_POSTGRES (default `postgresql+asyncpg://postgres@127.0.0.1:5432`,
 a server where that user may create databases); MERSAL_BENCH_DLQ_ROWS sets `ROWS`.
@@ -371,7 +372,8 @@ def groups_sql(table: str) -> str:
     seen = "coalesce(failed_at, ingested_at)"
     return (
         f"SELECT group_key, min(group_label), min(error_type), min(handler), count(*), "
-        f"min({seen}), max({seen}) FROM {table} WHERE app = $1 GROUP BY group_key "
+        f"min({seen}), max({seen}) FROM {table} WHERE app = $1 AND resolved_at IS NULL "
+        "GROUP BY group_key "
         f"ORDER BY max({seen}) DESC, group_key LIMIT $2"
     )
 
@@ -389,14 +391,17 @@ def page_sql(table: str, *, group: bool = False, search: bool = False, before: b
     if before:
         conditions.append(f"id < ${len(conditions) + 1}")
     return (
-        f"SELECT {LISTED} FROM {table} WHERE {' AND '.join(conditions)} "
+        f"SELECT {LISTED} FROM {table} WHERE {' AND '.join(conditions)} AND resolved_at IS NULL "
         f"ORDER BY id DESC LIMIT ${len(conditions) + 1}"
     )
 
 
 def get_sql(table: str) -> str:
     """The store's query for one row, by hand: $1 the app, $2 the id."""
-    return f"SELECT {LISTED}, traceback, headers, body FROM {table} WHERE app = $1 AND id = $2"
+    return (
+        f"SELECT {LISTED}, traceback, headers, body FROM {table} "
+        "WHERE app = $1 AND resolved_at IS NULL AND id = $2"
+    )
 
 
 async def compare(pair: Pair) -> dict[str, float]:
@@ -474,13 +479,16 @@ async def raw_retry(connection: Any, store: DeadLetterStore, group: str, size: i
     """The seconds the store's retry of `group` takes by hand; a RuntimeError unless `size`."""
     table, outbox = store.table.name, store.tables.outbox.name
     select = (
-        f"SELECT id, headers, body FROM {table} WHERE app = $1 AND group_key = $2 AND id > $3 "
-        "ORDER BY id LIMIT $4 FOR UPDATE"
+        f"SELECT id, headers, body FROM {table} WHERE app = $1 AND resolved_at IS NULL "
+        "AND group_key = $2 AND id > $3 ORDER BY id LIMIT $4 FOR UPDATE"
     )
     insert = (
         f"INSERT INTO {outbox} (app, address, publish, headers, body) VALUES ($1, $2, $3, $4, $5)"
     )
-    delete = f"DELETE FROM {table} WHERE id = ANY($1::bigint[])"
+    resolve = (
+        f"UPDATE {table} SET resolved_at = now(), resolution = 'retried', headers = '{{}}', "
+        "body = '', traceback = NULL WHERE id = ANY($1::bigint[])"
+    )
     started = time.perf_counter()
     sent, after = 0, 0
     while True:
@@ -490,7 +498,7 @@ async def raw_retry(connection: Any, store: DeadLetterStore, group: str, size: i
                 break
             await connection.executemany(insert, [outbox_record(row) for row in rows])
             await connection.execute("SELECT pg_notify($1, $2)", store.tables.channel, APP)
-            await connection.execute(delete, [row["id"] for row in rows])
+            await connection.execute(resolve, [row["id"] for row in rows])
         sent, after = sent + len(rows), rows[-1]["id"]
     seconds = time.perf_counter() - started
     if sent != size:
@@ -512,7 +520,9 @@ async def check_retried(
 ) -> None:
     """A RuntimeError unless the groups' rows are gone and `expected` outbox rows wait."""
     left = await connection.fetchval(
-        f"SELECT count(*) FROM {store.table.name} WHERE group_key = ANY($1::text[])", list(groups)
+        f"SELECT count(*) FROM {store.table.name} WHERE group_key = ANY($1::text[]) "
+        "AND resolved_at IS NULL",
+        list(groups),
     )
     queued = await connection.fetchval(
         f"SELECT count(*) FROM {store.tables.outbox.name} WHERE app = $1 AND address = $2",

@@ -149,8 +149,12 @@ VARIABLE_PARTS = (
     ),
     (re.compile(r"\b0x[0-9a-fA-F]+\b"), "<address>"),
     (re.compile(r"\b(?=[0-9a-fA-F]*\d)[0-9a-fA-F]{16,}\b"), "<id>"),
-    (re.compile(r"'[^']*'|\"[^\"]*\""), "<text>"),
-    (re.compile(r"\b\d+(?:\.\d+)?\b"), "<n>"),
+    # A quoted name (a key, an attribute) tells causes apart; quoted values with digits, spaces
+    # or punctuation vary. An apostrophe inside a word (can't) opens no quote.
+    (re.compile(r"(?<!\w)'(?![A-Za-z_][\w.]{0,39}'(?!\w))[^']*'(?!\w)"), "<text>"),
+    (re.compile(r'"(?![A-Za-z_][\w.]{0,39}")[^"]*"'), "<text>"),
+    (re.compile(r"\b\d+(?:\.\d+)?(?:[eE][+-]?\d+)?(?:[a-zA-Z]{1,3}\b)?"), "<n>"),
+    (re.compile(r"\b(?=[A-Za-z_]*\d)(?=\d*[A-Za-z_])[A-Za-z0-9_]{2,}\b"), "<id>"),
 )
 """What varies from one failure of a cause to the next, each with what it becomes in the group."""
 
@@ -169,7 +173,7 @@ def normalized(message: str) -> str:
 
 
 def failing_handler(traceback: str | None) -> str | None:
-    """`file.py:function` of the handler the last traceback passes through, if it has one.
+    """`package/file.py:function` of the handler the last traceback passes through, if any.
 
     The handler's frame is the first after the pipeline's dispatch step that is not one of the
     framework's wrappers; a failure outside the handlers (decoding, say) has none.
@@ -183,7 +187,7 @@ def failing_handler(traceback: str | None) -> str | None:
         return None
     for path, function in frames[dispatched[-1] + 1 :]:
         if not WRAPPERS.search(path):
-            return f"{SEPARATOR.split(path)[-1]}:{function}"
+            return f"{'/'.join(SEPARATOR.split(path)[-2:])}:{function}"
     return None
 
 
@@ -194,9 +198,13 @@ def failure_group(letter: DeadLetter) -> FailureGroup:
     message = normalized(letter.error_message or "")
     named = (error_type or "no error type").rpartition(".")[2]
     label = f"{named}: {message}" if message else named
+    type_name = letter.headers.get(Header.TYPE, "")
     if handler:
         label = f"{label} (in {handler})"
-    digest = hashlib.sha256("\0".join((error_type or "", message, handler or "")).encode())
+    elif type_name:
+        label = f"{label} (on {type_name})"
+    parts = (error_type or "", message, handler or "", type_name)
+    digest = hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass"))
     return FailureGroup(digest.hexdigest(), label, error_type, handler)
 
 
@@ -232,11 +240,18 @@ def details(letter: DeadLetter) -> str:
         if name in TIME_HEADERS and (moment := epoch_time(value)) is not None:
             value = f"{value} ({iso(moment)})"
         first, *rest = value.splitlines() or [""]
-        lines.append(f"  {name}: {first}")
-        lines.extend(f"      {line}" for line in rest)
+        lines.append(f"  {printable(name)}: {printable(first)}")
+        lines.extend(f"      {printable(line)}" for line in rest)
     lines.append(f"body ({len(letter.envelope.body)} bytes):")
     lines.append(body_text(letter.envelope.body))
     return "\n".join(lines)
+
+
+def printable(text: str) -> str:
+    """`text` with what a terminal would act on (escape sequences, control characters) escaped."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def body_text(body: bytes) -> str:

@@ -86,6 +86,8 @@ class StorageStatus:
     """Whose rows were counted; None for every app's."""
     apps: tuple[AppRows, ...] = ()
     """Every app's outbox rows in the database, by app name (send-only apps' too)."""
+    failures: int | None = None
+    """Failed messages in the dead-letter store (of `app`, or every app's); None: no store."""
 
     @property
     def others(self) -> bool:

@@ -65,6 +65,14 @@ class Naming:
         option, note = _url_option("--database", self.database, "MERSAL_DATABASE")
         return f"`mersal outbox list --parked{app}{option}`{note}"
 
+    def failures_groups(self) -> str:
+        """The `mersal failures groups` command for the stored failures, and what to add to it."""
+        if self.app:
+            return f"`mersal failures groups --app {self.app}`"
+        name = f" --name {self.app_name}" if self.app_name else " --name APP"
+        option, note = _url_option("--database", self.database, "MERSAL_DATABASE")
+        return f"`mersal failures groups{name}{option}`{note}"
+
     def outbox_retry(self, row_id: int, table: str | None = None) -> str:
         """The `mersal outbox retry` command that un-parks a row, and what to add to it."""
         option, note = _url_option("--database", self.database, "MERSAL_DATABASE")
@@ -125,6 +133,13 @@ class Status:
                     f"{held} message(s) in the error queue {queue.name!r}: look at them with "
                     f"{self.naming.dlq_list(queue.name)}, then replay them (`mersal dlq replay`)"
                 )
+        if self.storage is not None and self.storage.failures:
+            of_app = f" of app {self.storage.app!r}" if self.storage.app else ""
+            problems.append(
+                f"{self.storage.failures} failed message(s){of_app} in the dead-letter store: "
+                f"group them with {self.naming.failures_groups()}, then `mersal failures retry` "
+                "(or `delete`) them, or open `mersal dashboard`"
+            )
         if self.storage is not None and self.storage.parked:
             of_app = f" of app {self.storage.app!r}" if self.storage.app else ""
             problems.append(
@@ -197,6 +212,7 @@ class Status:
                 ],
             },
             "inbox": None if storage is None else {"app": storage.app, "rows": storage.inbox},
+            "failures": None if storage is None else storage.failures,
         }
 
     def lines(self) -> list[str]:
@@ -216,6 +232,8 @@ class Status:
             if storage.others:
                 lines.extend(_by_app(storage))
             lines.append(f"inbox: {storage.inbox} row(s)")
+            if storage.failures is not None:
+                lines.append(f"dead-letter store: {storage.failures} failed message(s)")
         if self.exit_code == 0:
             lines.append("ok: nothing needs an operator")
         return lines

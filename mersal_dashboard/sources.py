@@ -45,6 +45,9 @@ log = logging.getLogger("mersal.dashboard")
 HISTORY = 150
 """Samples kept per app: five minutes at the default interval."""
 
+FORGET_EVERY = 3600.0
+"""Seconds between drops of the store's old tombstones (`DeadLetterStore.forget`)."""
+
 
 @dataclass(frozen=True)
 class SagaCount:
@@ -84,6 +87,8 @@ class Source:
     engine: AsyncEngine | None = None
     history: deque[Sample] = field(default_factory=lambda: deque(maxlen=HISTORY))
     started: bool = False
+    forgotten_at: float = 0.0
+    """When the store's old tombstones were last dropped (time.monotonic())."""
 
     @property
     def name(self) -> str:
@@ -227,11 +232,18 @@ async def _guarded(sample: Sample, what: str, work: Any) -> None:
 
 
 async def ingest(source: Source) -> int:
-    """Move what the error queue holds into the store (acked once stored); rows stored."""
+    """Move what the error queue holds into the store (acked once stored); rows stored.
+
+    Once an hour, the tombstones of failures resolved long ago are dropped too.
+    """
     store = source.store
     if store is None or source.transport is None or not source.app.settings.consume:
         return 0
-    return await store.ingest_all(DeadLetters(source.transport, source.error_queue))
+    stored = await store.ingest_all(DeadLetters(source.transport, source.error_queue))
+    if time.monotonic() - source.forgotten_at > FORGET_EVERY:
+        await store.forget()
+        source.forgotten_at = time.monotonic()
+    return stored
 
 
 async def _broker(source: Source, sample: Sample) -> None:

@@ -43,6 +43,10 @@ async def storage_status(
             outbox = (await connection.execute(outbox_counts(engine, tables.outbox, app))).one()
             by_app = (await connection.execute(counts_by_app(engine, tables.outbox))).all()
             inbox = (await connection.execute(row_count(tables.inbox, app))).scalar_one()
+            failures = None
+            if tables.dead_letters.name not in schema.missing_tables:
+                counted = await connection.execute(row_count(tables.dead_letters, app))
+                failures = int(counted.scalar_one())
     except (SQLAlchemyError, OSError) as error:
         raise MersalError(
             f"cannot look at the database {mask(database)}: {reason(error, url)}"
@@ -51,7 +55,13 @@ async def storage_status(
         AppRows(str(row.app), int(row.pending), int(row.parked), _age(row.age)) for row in by_app
     )
     return StorageStatus(
-        int(outbox.pending), int(outbox.parked), _age(outbox.age), int(inbox), app, apps
+        int(outbox.pending),
+        int(outbox.parked),
+        _age(outbox.age),
+        int(inbox),
+        app,
+        apps,
+        failures,
     )
 
 

@@ -17,7 +17,19 @@ from datetime import datetime
 from typing import Any
 
 import msgspec
-from sqlalchemy import ColumnElement, Insert, Table, delete, func, or_, select
+from sqlalchemy import (
+    ColumnElement,
+    Insert,
+    Integer,
+    Table,
+    any_,
+    bindparam,
+    delete,
+    func,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -33,7 +45,7 @@ from mersal.dead_letters import (
 from mersal.errors import ConfigurationError
 from mersal.messages import Envelope, Header
 from mersal.transport import Outgoing
-from mersal_sqlalchemy.engines import is_postgresql
+from mersal_sqlalchemy.engines import is_postgresql, seconds_since
 from mersal_sqlalchemy.outbox import write_outbox
 from mersal_sqlalchemy.storage import SqlStorage
 from mersal_sqlalchemy.tables import Tables
@@ -42,7 +54,13 @@ INGEST_BATCH = 100
 """The messages ingested in one transaction, by default."""
 
 RETRY_BATCH = 500
-"""The rows a group's retry or delete goes through per transaction."""
+"""The rows a retry or delete goes through per transaction."""
+
+INSERT_BYTES = 32 * 1024 * 1024
+"""The most bytes of bodies and headers one INSERT of an ingested batch carries."""
+
+TOMBSTONE_SECONDS = 7 * 86_400.0
+"""How long a retried or deleted failure's key is kept, so a late redelivery is not stored."""
 
 PAGE = 50
 """The failures one page shows, by default."""
@@ -109,7 +127,8 @@ class Retried:
 
     sent: int
     without_queue: list[int]
-    """Rows without a source queue (no error-source-queue header): they stay."""
+    """Rows with no source queue to go back to (no error-source-queue header, or it names the
+    error queue itself): they stay."""
 
 
 class DeadLetterStore:
@@ -126,7 +145,8 @@ class DeadLetterStore:
         self.tables = tables
         self.table = tables.dead_letters
         self.app = app
-        self._channel = tables.channel if is_postgresql(engine) else None
+        self._postgresql = is_postgresql(engine)
+        self._channel = tables.channel if self._postgresql else None
 
     @classmethod
     def of(cls, app: App) -> DeadLetterStore:
@@ -185,8 +205,12 @@ class DeadLetterStore:
         }
 
     async def _insert(self, connection: AsyncConnection, rows: list[dict[str, Any]]) -> int:
+        """Insert the new rows, in statements of at most INSERT_BYTES of bodies and headers."""
         statement = self._insert_new().returning(self.table.c.id)
-        return len((await connection.execute(statement, rows)).all())
+        stored = 0
+        for chunk in _by_size(rows):
+            stored += len((await connection.execute(statement, chunk)).all())
+        return stored
 
     def _insert_new(self) -> Insert:
         if is_postgresql(self.engine):
@@ -215,7 +239,7 @@ class DeadLetterStore:
                 func.min(seen),
                 func.max(seen),
             )
-            .where(t.c.app == self.app)
+            .where(self._of(None))
             .group_by(t.c.group_key)
             .order_by(func.max(seen).desc(), t.c.group_key)
             .limit(limit)
@@ -251,6 +275,28 @@ class DeadLetterStore:
             rows = (await connection.execute(statement)).all()
         return [StoredFailure(*row) for row in rows]
 
+    async def existing(self, ids: Sequence[int]) -> set[int]:
+        """Those of `ids` that are stored failures (not retried or deleted)."""
+        found: set[int] = set()
+        async with self.engine.connect() as connection:
+            for start in range(0, len(ids), RETRY_BATCH):
+                batch = ids[start : start + RETRY_BATCH]
+                statement = select(self.table.c.id).where(self._of(None) & self._among(batch))
+                found.update((await connection.execute(statement)).scalars())
+        return found
+
+    async def group_keys(self, prefix: str, *, limit: int = 2) -> list[str]:
+        """Up to `limit` keys of groups with failures whose key starts with `prefix`."""
+        t = self.table
+        statement = (
+            select(t.c.group_key)
+            .where(self._of(None) & t.c.group_key.startswith(prefix, autoescape=True))
+            .distinct()
+            .limit(limit)
+        )
+        async with self.engine.connect() as connection:
+            return list((await connection.execute(statement)).scalars())
+
     async def get(self, row_id: int) -> StoredFailure | None:
         """One failure, with its traceback, headers and body; None if there is no such row."""
         t = self.table
@@ -268,12 +314,21 @@ class DeadLetterStore:
     # Retrying and deleting.
 
     async def retry(self, ids: Sequence[int]) -> Retried:
-        """Send these failures back to their source queues through the outbox, removing them."""
+        """Send these failures back to their source queues through the outbox, resolving them."""
+        sent, kept = 0, []
+        for start in range(0, len(ids), RETRY_BATCH):
+            done = await self._retry_batch(ids[start : start + RETRY_BATCH])
+            sent += done.sent
+            kept.extend(done.without_queue)
+        return Retried(sent, kept)
+
+    async def _retry_batch(self, ids: Sequence[int]) -> Retried:
+        """One transaction: the rows locked, their outbox rows written, the rows resolved."""
         t = self.table
         async with self.engine.begin() as connection:
             statement = (
-                select(t.c.id, t.c.headers, t.c.body)
-                .where(self._of(None) & t.c.id.in_(list(ids)))
+                select(t.c.id, t.c.error_queue, t.c.headers, t.c.body)
+                .where(self._of(None) & self._among(ids))
                 .order_by(t.c.id)
                 .with_for_update()
             )
@@ -281,17 +336,16 @@ class DeadLetterStore:
             outgoing: list[Outgoing] = []
             sent: list[int] = []
             without: list[int] = []
-            for row_id, headers_text, body in rows:
-                headers = _headers_of(headers_text)
+            for row_id, error_queue, headers_text, body in rows:
+                headers = _sendable(_headers_of(headers_text))
                 queue = headers.get(Header.ERROR_QUEUE)
-                if not queue:
+                if not queue or queue == error_queue:
                     without.append(row_id)
                     continue
                 outgoing.append(Outgoing(queue, replayable(Envelope(headers, body))))
                 sent.append(row_id)
             await write_outbox(connection, self.tables.outbox, self.app, outgoing, self._channel)
-            if sent:
-                await connection.execute(delete(t).where(t.c.id.in_(sent)))
+            await self._resolve(connection, sent, "retried")
         return Retried(len(sent), without)
 
     async def retry_group(self, group: str, *, progress: Progress | None = None) -> Retried:
@@ -299,7 +353,7 @@ class DeadLetterStore:
         sent, without = 0, []
         after = 0
         while ids := await self._ids(group, after):
-            done = await self.retry(ids)
+            done = await self._retry_batch(ids)
             sent += done.sent
             without.extend(done.without_queue)
             after = ids[-1]
@@ -309,12 +363,12 @@ class DeadLetterStore:
 
     async def delete(self, ids: Sequence[int]) -> int:
         """Remove these failures for good; how many there were."""
-        t = self.table
-        async with self.engine.begin() as connection:
-            result = await connection.execute(
-                delete(t).where(self._of(None) & t.c.id.in_(list(ids)))
-            )
-        return int(result.rowcount)
+        deleted = 0
+        for start in range(0, len(ids), RETRY_BATCH):
+            async with self.engine.begin() as connection:
+                batch = ids[start : start + RETRY_BATCH]
+                deleted += await self._resolve(connection, batch, "deleted")
+        return deleted
 
     async def delete_group(self, group: str, *, progress: Progress | None = None) -> int:
         """Remove every failure of `group` for good, a batch per transaction; how many."""
@@ -324,6 +378,26 @@ class DeadLetterStore:
             if progress is not None:
                 progress(deleted)
         return deleted
+
+    async def _resolve(self, connection: AsyncConnection, ids: Sequence[int], how: str) -> int:
+        """Turn the rows into tombstones: their key stays, their message goes."""
+        if not ids:
+            return 0
+        t = self.table
+        statement = (
+            update(t)
+            .where(self._of(None) & self._among(ids))
+            .values(resolved_at=func.now(), resolution=how, headers="{}", body=b"", traceback=None)
+        )
+        return int((await connection.execute(statement)).rowcount)
+
+    async def forget(self, *, older_than: float = TOMBSTONE_SECONDS) -> int:
+        """Drop the tombstones of failures resolved more than `older_than` seconds ago."""
+        t = self.table
+        cutoff = seconds_since(self.engine, t.c.resolved_at) > older_than
+        statement = delete(t).where((t.c.app == self.app) & t.c.resolved_at.is_not(None) & cutoff)
+        async with self.engine.begin() as connection:
+            return int((await connection.execute(statement)).rowcount)
 
     async def _ids(self, group: str, after: int) -> list[int]:
         t = self.table
@@ -336,8 +410,16 @@ class DeadLetterStore:
         async with self.engine.connect() as connection:
             return list((await connection.execute(statement)).scalars())
 
+    def _among(self, ids: Sequence[int]) -> ColumnElement[bool]:
+        """`id` is one of `ids`: on PostgreSQL one array parameter (one statement to prepare,
+        whatever the count), elsewhere IN with a parameter each."""
+        column = self.table.c.id
+        if not self._postgresql:
+            return column.in_(list(ids))
+        return column == any_(bindparam("ids", list(ids), type_=postgresql.ARRAY(Integer)))
+
     def _of(self, group: str | None) -> ColumnElement[bool]:
-        condition = self.table.c.app == self.app
+        condition = (self.table.c.app == self.app) & self.table.c.resolved_at.is_(None)
         return condition if group is None else condition & (self.table.c.group_key == group)
 
 
@@ -362,6 +444,7 @@ def _listed(t: Table) -> tuple[Any, ...]:
 
 INT32 = 2**31 - 1
 UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 def _attempts(value: int | None) -> int | None:
@@ -387,6 +470,25 @@ def _headers_of(text: str) -> dict[str, str]:
         return _decode_headers.decode(text)
     except msgspec.DecodeError:
         return dict(json.loads(text))
+
+
+def _by_size(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The rows in runs of at most INSERT_BYTES (a row larger than that alone in its run)."""
+    chunks: list[list[dict[str, Any]]] = [[]]
+    size = 0
+    for row in rows:
+        weight = len(row["body"]) + len(row["headers"]) + len(row["traceback"] or "")
+        if chunks[-1] and size + weight > INSERT_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(row)
+        size += weight
+    return chunks
+
+
+def _sendable(headers: dict[str, str]) -> dict[str, str]:
+    """The headers as a transport can send them: unpaired surrogates become U+FFFD."""
+    return {SURROGATES.sub("\ufffd", k): SURROGATES.sub("\ufffd", v) for k, v in headers.items()}
 
 
 def _like_escaped(text: str) -> str:

@@ -420,7 +420,7 @@ def _shared_and_rows(
     present = set(inspect(connection).get_table_names())
     guarded = [tables.outbox.name, tables.sagas.name, tables.dead_letters.name]
     return left, {
-        name: count_rows(connection, name)
+        name: count_rows(connection, name, unresolved=name == tables.dead_letters.name)
         for name in guarded
         if name in dropped and name in present and name not in left
     }

@@ -495,9 +495,12 @@ def foreign_columns(connection: Connection, wanted: Table) -> list[str] | None:
     return None if set(columns) == {c.name for c in wanted.columns} else columns
 
 
-def count_rows(connection: Connection, name: str) -> int:
-    """How many rows the table `name` holds."""
-    return int(connection.execute(select(func.count()).select_from(table(name))).scalar_one())
+def count_rows(connection: Connection, name: str, *, unresolved: bool = False) -> int:
+    """How many rows the table `name` holds (`unresolved`: dead letters not retried or deleted)."""
+    statement = select(func.count()).select_from(table(name))
+    if unresolved:
+        statement = statement.where(column("resolved_at").is_(None))
+    return int(connection.execute(statement).scalar_one())
 
 
 def create_schema(connection: Connection, tables: Tables, schema: Schema) -> None:

@@ -347,12 +347,19 @@ def schema_table(name: str, metadata: MetaData) -> Table:
     )
 
 
+RESOLUTION_LENGTH = 16
+"""Room for a dead letter's resolution: `retried` or `deleted`."""
+
+
 def dead_letters_table(name: str, metadata: MetaData) -> Table:
     """The dead-letter store: the messages ingested from the error queues, until retried or deleted.
 
     `key` is a digest of the message as it came from its error queue (one row per dead letter,
     however often it is delivered); `group_key` digests its failure group, which `group_label`
-    names. `headers` is the JSON object of its headers, `body` its bytes as they came.
+    names. `headers` is the JSON object of its headers, `body` its bytes as they came. A
+    retried or deleted row stays a while as a tombstone (`resolved_at`, `resolution`, its
+    headers and body emptied): a delivery of the same message again, after a crash between the
+    commit of its row and its ack, meets the key and is not stored a second time.
     """
     table = Table(
         name,
@@ -375,6 +382,8 @@ def dead_letters_table(name: str, metadata: MetaData) -> Table:
         Column("group_label", Text, nullable=False),
         Column("headers", Text, nullable=False),
         Column("body", LargeBinary, nullable=False),
+        Column("resolved_at", DateTime(timezone=True), nullable=True),
+        Column("resolution", String(RESOLUTION_LENGTH), nullable=True),
         sqlite_autoincrement=True,
     )
     Index(f"ix_{name}_key", table.c.key, unique=True)

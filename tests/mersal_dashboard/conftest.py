@@ -3,6 +3,7 @@ dashboard serving it, and a headless Chromium driven through its WebDriver."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -15,7 +16,6 @@ from mersal_dashboard import Dashboard, source_of
 from tests.payments import Payments, running_payments
 
 TOKEN = "test-token-0123456789abcdef"
-SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "images" / "dashboard"
 
 
 @pytest.fixture
@@ -87,7 +87,10 @@ def browser(chromium: Any) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
-def screenshots() -> Path:
-    """Where the browser tests leave the docs' screenshots."""
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    return SCREENSHOTS
+def screenshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the browser tests leave their screenshots: $MERSAL_SCREENSHOTS (`make screenshots`
+    sets docs/images/dashboard), else a directory of the session's own."""
+    chosen = os.environ.get("MERSAL_SCREENSHOTS")
+    directory = Path(chosen) if chosen else tmp_path_factory.mktemp("screenshots")
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory

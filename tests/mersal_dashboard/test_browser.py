@@ -1,7 +1,7 @@
 """The dashboard in a real browser (headless Chromium): what an operator sees and does.
 
 Selenium blocks, so each step runs in a thread while the dashboard serves on the test's loop.
-Each test leaves a screenshot of the page it looked at in docs/images/dashboard/.
+The tests screenshot the pages they look at: `make screenshots` keeps them for the docs.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class Page:
         return bool(await self.css(selector))
 
     async def shot(self, name: str) -> None:
-        """Save the page as docs/images/dashboard/<name>.png."""
+        """Save the page as <name>.png in the screenshots' directory."""
         path = self.screenshots / f"{name}.png"
         await self.run(lambda: self.driver.save_screenshot(str(path)))
 

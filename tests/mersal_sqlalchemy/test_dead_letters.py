@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import event, func, select
 
 from mersal import App, Header
-from mersal.dead_letters import DeadLetters, Held
+from mersal.dead_letters import DeadLetter, DeadLetters, Held
 from mersal.messages import Envelope
 from mersal.transport import Outgoing, Transport
 from mersal.transport.memory import MemoryTransport
@@ -91,7 +91,7 @@ async def test_ingesting_stores_each_failure_with_why_and_empties_the_error_queu
     assert first.attempts == 1
     assert first.source_queue == payments.app.name
     assert first.error_queue == payments.error_queue
-    assert first.handler == "payments.py:charge"
+    assert first.handler == "tests/payments.py:charge"
     shown = await payments.store.get(first.id)
     assert shown is not None and shown.body is not None
     assert b'"o-1"' in shown.body
@@ -108,7 +108,7 @@ async def test_failures_that_differ_only_in_their_values_are_one_group(
 
     [group] = await payments.store.groups()
     assert group.count == 3
-    assert group.label == "CardDeclined: card declined for order <n> (in payments.py:charge)"
+    assert group.label == "CardDeclined: card declined for order <n> (in tests/payments.py:charge)"
     assert group.error_type == "tests.payments.CardDeclined"
     assert group.first_seen is not None and group.last_seen is not None
     assert group.first_seen <= group.last_seen
@@ -212,6 +212,89 @@ async def test_a_hostile_dead_letter_is_stored_whole_and_a_retry_without_a_queue
     retried = await payments.store.retry([failure.id])
     assert (retried.sent, retried.without_queue) == (0, [failure.id])
     assert await payments.store.count() == 1
+
+
+async def test_a_delivery_again_of_a_retried_or_deleted_failure_is_not_stored_again(
+    payments: Payments, operator: Transport
+) -> None:
+    await fail(payments, operator, "o-1", "o-2")
+    dead_letters = DeadLetters(operator, payments.error_queue, idle=IDLE)
+    copies = [item.envelope for item in await dead_letters.peek(10)]
+    await payments.store.ingest_all(dead_letters)
+    retried, deleted = await payments.store.page()
+    payments.broken = False
+    await payments.store.retry([retried.id])
+    await payments.store.delete([deleted.id])
+    await eventually(lambda: payments.handled != [], "the retried charge handled")
+
+    # as after a crash between the commit of their rows and their acks
+    await operator.send([Outgoing(payments.error_queue, copy) for copy in copies])
+    done = await payments.store.ingest(dead_letters)
+
+    assert (done.stored, done.duplicates) == (0, 2)
+    assert await payments.store.count() == 0
+    assert await payments.store.get(retried.id) is None
+    assert payments.handled == [retried.error_message.rpartition(" ")[2]]  # type: ignore[union-attr]
+
+
+async def outbox_rows(payments: Payments) -> int:
+    """The rows the payments app's outbox holds."""
+    store = payments.store
+    async with store.engine.connect() as connection:
+        counted = select(func.count()).select_from(store.tables.outbox)
+        return int((await connection.execute(counted)).scalar_one())
+
+
+async def test_tombstones_older_than_the_retention_are_forgotten(
+    payments: Payments, operator: Transport
+) -> None:
+    await fail(payments, operator, "o-1")
+    await payments.store.ingest_all(DeadLetters(operator, payments.error_queue, idle=IDLE))
+    [failure] = await payments.store.page()
+    await payments.store.delete([failure.id])
+
+    assert await payments.store.forget(older_than=3600) == 0
+    assert await payments.store.forget(older_than=-1) == 1
+    assert await payments.store.forget(older_than=-1) == 0
+
+
+async def test_a_failure_whose_source_is_the_error_queue_itself_is_kept_not_retried(
+    payments: Payments, operator: Transport
+) -> None:
+    headers = {Header.ERROR_QUEUE: payments.error_queue, Header.ERROR_TYPE: "Boom"}
+    await operator.send([Outgoing(payments.error_queue, Envelope(headers, b"{}"))])
+    await payments.store.ingest_all(DeadLetters(operator, payments.error_queue, idle=IDLE))
+    [failure] = await payments.store.page()
+
+    retried = await payments.store.retry([failure.id])
+
+    assert (retried.sent, retried.without_queue) == (0, [failure.id])
+    assert await payments.store.count() == 1
+    assert await outbox_rows(payments) == 0
+
+
+async def test_a_header_no_transport_can_send_does_not_hold_back_its_group(
+    payments: Payments, operator: Transport
+) -> None:
+    await fail(payments, operator, "o-1")
+    dead_letters = DeadLetters(operator, payments.error_queue, idle=IDLE)
+    [copy] = [item.envelope for item in await dead_letters.peek(1)]
+    await payments.store.ingest_all(dead_letters)
+    # A broker that carries a lone surrogate: the row is what the ingester would store.
+    headers = {**copy.headers, Header.MESSAGE_ID: "another", "x-note": "\ud800 half"}
+    hostile = Envelope(headers, copy.body)
+    store = payments.store
+    async with store.engine.begin() as connection:
+        row = store.row_of(DeadLetter(hostile), payments.error_queue)
+        await connection.execute(store.table.insert(), [row])
+    [group] = await store.groups()
+    payments.broken = False
+
+    retried = await store.retry_group(group.key)
+
+    assert (retried.sent, retried.without_queue) == (2, [])
+    await eventually(lambda: len(payments.handled) == 2, "both charges handled")
+    assert payments.handled == ["o-1", "o-1"]
 
 
 async def test_a_store_needs_an_app_with_a_database(memory_url: str) -> None:
@@ -356,3 +439,47 @@ async def test_the_commands_say_what_they_need(capsys: pytest.CaptureFixture[str
     assert await mersal("failures", "groups") == 2
 
     assert "needs --app module:app (an app with a database)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["groups", "--database", "postgresql://root@127.0.0.1:1/test"], "cannot use the database"),
+        (["groups", "--database", "sqlite:////nowhere/x.db"], "there is no SQLite database"),
+        (["retry", "--group", ""], "--group needs a group's key"),
+        (["retry", "--group", "ffff"], "no group with a key starting 'ffff'"),
+    ],
+)
+async def test_a_command_that_cannot_work_says_why_in_one_line(
+    migrated_database: str, argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    database = [] if "--database" in argv else ["--database", migrated_database]
+    assert await mersal("failures", *argv, "--name", "billing", *database) == 2
+    error = capsys.readouterr().err
+    assert expected in error
+    assert "Traceback" not in error
+
+
+async def test_an_id_the_column_cannot_hold_is_refused_by_the_command_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        await mersal("failures", "show", "99999999999999999999", "--name", "billing")
+    assert exited.value.code == 2
+    assert "is not a failure's id" in capsys.readouterr().err
+
+
+async def test_a_store_without_its_tables_names_the_upgrade(
+    empty_database: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert await mersal("failures", "list", "--name", "billing", "--database", empty_database) == 2
+    assert "mersal db upgrade" in capsys.readouterr().err
+
+
+async def test_retrying_or_deleting_an_unknown_id_names_it_and_exits_1(
+    migrated_database: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for action in ("retry", "delete"):
+        argv = ["failures", action, "424242", "--name", "billing", "--database", migrated_database]
+        assert await mersal(*argv) == 1
+        assert "no stored failure 424242 of app 'billing'" in capsys.readouterr().err

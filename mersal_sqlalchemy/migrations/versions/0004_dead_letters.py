@@ -70,6 +70,8 @@ def create_dead_letters(name: str) -> None:
         sa.Column("group_label", sa.Text(), nullable=False),
         sa.Column("headers", sa.Text(), nullable=False),
         sa.Column("body", sa.LargeBinary(), nullable=False),
+        sa.Column("resolved_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("resolution", sa.String(16), nullable=True),
         sa.PrimaryKeyConstraint("id"),
         sqlite_autoincrement=True,
     )

@@ -24,9 +24,13 @@ import aiormq
 import pytest
 from sqlalchemy import insert, inspect
 
+from mersal import Header
 from mersal.cli import load_app
+from mersal.dead_letters import DeadLetter
+from mersal.messages import Envelope
 from mersal_sqlalchemy.cli import upgrade
-from mersal_sqlalchemy.engines import make_engine, sql_time
+from mersal_sqlalchemy.dead_letters import DeadLetterStore
+from mersal_sqlalchemy.engines import database_url, make_engine, sql_time
 from mersal_sqlalchemy.tables import make_tables
 from tests.support import (
     BACKENDS,
@@ -49,6 +53,7 @@ JSON_KEYS = {
     "unacked_note",
     "database",
     "outbox",
+    "failures",
     "inbox",
 }
 APP_MODULE = """
@@ -279,16 +284,21 @@ async def test_messages_in_the_error_queue_need_an_operator(status: Status, own_
     assert "ok: nothing needs an operator" not in run.out
 
 
+async def migrated(stack: AsyncExitStack, backend: str, tmp_path: Path) -> str:
+    """A migrated database on `backend`, dropped when `stack` closes (PostgreSQL)."""
+    if backend == "sqlite":
+        database = sqlite_file(tmp_path)
+        await asyncio.to_thread(upgrade, database)
+        return database
+    return await stack.enter_async_context(postgres_database(migrate=True))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_parked_rows_need_an_operator_and_pending_rows_show_their_age(
     status: Status, backend: str, tmp_path: Path
 ) -> None:
     async with AsyncExitStack() as stack:
-        if backend == "sqlite":
-            database = sqlite_file(tmp_path)
-            await asyncio.to_thread(upgrade, database)
-        else:
-            database = await stack.enter_async_context(postgres_database(migrate=True))
+        database = await migrated(stack, backend, tmp_path)
         await add_rows(database, "orders", pending=2, parked=1, age=30.0)
         await add_rows(database, "billing", pending=1, parked=0, age=5.0)
 
@@ -308,6 +318,28 @@ async def test_parked_rows_need_an_operator_and_pending_rows_show_their_age(
         argv = suggested(run.err[0], "outbox list")
         assert argv == ["--parked", "--database", database]
         assert await mersal("outbox", "list", *argv) == 1  # 1: parked rows need an operator
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_failures_in_the_dead_letter_store_need_an_operator(
+    status: Status, backend: str, tmp_path: Path
+) -> None:
+    async with AsyncExitStack() as stack:
+        database = await migrated(stack, backend, tmp_path)
+        engine = make_engine(database_url(database))
+        store = DeadLetterStore(engine, make_tables(), "orders")
+        letter = DeadLetter(Envelope({Header.ERROR_TYPE: "Boom"}, b"{}"))
+        async with engine.begin() as connection:
+            await connection.execute(store.table.insert(), [store.row_of(letter, "error")])
+        await engine.dispose()
+
+        run = await status("--database", database, "--json")
+
+    assert run.code == 1
+    assert run.report["failures"] == 1
+    [reason] = run.report["reasons"]
+    assert reason.startswith("1 failed message(s) in the dead-letter store")
+    assert "`mersal failures groups --name APP --database " in reason
 
 
 async def test_without_an_app_or_urls_it_says_what_to_pass(
