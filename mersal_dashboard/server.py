@@ -7,8 +7,11 @@ marked live, and nothing else needs script. Every response forbids inline script
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
+import logging
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -19,14 +22,18 @@ from urllib.parse import quote, urlencode
 
 from aiohttp import web
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
+from sqlalchemy.exc import SQLAlchemyError
 
-from mersal.errors import ConfigurationError
+from mersal.errors import ConfigurationError, MersalError
+from mersal.urls import mask
 from mersal_dashboard.charts import rate_chart
 from mersal_dashboard.jobs import Job, Jobs
 from mersal_dashboard.security import COOKIE, Guard
 from mersal_dashboard.sources import Sampler, Source, find_sagas, pending_timeouts
 from mersal_sqlalchemy.dead_letters import PAGE
 from mersal_sqlalchemy.repairs import list_rows, purge_rows, retry_rows
+
+log = logging.getLogger("mersal.dashboard")
 
 SHOWN_BODY = 16 * 1024
 """The bytes of a body a page shows; the whole body is a download."""
@@ -35,6 +42,12 @@ SHOWN_HEADER = 2048
 """The characters of a header value a page shows."""
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+LOCAL_PATH = re.compile(r"/(?:[^/\\\x00-\x20\x7f-\U0010ffff][\x21-\x7e]*)?")
+"""A path on this site: one slash, then printable ASCII (no `//`, `/\\` or spaces to strip)."""
+
+ROW_ID = re.compile(r"[0-9]{1,18}")
+"""A row id as a form or a URL gives it (ASCII digits, within a BIGINT)."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -111,10 +124,7 @@ class Dashboard:
 
     def application(self, host: str) -> web.Application:
         """The aiohttp application with every route."""
-        if host in ("0.0.0.0", "::", ""):
-            self.allowed_hosts.add("*")
-        else:
-            self.allowed_hosts.update({host, *LOOPBACK})
+        self.allowed_hosts.update({host, *LOOPBACK} - {"0.0.0.0", "::", ""})
         server = web.Application(middlewares=[self._headers_middleware], client_max_size=1 << 20)
         get, post = server.router.add_get, server.router.add_post
         get("/", self.overview)
@@ -124,8 +134,8 @@ class Dashboard:
         post("/signin", self.signin)
         post("/signout", self.signout)
         get("/apps/{app}/failures", self.failures)
-        get("/apps/{app}/failures/{id:\\d+}", self.failure)
-        get("/apps/{app}/failures/{id:\\d+}/body", self.failure_body)
+        get("/apps/{app}/failures/{id:[0-9]+}", self.failure)
+        get("/apps/{app}/failures/{id:[0-9]+}/body", self.failure_body)
         post("/apps/{app}/failures/confirm", self.failures_confirm)
         post("/apps/{app}/failures/do", self.failures_do)
         get("/apps/{app}/outbox", self.outbox)
@@ -140,7 +150,7 @@ class Dashboard:
 
     @web.middleware
     async def _headers_middleware(self, request: web.Request, handler: Handler) -> Any:
-        if "*" not in self.allowed_hosts and _hostname(request.host) not in self.allowed_hosts:
+        if not self.answers_for(request.host):
             response: web.StreamResponse = web.Response(
                 status=421, text=f"this dashboard does not answer for host {request.host!r}"
             )
@@ -150,8 +160,22 @@ class Dashboard:
             except web.HTTPException as error:
                 error.headers.update(SECURITY_HEADERS)
                 raise
+            except (SQLAlchemyError, OSError, MersalError) as error:
+                log.debug("a page failed", exc_info=True)
+                reason = mask(str(error).splitlines()[0] if str(error) else type(error).__name__)
+                response = self.render(request, "unavailable.html", status=503, reason=reason)
         response.headers.update(SECURITY_HEADERS)
         return response
+
+    def answers_for(self, host: str) -> bool:
+        """Whether a request for `host` (a Host header) is for this dashboard.
+
+        A name must be one it listens on or was told (`allowed_hosts`): another site's page
+        that renames itself to this machine's address (DNS rebinding) names its own. An IP
+        address is always one a browser was pointed at, so any is answered.
+        """
+        name = _hostname(host)
+        return name in self.allowed_hosts or _is_address(name.strip("[]"))
 
     def render(
         self, request: web.Request, template: str, status: int = 200, **values: Any
@@ -217,8 +241,8 @@ class Dashboard:
         """The app's failure groups, and a page of its failures (of a group, or searched)."""
         source = self.source(request)
         store = _store(source)
-        group = request.query.get("group") or None
-        search = request.query.get("q") or None
+        group = _query_text(request, "group")
+        search = _query_text(request, "q")
         before = _int(request.query.get("before"))
         groups = await store.groups()
         page = await store.page(group=group, search=search, before=before, limit=PAGE + 1)
@@ -245,7 +269,7 @@ class Dashboard:
     async def failure(self, request: web.Request) -> web.Response:
         """One failed message: its error, traceback, headers and body."""
         source = self.source(request)
-        failure = await _store(source).get(int(request.match_info["id"]))
+        failure = await _failure(source, request)
         if failure is None:
             return self.render(request, "gone.html", status=404, source=source, what="failure")
         body = failure.body or b""
@@ -263,7 +287,7 @@ class Dashboard:
     async def failure_body(self, request: web.Request) -> web.Response:
         """A failed message's whole body, as a download."""
         source = self.source(request)
-        failure = await _store(source).get(int(request.match_info["id"]))
+        failure = await _failure(source, request)
         if failure is None:
             raise web.HTTPNotFound(text="no such failure")
         name = f"failure-{failure.id}.bin"
@@ -329,7 +353,9 @@ class Dashboard:
                     if retried.without_queue
                     else ""
                 )
-                how = f", {sent} sent now" if sent else ", the app's relay sends them"
+                how = f", {sent} sent now" if sent else ""
+                if retried.sent > sent:
+                    how += f"; the app's relay sends the other {retried.sent - sent}"
                 return f"{retried.sent} failure(s) retried{how}{kept}"
             deleted = await (
                 store.delete_group(group, progress=job.progress) if group else store.delete(ids)
@@ -374,7 +400,9 @@ class Dashboard:
                 sent = await source.send_outbox()
                 self.sampler.wake()
                 return f"{len(done)} row(s) un-parked" + (f", {sent} sent now" if sent else "")
-            purged = await purge_rows(engine, table, ids, lambda done, _: job.progress(done))
+            purged = await purge_rows(
+                engine, table, ids, lambda done, _: job.progress(done), app=source.name
+            )
             self.sampler.wake()
             return f"{len(purged)} row(s) purged"
 
@@ -390,9 +418,9 @@ class Dashboard:
         """The app's sagas in flight by type; found by type, correlation value or id."""
         source = self.source(request)
         engine = _engine(source)
-        saga = request.query.get("saga") or None
-        correlation = request.query.get("correlation") or None
-        saga_id = request.query.get("id") or None
+        saga = _query_text(request, "saga")
+        correlation = _query_text(request, "correlation")
+        saga_id = _query_text(request, "id")
         searched = any((saga, correlation, saga_id))
         found = await find_sagas(
             engine,
@@ -463,11 +491,12 @@ class Dashboard:
     async def signout(self, request: web.Request) -> web.Response:
         """End the session (a form of its own only: another site cannot sign anyone out)."""
         cookie = request.cookies.get(COOKIE)
+        session = self.guard.session_of(cookie)
         csrf = (await request.post()).get("csrf")
-        if isinstance(csrf, str) and csrf == self.guard.csrf_of(self.guard.session_of(cookie)):
-            self.guard.sign_out(cookie)
         response = web.HTTPSeeOther("/")
-        response.del_cookie(COOKIE, path="/")
+        if session is not None and isinstance(csrf, str) and csrf == self.guard.csrf_of(session):
+            self.guard.sign_out(cookie)
+            response.del_cookie(COOKIE, path="/")
         raise response
 
     async def static(self, request: web.Request) -> web.Response:
@@ -536,6 +565,12 @@ def _store(source: Source) -> Any:
     return store
 
 
+async def _failure(source: Source, request: web.Request) -> Any:
+    """The failure the URL names, or None (an id no row can have included)."""
+    row_id = _int(request.match_info["id"])
+    return None if row_id is None else await _store(source).get(row_id)
+
+
 def _engine(source: Source) -> Any:
     if source.engine is None:
         raise web.HTTPNotFound(text=f"app {source.name!r} has no database on this dashboard")
@@ -550,11 +585,27 @@ def _hostname(host: str) -> str:
 
 
 def _int(text: str | None) -> int | None:
-    return int(text) if text is not None and text.isdigit() and len(text) < 19 else None
+    return int(text) if text is not None and ROW_ID.fullmatch(text) else None
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _query_text(request: web.Request, name: str) -> str | None:
+    """A text the query gives, or None; a 400 for one no database column can hold (NUL)."""
+    value = request.query.get(name) or None
+    if value is not None and "\x00" in value:
+        raise web.HTTPBadRequest(text=f"{name} may not hold a NUL character")
+    return value
 
 
 def _ids(values: list[Any]) -> list[int]:
-    ids = sorted({int(v) for v in values if isinstance(v, str) and v.isdigit() and len(v) < 19})
+    ids = sorted({int(v) for v in values if isinstance(v, str) and ROW_ID.fullmatch(v)})
     if not ids:
         raise web.HTTPBadRequest(text="choose at least one row")
     return ids
@@ -566,6 +617,8 @@ def _failure_action(form: Any) -> tuple[str, list[int], str | None]:
         raise web.HTTPBadRequest(text="the action is retry or delete")
     group = form.get("group")
     if isinstance(group, str) and group:
+        if "\x00" in group:
+            raise web.HTTPBadRequest(text="a group's key holds no NUL character")
         return action, [], group
     return action, _ids(form.getall("id", [])), None
 
@@ -580,8 +633,7 @@ def _outbox_action(form: Any) -> tuple[str, list[int]]:
 def _local(values: Any) -> str:
     """Where to go after signing in: a path of this dashboard, never another site."""
     then = values.get("then")
-    local = isinstance(then, str) and then.startswith("/") and not then.startswith("//")
-    return then if local and "\\" not in then else "/"
+    return then if isinstance(then, str) and LOCAL_PATH.fullmatch(then) else "/"
 
 
 def _shown_headers(headers: dict[str, str]) -> list[tuple[str, str, bool]]:

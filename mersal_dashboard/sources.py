@@ -45,6 +45,9 @@ log = logging.getLogger("mersal.dashboard")
 HISTORY = 150
 """Samples kept per app: five minutes at the default interval."""
 
+SAMPLE_DEADLINE = 5.0
+"""Seconds a look at the broker or the database may take, at least, before it is given up."""
+
 FORGET_EVERY = 3600.0
 """Seconds between drops of the store's old tombstones (`DeadLetterStore.forget`)."""
 
@@ -176,6 +179,8 @@ class Sampler:
         self.interval = interval
         self.ingest = ingest
         self.rounds = 0
+        self.deadline = max(SAMPLE_DEADLINE, 2 * interval)
+        """Seconds each part of a look may take before it counts as not answering."""
         self._woken = asyncio.Event()
 
     @asynccontextmanager
@@ -211,19 +216,22 @@ class Sampler:
         """Look at one source, record what was seen and what could not be."""
         sample = Sample(at=time.time())
         if self.ingest:
-            await _guarded(sample, "ingesting the error queue", ingest(source))
+            await _guarded(sample, "ingesting the error queue", ingest(source), self.deadline)
         await asyncio.gather(
-            _guarded(sample, "the broker", _broker(source, sample)),
-            _guarded(sample, "the database", _database(source, sample)),
+            _guarded(sample, "the broker", _broker(source, sample), self.deadline),
+            _guarded(sample, "the database", _database(source, sample), self.deadline),
         )
         source.history.append(sample)
         return sample
 
 
-async def _guarded(sample: Sample, what: str, work: Any) -> None:
+async def _guarded(sample: Sample, what: str, work: Any, deadline: float) -> None:
     """Run `work`; a failure becomes a problem line of the sample, masked, not an exception."""
     try:
-        await work
+        async with asyncio.timeout(deadline):
+            await work
+    except TimeoutError:
+        sample.problems.append(f"{what}: no answer within {deadline:g}s (down, or reconnecting)")
     except MersalError as error:
         sample.problems.append(f"{what}: {error}")
     except Exception as error:  # the dashboard stays up whatever one source does

@@ -140,13 +140,21 @@ class NotParked(MersalError):
 
 
 async def purge_rows(
-    engine: AsyncEngine, table: Table, ids: Sequence[int], progress: Progress | None = None
+    engine: AsyncEngine,
+    table: Table,
+    ids: Sequence[int],
+    progress: Progress | None = None,
+    *,
+    app: str | None = None,
 ) -> list[int]:
     """Delete these parked rows; a NotParked error (and nothing deleted) if any is not parked.
 
+    With `app`, only that app's rows count: another app's ids are not in its outbox.
     `progress` is told `(done, total)` after each batch of deletes.
     """
     query = select(table.c.id, table.c.parked_at).where(table.c.id.in_(ids))
+    if app is not None:
+        query = query.where(table.c.app == app)
     if is_postgresql(engine):
         query = query.with_for_update()
     async with engine.begin() as connection:

@@ -64,6 +64,7 @@ def chromium() -> Iterator[Any]:
         pytest.skip("chromium and chromium-driver are not installed (make services installs them)")
     options = webdriver.ChromeOptions()
     options.binary_location = binary
+    options.page_load_strategy = "eager"  # a page is read once parsed, not after every fetch
     for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
         options.add_argument(argument)
     options.add_argument("--window-size=1280,900")

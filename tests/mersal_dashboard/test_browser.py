@@ -43,14 +43,19 @@ class Page:
         return await self.run(lambda: self.driver.find_elements("css selector", selector))
 
     async def text(self, selector: str) -> str:
-        """The text of the first element `selector` finds ('' if none)."""
-        found = await self.css(selector)
-        return await self.run(lambda: found[0].text) if found else ""
+        """The text of the first element `selector` finds ('' if none), read in one step: a
+        live part may be replaced between finding an element and reading it."""
+        script = "const e = document.querySelector(arguments[0]); return e ? e.innerText : ''"
+        found: str = await self.run(lambda: self.driver.execute_script(script, selector))
+        return found.strip()
 
     async def click(self, selector: str) -> None:
-        """Click the first element `selector` finds."""
-        [element, *_] = await self.css(selector)
-        await self.run(element.click)
+        """Click the first element `selector` finds, once it is there."""
+        await eventually(lambda: self.has(selector), f"{selector!r} on {self.driver.current_url}")
+        # A click from a script: the step does not wait for the page it opens (the caller waits
+        # for what it expects there), which a busy machine can stall past WebDriver's timeout.
+        script = "document.querySelector(arguments[0]).click()"
+        await self.run(lambda: self.driver.execute_script(script, selector))
 
     async def script(self, source: str) -> Any:
         """The value of a script run in the page."""
@@ -63,6 +68,14 @@ class Page:
         await self.run(lambda: field.send_keys(TOKEN))
         await self.click("form.signin button")
         await eventually(lambda: self.has("form[action='/signout']"), "the session to start")
+
+    async def shows(self, selector: str, text: str) -> None:
+        """Wait until the element `selector` finds holds `text` (the page may be loading)."""
+
+        async def there() -> bool:
+            return text in await self.text(selector)
+
+        await eventually(there, f"{text!r} in {selector!r} on {self.driver.current_url}")
 
     async def has(self, selector: str) -> bool:
         """Whether `selector` finds anything now."""
@@ -90,22 +103,22 @@ async def test_a_failed_message_shows_in_its_group_and_a_retry_has_it_handled_on
     group = await page.text("section.groups tbody tr")
     assert "CardDeclined: card declined for order" in group and "2" in group.split()
     await page.shot("failures")
-    await page.click("section.groups tbody tr a")
     await page.open(f"/apps/{payments.app.name}/failures/{failures[0].id}")
     assert "raise CardDeclined" in await page.text("pre.traceback")
     await page.shot("failure")
 
     payments.broken = False
     await page.open(f"/apps/{payments.app.name}/failures")
-    await page.click("input[data-select-all]")
+    for failure in failures:
+        await page.click(f"input[name=id][value='{failure.id}']")
     await page.click("#selection button[value=retry]")
-    assert "Retry 2 failures?" in await page.text("h1")
+    await page.shows("h1", "Retry 2 failures?")
     await page.shot("confirm")
     await page.click("#confirm")
     await eventually(
         lambda: page.has("[data-job-state=done]"), "the retry's progress line to say done"
     )
-    assert "2 failure(s) retried" in await page.text("#job")
+    await page.shows("#job", "2 failure(s) retried")
     await page.shot("job")
     await eventually(lambda: len(payments.handled) == 2, "both orders handled")
     assert sorted(payments.handled) == ["order-41", "order-42"]
@@ -122,7 +135,7 @@ async def test_a_delete_from_the_page_removes_the_failure(payments: Payments, pa
     await eventually(lambda: page.has("[data-job-state=done]"), "the delete to finish")
     assert await payments.store.get(failure.id) is None
     await page.open(f"/apps/{payments.app.name}/failures")
-    assert "no failed messages stored" in await page.text("section.groups")
+    await page.shows("section.groups", "no failed messages stored")
 
 
 async def test_an_action_without_signing_in_is_refused(payments: Payments, page: Page) -> None:
@@ -130,7 +143,7 @@ async def test_an_action_without_signing_in_is_refused(payments: Payments, page:
     [failure] = await payments.stored(1)
     await page.open(f"/apps/{payments.app.name}/failures/{failure.id}")
     await page.click("form.actions button[value=retry]")
-    assert "sign in with the dashboard" in await page.text("[data-refused]")
+    await page.shows("[data-refused]", "sign in with the dashboard")
     await page.shot("refused")
     assert await payments.store.get(failure.id) is not None
 
@@ -162,8 +175,12 @@ async def test_the_overview_updates_without_a_reload(payments: Payments, page: P
     await page.run(lambda: page.driver.set_window_size(390, 844))
     await page.open("/")
     await page.shot("overview-phone")
-    width = await page.script("return document.documentElement.scrollWidth")
-    assert width <= 390, f"the overview is {width} px wide on a 390 px phone"
+    await page.open(f"/apps/{payments.app.name}/failures")
+    await page.shot("failures-phone")
+    for path in ("/", f"/apps/{payments.app.name}/failures"):
+        await page.open(path)
+        width = await page.script("return document.documentElement.scrollWidth")
+        assert width <= 390, f"{path} is {width} px wide on a 390 px phone"
 
 
 async def _figure_is(page: Page, name: str, value: str) -> bool:

@@ -7,7 +7,13 @@ import re
 
 import aiohttp
 import pytest
+from sqlalchemy import select, text, update
 
+from mersal import Header
+from mersal.messages import Envelope
+from mersal.transport import Outgoing
+from mersal_dashboard import Dashboard, source_of
+from mersal_sqlalchemy.outbox import write_outbox
 from tests.mersal_dashboard.conftest import TOKEN, Served
 from tests.payments import Payments
 from tests.support import eventually
@@ -267,3 +273,100 @@ async def test_the_overview_counts_the_queues_and_the_store(
 async def _overview_with(client: aiohttp.ClientSession, served: Served, text: str) -> str | None:
     page = await client_page(client, f"{served.url}/live/overview")
     return page if text in page else None
+
+
+async def test_signing_in_never_sends_the_browser_off_the_dashboard_by_a_stripped_character(
+    served: Served,
+) -> None:
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as client:
+        for then in ("/\t/evil.example", "/\n/evil.example", "/\r/evil.example", "/ /x"):
+            answer = await client.post(
+                f"{served.url}/signin", data={"token": TOKEN, "then": then}, allow_redirects=False
+            )
+            assert answer.headers["Location"] == "/", then
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/failures/99999999999999999999999",
+        "/failures/%C2%B2",
+        "/failures?before=%C2%B2",
+        "/failures?q=%00",
+        "/failures?group=%00",
+        "/sagas?correlation=%00",
+    ],
+)
+async def test_an_odd_id_or_text_in_the_url_is_refused_not_a_server_error(
+    payments: Payments, served: Served, path: str
+) -> None:
+    async with aiohttp.ClientSession() as client:
+        answer = await client.get(f"{served.url}/apps/{payments.app.name}{path}")
+    assert answer.status in (200, 400, 404), await answer.text()
+
+
+async def test_a_page_the_database_cannot_answer_says_so_with_the_password_masked(
+    payments: Payments, served: Served
+) -> None:
+    source = served.dashboard.sources[payments.app.name]
+    assert source.engine is not None
+    async with source.engine.begin() as connection:
+        await connection.execute(text(f"DROP TABLE {source.tables.dead_letters.name}"))
+    async with aiohttp.ClientSession() as client:
+        answer = await client.get(f"{served.url}/apps/{payments.app.name}/failures")
+        page = await answer.text()
+    assert answer.status == 503
+    assert "Cannot show this now" in page
+    assert "script-src 'self'" in answer.headers["Content-Security-Policy"]
+
+
+async def test_an_address_is_answered_on_a_wildcard_bind_but_only_named_hosts(
+    payments: Payments,
+) -> None:
+    dashboard = Dashboard([source_of(payments.app)], interval=0.2, allowed_hosts=["ops.example"])
+    async with dashboard.serving("0.0.0.0") as url:
+        port = url.rsplit(":", 1)[1]
+        async with aiohttp.ClientSession() as client:
+            statuses = {
+                host: (await client.get(f"http://127.0.0.1:{port}/", headers={"Host": host})).status
+                for host in (
+                    f"127.0.0.1:{port}",
+                    f"ops.example:{port}",
+                    "rebind.example",
+                    "10.0.0.9",
+                )
+            }
+    assert statuses == {
+        f"127.0.0.1:{port}": 200,
+        f"ops.example:{port}": 200,
+        "rebind.example": 421,
+        "10.0.0.9": 200,
+    }
+
+
+async def test_the_outbox_page_cannot_purge_another_apps_parked_row(
+    payments: Payments, served: Served
+) -> None:
+    source = served.dashboard.sources[payments.app.name]
+    assert source.engine is not None
+    table = source.tables.outbox
+    other = Outgoing("elsewhere", Envelope({Header.TYPE: "t"}, b"{}"))
+    async with source.engine.begin() as connection:
+        await write_outbox(connection, table, "another-app", [other], None)
+        await connection.execute(update(table).values(parked_at=table.c.created_at))
+        [row_id] = (await connection.execute(select(table.c.id))).scalars()
+    async with aiohttp.ClientSession() as client:
+        answer = await client.post(
+            f"{served.url}/apps/{payments.app.name}/outbox/do",
+            data={"action": "purge", "id": str(row_id)},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        await eventually(lambda: _finished(client, str(answer.url)), "the purge job", timeout=10)
+        outcome = await client_page(client, str(answer.url))
+    assert "not in the outbox" in outcome
+    async with source.engine.connect() as connection:
+        assert (await connection.execute(select(table.c.id))).scalars().all() == [row_id]
+
+
+async def _finished(client: aiohttp.ClientSession, url: str) -> bool:
+    return "data-final" in await client_page(client, url)
