@@ -346,17 +346,14 @@ class Dashboard:
                     store.retry_group(group, progress=job.progress) if group else store.retry(ids)
                 )
                 job.progress(retried.sent)
-                sent = await source.send_outbox()
+                await source.send_outbox()
                 self.sampler.wake()
                 kept = (
                     f"; {len(retried.without_queue)} kept (no source queue recorded)"
                     if retried.without_queue
                     else ""
                 )
-                how = f", {sent} sent now" if sent else ""
-                if retried.sent > sent:
-                    how += f"; the app's relay sends the other {retried.sent - sent}"
-                return f"{retried.sent} failure(s) retried{how}{kept}"
+                return f"{retried.sent} failure(s) sent back through the outbox{kept}"
             deleted = await (
                 store.delete_group(group, progress=job.progress) if group else store.delete(ids)
             )
@@ -456,7 +453,7 @@ class Dashboard:
         job = self.jobs.get(request.match_info["id"])
         if job is None:
             return self.render(request, "gone.html", status=404, source=None, what="job")
-        return self.render(request, "job.html", job=job)
+        return self.render(request, "job.html", job=job, source=self.sources.get(job.app))
 
     async def job_live(self, request: web.Request) -> web.Response:
         """A job's progress line alone."""

@@ -118,7 +118,7 @@ async def test_a_failed_message_shows_in_its_group_and_a_retry_has_it_handled_on
     await eventually(
         lambda: page.has("[data-job-state=done]"), "the retry's progress line to say done"
     )
-    await page.shows("#job", "2 failure(s) retried")
+    await page.shows("#job", "2 failure(s) sent back through the outbox")
     await page.shot("job")
     await eventually(lambda: len(payments.handled) == 2, "both orders handled")
     assert sorted(payments.handled) == ["order-41", "order-42"]
