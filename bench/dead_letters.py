@@ -16,7 +16,9 @@ One run, on a PostgreSQL database of its own (`mersal_bench_dlq_<random>`, creat
   median milliseconds of each. `groups()`; `page()` (the first page, `PAGE` rows), with
   `before=` an id a tenth of the way up the table, with `group=`, with `search=` a text one
   group's messages hold, and with `search=` a text no row holds (a full scan: `MISS_CALLS`);
-  `get(id)` of a row in the middle. The raw side returns asyncpg records; the store's side
+  `get(id)` of a row in the middle. `failures_page`: the dashboard's failures page of one
+  group served over HTTP (its groups, the page, the group's count, rendered), against those
+  three queries on bare asyncpg. The raw side returns asyncpg records; the store's side
   includes checking out a pooled connection, SQLAlchemy's compile cache and building the
   result objects. A `<name>_ratio` is raw time / store time (1 is as fast as by hand).
 - Retries: `store.retry_group(key)` on one group (`ROWS / len(FAILURES)` rows), timed until
@@ -39,6 +41,7 @@ import asyncio
 import hashlib
 import itertools
 import os
+import re
 import statistics
 import time
 import uuid
@@ -48,13 +51,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import aiohttp
 import asyncpg  # type: ignore[import-untyped]
 import msgspec
 from sqlalchemy.engine import make_url
 
+from mersal import App
 from mersal.dead_letters import RETRY_HEADERS, DeadLetter
 from mersal.messages import Envelope, Header
 from mersal.settle import ERROR_HEADERS
+from mersal_dashboard import Dashboard, source_of
 from mersal_sqlalchemy import make_engine, make_tables
 from mersal_sqlalchemy.cli import upgrade
 from mersal_sqlalchemy.dead_letters import (
@@ -157,6 +163,7 @@ async def run() -> dict[str, float | int]:
                 raise RuntimeError(f"{len(groups)} failure groups, not {len(FAILURES)}")
             for pair in await reads(store, connection, groups[0]):
                 figures.update(await compare(pair))
+            figures.update(await page_render(url, connection, groups[0]))
             figures.update(await retries(store, connection, groups[-2], groups[-1]))
             return figures
         finally:
@@ -432,6 +439,8 @@ async def timed(call: Callable[[], Awaitable[Any]]) -> float:
 def keys(result: Any) -> list[Any]:
     """What identifies the rows of a result: group keys or row ids, in order."""
     items = result if isinstance(result, list) else [result]
+    if all(isinstance(item, int) for item in items):
+        return items
     return [
         item.key
         if isinstance(item, StoredGroup)
@@ -440,6 +449,35 @@ def keys(result: Any) -> list[Any]:
         else item[0]
         for item in items
     ]
+
+
+async def page_render(url: str, connection: Any, group: str) -> dict[str, float]:
+    """The dashboard's page of one group (its groups, a page, the count, rendered and served
+    over HTTP) against the same three queries on bare asyncpg."""
+    app = App(APP, transport="memory://bench-dead-letters", database=url)
+    source = source_of(app)
+    source.transport = None  # the page reads the database only
+    dashboard = Dashboard([source], ingest=False, interval=3600)
+    table = source.tables.dead_letters.name
+    count_sql = (
+        f"SELECT count(*) FROM {table} WHERE app = $1 AND resolved_at IS NULL AND group_key = $2"
+    )
+
+    async def raw() -> list[Any]:
+        await connection.fetch(groups_sql(table), APP, 200)
+        rows = await connection.fetch(page_sql(table, group=True), APP, group, PAGE + 1)
+        await connection.fetchval(count_sql, APP, group)
+        return [row["id"] for row in rows[:PAGE]]
+
+    async with dashboard.serving() as base, aiohttp.ClientSession() as client:
+        address = f"{base}/apps/{APP}/failures?group={group}"
+
+        async def ours() -> list[int]:
+            async with client.get(address) as answer:
+                page = await answer.text()
+            return [int(found) for found in re.findall(r'data-failure="(\d+)"', page)]
+
+        return await compare(Pair("failures_page", ours, raw))
 
 
 # Retries.
