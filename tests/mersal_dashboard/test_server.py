@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import html
 import re
 
@@ -15,8 +16,8 @@ from mersal.transport import Outgoing
 from mersal_dashboard import Dashboard, source_of
 from mersal_sqlalchemy.outbox import write_outbox
 from tests.mersal_dashboard.conftest import TOKEN, Served
-from tests.payments import Payments
-from tests.support import eventually
+from tests.payments import Payments, running_payments
+from tests.support import add_vhost, delete_vhost, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -262,7 +263,7 @@ async def test_the_overview_counts_the_queues_and_the_store(
     await payments.stored(2)
     async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as client:
         page = await eventually(
-            lambda: _overview_with(client, served, 'data-figure="failures">2<'),
+            lambda: _overview_with(client, served.url, 'data-figure="failures">2<'),
             "the overview to count two stored failures",
         )
     assert f'data-queue="{payments.app.name}"' in page
@@ -270,8 +271,8 @@ async def test_the_overview_counts_the_queues_and_the_store(
     assert 'data-figure="outbox-parked">0<' in page
 
 
-async def _overview_with(client: aiohttp.ClientSession, served: Served, text: str) -> str | None:
-    page = await client_page(client, f"{served.url}/live/overview")
+async def _overview_with(client: aiohttp.ClientSession, url: str, text: str) -> str | None:
+    page = await client_page(client, f"{url}/live/overview")
     return page if text in page else None
 
 
@@ -370,3 +371,36 @@ async def test_the_outbox_page_cannot_purge_another_apps_parked_row(
 
 async def _finished(client: aiohttp.ClientSession, url: str) -> bool:
     return "data-final" in await client_page(client, url)
+
+
+async def test_the_overview_says_the_broker_is_gone_and_recovers_when_it_is_back(
+    own_vhost: str, postgres_url: str, prefix: str
+) -> None:
+    vhost = own_vhost.rsplit("/", 1)[1]
+    async for payments in running_payments(own_vhost, postgres_url, prefix):
+        dashboard = Dashboard([source_of(payments.app)], interval=0.2)
+        queue = f'data-queue="{payments.app.name}"'
+        async with dashboard.serving() as url, aiohttp.ClientSession() as client:
+            await eventually(
+                lambda: _overview_with(client, url, queue),
+                "the overview to show the app's queue",
+            )
+            await asyncio.to_thread(delete_vhost, vhost)
+            gone = await eventually(
+                lambda: _overview_with(client, url, 'class="problem"'),
+                "the overview to say the broker cannot be seen",
+                timeout=30,
+            )
+            await asyncio.to_thread(add_vhost, vhost)
+            await eventually(
+                lambda: _overview_without(client, url, 'class="problem">the broker'),
+                "the overview to see the broker again",
+                timeout=60,
+            )
+    assert "the broker" in gone
+    assert "guest:guest" not in gone
+
+
+async def _overview_without(client: aiohttp.ClientSession, url: str, text: str) -> bool:
+    page = await client_page(client, f"{url}/live/overview")
+    return text not in page
