@@ -376,29 +376,33 @@ async def _finished(client: aiohttp.ClientSession, url: str) -> bool:
 async def test_the_overview_says_the_broker_is_gone_and_recovers_when_it_is_back(
     own_vhost: str, postgres_url: str, prefix: str
 ) -> None:
-    vhost = own_vhost.rsplit("/", 1)[1]
     async for payments in running_payments(own_vhost, postgres_url, prefix):
-        dashboard = Dashboard([source_of(payments.app)], interval=0.2)
-        queue = f'data-queue="{payments.app.name}"'
-        async with dashboard.serving() as url, aiohttp.ClientSession() as client:
-            await eventually(
-                lambda: _overview_with(client, url, queue),
-                "the overview to show the app's queue",
-            )
-            await asyncio.to_thread(delete_vhost, vhost)
-            gone = await eventually(
-                lambda: _overview_with(client, url, 'class="problem"'),
-                "the overview to say the broker cannot be seen",
-                timeout=30,
-            )
-            await asyncio.to_thread(add_vhost, vhost)
-            await eventually(
-                lambda: _overview_without(client, url, 'class="problem">the broker'),
-                "the overview to see the broker again",
-                timeout=60,
-            )
+        gone = await broker_outage(payments, own_vhost.rsplit("/", 1)[1])
     assert "the broker" in gone
     assert "guest:guest" not in gone
+
+
+async def broker_outage(payments: Payments, vhost: str) -> str:
+    """The overview while the app's vhost is gone, once it says so; after it is back."""
+    dashboard = Dashboard([source_of(payments.app)], interval=0.2)
+    queue = f'data-queue="{payments.app.name}"'
+    async with dashboard.serving() as url, aiohttp.ClientSession() as client:
+        await eventually(
+            lambda: _overview_with(client, url, queue), "the overview to show the app's queue"
+        )
+        await asyncio.to_thread(delete_vhost, vhost)
+        gone = await eventually(
+            lambda: _overview_with(client, url, 'class="problem"'),
+            "the overview to say the broker cannot be seen",
+            timeout=30,
+        )
+        await asyncio.to_thread(add_vhost, vhost)
+        await eventually(
+            lambda: _overview_without(client, url, 'class="problem">the broker'),
+            "the overview to see the broker again",
+            timeout=60,
+        )
+    return gone
 
 
 async def _overview_without(client: aiohttp.ClientSession, url: str, text: str) -> bool:
