@@ -100,7 +100,6 @@ class Dashboard:
         self.jobs = Jobs()
         self.allowed_hosts = set(allowed_hosts)
         self.templates = _environment()
-        self.started_at = time.time()
 
     @asynccontextmanager
     async def serving(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
