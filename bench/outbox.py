@@ -29,27 +29,35 @@ and a RabbitMQ vhost of its own, both made for the run and dropped at its end:
   consumer counts each message id that reaches the queue. Duplicates = deliveries - distinct
   ids (must be 0); missing = rows - distinct ids (must be 0); the smaller share is the part of
   the rows the less busy instance published (both relays took part when it is above 0).
-- The pre-seeded chain, against a raw chain. On a second database and vhost of their own (both
-  sides fresh and alike), `SEEDED` PlaceOrder commands are sent to the orders queue before the
-  orders App starts; the same orders handler (no after-commit stamp) and a billing App that
-  counts. Chains per second run from the orders app's start to the last OrderPlaced handled;
-  CPU per chain is this process's over the same interval. The raw chain does the same durable
-  steps with asyncpg and aio-pika and no Mersal code on the way (`RawOrders`): the same number
-  of commands waiting in a queue of its own, consumed with manual acks at the app's default
-  prefetch and concurrency; per command one transaction writes the order, an outbox and an
-  inbox row (tables shaped like ours); a relay claims outbox rows with a lease
-  (FOR UPDATE SKIP LOCKED), publishes them persistent, mandatory and confirmed, and deletes
-  the confirmed ones; a consumer counts the events, each id once. Timed the same way: from
-  connecting to the last event counted. Successive runs alternate which side goes first.
+- The pre-seeded chain, against two hand-written chains. On a second database and vhost of
+  their own (every side fresh and alike), `SEEDED` PlaceOrder commands are sent to the orders
+  queue before the orders App starts; the same orders handler (no after-commit stamp) and a
+  billing App that counts. Chains per second run from the orders app's start to the last
+  OrderPlaced handled; CPU per chain is this process's over the same interval. The raw chain,
+  the physical floor, does the same durable steps with asyncpg and aio-pika and no Mersal code
+  on the way (`RawOrders`): the same number of commands waiting in a queue of its own, consumed
+  with manual acks at the app's default prefetch and concurrency; per command one transaction
+  writes the order, an outbox and an inbox row (tables shaped like ours); a relay claims outbox
+  rows with a lease (FOR UPDATE SKIP LOCKED), publishes them persistent, mandatory and
+  confirmed, and deletes the confirmed ones; a consumer counts the events, each id once. The
+  ORM chain is the raw chain with its business part written with the libraries a user's
+  handler uses (`orm_rows`): per command one SQLAlchemy AsyncSession (the asyncpg driver, a
+  pool sized like the app's) adds the ORM `Order` row, writes the inbox and outbox rows with
+  `session.execute(insert(...))` on the same transaction and commits; its relay, consumer,
+  acks, prefetch and concurrency are the raw chain's. Its `Order` rows go to the app's
+  `orders` table, so it runs on a third database (the same tables, as fresh). Both are timed
+  the same way: from connecting to the last event counted. Successive runs rotate which of the
+  three sides goes first.
 
 Environment: MERSAL_BENCH_POSTGRES (default `postgresql+asyncpg://postgres@127.0.0.1:5432`,
 a server where that user may create databases) and MERSAL_BENCH_RABBITMQ_HOST (127.0.0.1;
 `rabbitmqctl` makes the vhost, so run as root on the RabbitMQ host).
 
 `python -m bench.outbox chain` runs only the setup, a warm-up and the full-load chain, and prints
-its figures: the thing to profile. `python -m bench.outbox seeded` (the pre-seeded orders app)
-and `python -m bench.outbox raw-chain` (the raw chain) do the same for one side of the last part;
-`python -m bench.outbox pair` runs both sides once and prints their ratio.
+its figures: the thing to profile. `python -m bench.outbox seeded` (the pre-seeded orders app),
+`python -m bench.outbox orm-chain` (the ORM chain) and `python -m bench.outbox raw-chain` (the
+raw chain) do the same for one side of the pre-seeded part; `python -m bench.outbox pair` runs
+its three sides once and prints the app's ratios to the other two.
 
 - Grown tables. The pre-seeded chain on a fresh database, then again on the same database
   after `GROWN_INBOX` ids of the orders app went into the inbox and `GROWN_BACKLOG` rows of
@@ -70,21 +78,27 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aio_pika
 import aiormq
 import asyncpg  # type: ignore[import-untyped]
 import msgspec
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractIncomingMessage
-from sqlalchemy import String, func, select, table, text
+from sqlalchemy import String, func, insert, select, table, text
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import NullPool
 
@@ -96,6 +110,7 @@ from mersal.transport import Outgoing
 from mersal_sqlalchemy import SqlStorage, attach, make_engine, make_tables
 from mersal_sqlalchemy.cli import upgrade
 from mersal_sqlalchemy.outbox import write_outbox
+from mersal_sqlalchemy.storage import engine_defaults
 
 CHAINS = 5_000
 IN_FLIGHT = 128
@@ -121,11 +136,14 @@ POLL_INTERVAL: float = inspect.signature(attach).parameters["poll_interval"].def
 CONCURRENCY: int = inspect.signature(App).parameters["concurrency"].default
 PREFETCH = prefetch_of(None, CONCURRENCY)
 """The orders app's defaults, which the raw chain copies."""
+APP_POOL: dict[str, Any] = engine_defaults("postgresql", CONCURRENCY)
+"""The orders app's engine options on PostgreSQL (its pool), which the ORM chain copies."""
 POSTGRES = os.environ.get("MERSAL_BENCH_POSTGRES", "postgresql+asyncpg://postgres@127.0.0.1:5432")
 ROOT = Path(__file__).resolve().parent.parent
 
 _runs = itertools.count()
-"""Runs so far in this process: odd runs time raw aio-pika before the relay."""
+"""Runs so far in this process: odd runs time raw aio-pika before the relay; the pre-seeded
+part's sides take turns going first."""
 
 
 @message("bench.PlaceOrder.v1")
@@ -161,7 +179,8 @@ class Order(Base):
 
 async def run() -> dict[str, float | int]:
     """Every phase on a database and a vhost of the run's own, gone afterwards."""
-    raw_first = next(_runs) % 2 == 1
+    number = next(_runs)
+    raw_first = number % 2 == 1
     async with private_database() as database, private_vhost("mersal-bench-outbox") as transport:
         async with Chain(database, transport) as chain:
             await chain.full_load(WARM_UP)
@@ -171,7 +190,7 @@ async def run() -> dict[str, float | int]:
             idle = await chain.idle(IDLE_SAMPLES)
         relay, raw = await relay_against_raw(database, transport, raw_first=raw_first)
         twins = await two_instances(database, transport)
-    seeded, raw_chain = await seeded_against_raw(raw_first=raw_first)
+    sides = await seeded_against_raw(rotation=number)
     empty, grown = await grown_against_empty()
     return {
         "outbox_chain_msgs_per_s": full.rate,
@@ -189,11 +208,7 @@ async def run() -> dict[str, float | int]:
         "two_instances_duplicates": twins.duplicates,
         "two_instances_missing": twins.missing,
         "two_instances_smaller_share": twins.smaller_share,
-        "outbox_seeded_chains_per_s": seeded.rate,
-        "outbox_seeded_cpu_ms_per_chain": seeded.cpu_seconds * 1e3,
-        "raw_chain_per_s": raw_chain.rate,
-        "raw_cpu_ms_per_chain": raw_chain.cpu_seconds * 1e3,
-        "outbox_seeded_ratio_to_raw_chain": seeded.rate / raw_chain.rate,
+        **seeded_figures(sides),
         "outbox_grown_chains_per_s": grown.rate,
         "outbox_grown_ratio_to_empty": grown.rate / empty.rate,
     }
@@ -575,6 +590,13 @@ WHERE id IN (
 )
 RETURNING id, address, publish, headers, body
 """
+ORM_INBOX = (
+    postgresql.insert(RAW_TABLES.inbox)
+    .on_conflict_do_nothing()
+    .returning(RAW_TABLES.inbox.c.message_id)
+)
+ORM_OUTBOX = insert(RAW_TABLES.outbox)
+"""The ORM chain's inserts of the inbox and outbox rows: the raw chain's, as SQLAlchemy Core."""
 DELETE_SENT = "DELETE FROM raw_outbox WHERE id = ANY($1::bigint[])"
 RELEASE = "UPDATE raw_outbox SET lease_until = now() + $2::interval WHERE id = ANY($1::bigint[])"
 
@@ -601,6 +623,13 @@ COMMAND_JSON = msgspec.json.Decoder(RawCommand)
 EVENT_JSON = msgspec.json.Decoder(RawEvent)
 HEADERS_JSON = msgspec.json.Decoder(dict[str, str])
 
+Commit = Callable[[AbstractIncomingMessage], Awaitable[None]]
+"""One command's rows in one transaction (none for a copy of a command handled already)."""
+Rows = Callable[[str], AbstractAsyncContextManager[Commit]]
+"""A hand-written chain's business part: its `Commit`, connected to a database (asyncpg DSN)."""
+SIDES = ("app", "orm", "raw")
+"""The pre-seeded part's sides, in the order the first run takes them."""
+
 
 class Arrivals:
     """The distinct message ids that reached the end of a chain, and any copies."""
@@ -625,19 +654,48 @@ class Arrivals:
         return self.tally.phase(started, cpu)
 
 
-async def seeded_against_raw(*, raw_first: bool) -> tuple[Phase, Phase]:
-    """The pre-seeded orders app and the raw chain, on a database and a vhost of their own."""
-    async with private_database() as database, private_vhost("mersal-bench-seeded") as transport:
+class Seeded(NamedTuple):
+    """What the pre-seeded part measured on each side."""
+
+    app: Phase
+    orm: Phase
+    raw: Phase
+
+
+async def seeded_against_raw(*, rotation: int) -> Seeded:
+    """The pre-seeded orders app, the ORM chain and the raw chain, from `SIDES[rotation % 3]` on."""
+    async with (
+        private_database() as database,
+        private_database() as orm_database,
+        private_vhost("mersal-bench-seeded") as transport,
+    ):
         await create_business_tables(database)
+        await create_business_tables(orm_database)
+        chains = {"app": seeded_chain, "orm": orm_chain, "raw": raw_chain}
+        databases = {"app": database, "orm": orm_database, "raw": database}
+        start = rotation % len(SIDES)
         phases: dict[str, Phase] = {}
-        for side in ("raw", "app") if raw_first else ("app", "raw"):
-            chain = raw_chain if side == "raw" else seeded_chain
-            phases[side] = await chain(database, transport)
-    return phases["app"], phases["raw"]
+        for side in SIDES[start:] + SIDES[:start]:
+            phases[side] = await chains[side](databases[side], transport)
+    return Seeded(**phases)
+
+
+def seeded_figures(sides: Seeded) -> dict[str, float | int]:
+    """Each side's chains per second and CPU ms per chain, and the app's rate to the others'."""
+    return {
+        "outbox_seeded_chains_per_s": sides.app.rate,
+        "outbox_seeded_cpu_ms_per_chain": sides.app.cpu_seconds * 1e3,
+        "orm_chain_per_s": sides.orm.rate,
+        "orm_cpu_ms_per_chain": sides.orm.cpu_seconds * 1e3,
+        "raw_chain_per_s": sides.raw.rate,
+        "raw_cpu_ms_per_chain": sides.raw.cpu_seconds * 1e3,
+        "outbox_seeded_ratio_to_orm_chain": sides.app.rate / sides.orm.rate,
+        "outbox_seeded_ratio_to_raw_chain": sides.app.rate / sides.raw.rate,
+    }
 
 
 async def create_business_tables(database: str) -> None:
-    """The orders table, and the raw chain's orders, outbox and inbox tables."""
+    """The orders table, and the hand-written chains' orders, outbox and inbox tables."""
     engine = make_engine(database, poolclass=NullPool)
     try:
         async with engine.begin() as connection:
@@ -737,11 +795,21 @@ async def seed_orders(transport: str, queue: str) -> None:
         await send_all(lambda: frontend.send(PlaceOrder(uuid.uuid4().hex, 9.5)), SEEDED)
 
 
-# The raw chain: asyncpg and aio-pika, no Mersal code on the way.
+# The hand-written chains: aio-pika and asyncpg (or SQLAlchemy), no Mersal code on the way.
 
 
 async def raw_chain(database: str, transport: str) -> Phase:
-    """`SEEDED` commands wait in the raw queue; time `RawOrders` through them."""
+    """The physical floor: `RawOrders` writing its rows on bare asyncpg."""
+    return await hand_written_chain(database, transport, asyncpg_rows, RAW_ORDERS.name)
+
+
+async def orm_chain(database: str, transport: str) -> Phase:
+    """`RawOrders` writing its rows as a user's handler would, through a SQLAlchemy session."""
+    return await hand_written_chain(database, transport, orm_rows, Order.__tablename__)
+
+
+async def hand_written_chain(database: str, transport: str, rows: Rows, orders: str) -> Phase:
+    """`SEEDED` commands wait in the raw queue; time `RawOrders` on `rows` through them."""
     arrivals = Arrivals(SEEDED)
     dsn = make_url(database).set(drivername="postgresql").render_as_string(hide_password=False)
     connection = await aio_pika.connect(transport)  # the seeding and billing side's
@@ -754,12 +822,12 @@ async def raw_chain(database: str, transport: str) -> Phase:
         await (await counting.get_queue(RAW_BILLING)).consume(counter(arrivals))
         gc.collect()
         started, cpu = time.perf_counter(), time.process_time()
-        async with raw_orders(dsn, transport):
+        async with raw_orders(dsn, transport, rows):
             await arrivals.tally.wait()
     finally:
         await connection.close()
         await delete_queues(transport, [RAW_APP, RAW_BILLING], [RAW_EVENTS])
-    await expect_rows(database, {"raw_orders": SEEDED, "raw_inbox": SEEDED, "raw_outbox": 0})
+    await expect_rows(database, {orders: SEEDED, "raw_inbox": SEEDED, "raw_outbox": 0})
     return arrivals.phase(started, cpu)
 
 
@@ -807,18 +875,17 @@ def counter(arrivals: Arrivals) -> Callable[[AbstractIncomingMessage], Awaitable
 
 
 @asynccontextmanager
-async def raw_orders(dsn: str, transport: str) -> AsyncIterator[RawOrders]:
-    """`RawOrders` connected, relaying and consuming; stopped and disconnected afterwards."""
+async def raw_orders(dsn: str, transport: str, rows: Rows) -> AsyncIterator[RawOrders]:
+    """`RawOrders` on `rows`, connected, relaying and consuming; stopped and disconnected after."""
     async with AsyncExitStack() as stack:
-        pool = await asyncpg.create_pool(dsn, min_size=CONCURRENCY, max_size=CONCURRENCY)
-        stack.push_async_callback(pool.close)
+        commit = await stack.enter_async_context(rows(dsn))
         relay_connection = await asyncpg.connect(dsn)
         stack.push_async_callback(relay_connection.close)
         connection = await aio_pika.connect(transport)
         stack.push_async_callback(connection.close)
         publishing = await connection.channel(publisher_confirms=True, on_return_raises=True)
         events = await publishing.get_exchange(RAW_EVENTS)
-        orders = RawOrders(pool, relay_connection, publishing, events)
+        orders = RawOrders(commit, relay_connection, publishing, events)
         orders.start_relay()
         stack.push_async_callback(orders.stop_relay)
         consuming = await connection.channel()
@@ -831,21 +898,22 @@ async def raw_orders(dsn: str, transport: str) -> AsyncIterator[RawOrders]:
 class RawOrders:
     """The orders service by hand: each command's rows in one transaction, then a relay.
 
-    A command (at most `CONCURRENCY` at once): one transaction inserts the inbox row (a copy
-    handled already is acked with nothing written), the order and the OrderPlaced outbox row;
-    commit, ack, wake the relay. The relay claims up to `RELAY_BATCH` rows with a lease,
-    publishes them all with confirms and deletes the confirmed ones (the others wait
-    `RETRY_DELAY`), until none is left; then it waits to be woken, or `POLL_INTERVAL`.
+    A command (at most `CONCURRENCY` at once): `commit` writes, in one transaction, the inbox
+    row (a copy handled already is acked with nothing written), the order and the OrderPlaced
+    outbox row (`asyncpg_rows` or `orm_rows`); then ack, wake the relay. The relay claims up
+    to `RELAY_BATCH` rows with a lease, publishes them all with confirms and deletes the
+    confirmed ones (the others wait `RETRY_DELAY`), until none is left; then it waits to be
+    woken, or `POLL_INTERVAL`.
     """
 
     def __init__(
         self,
-        pool: Any,
+        commit: Commit,
         relay_connection: Any,
         publishing: AbstractChannel,
         events: AbstractExchange,
     ) -> None:
-        self.pool = pool
+        self.commit = commit
         self.relay_connection = relay_connection
         self.publishing = publishing
         self.events = events
@@ -865,16 +933,6 @@ class RawOrders:
                 raise
             await message.ack()
             self.wake.set()
-
-    async def commit(self, message: AbstractIncomingMessage) -> None:
-        """The inbox row, the order and the OrderPlaced outbox row, in one transaction."""
-        command = COMMAND_JSON.decode(message.body)
-        headers, body = raw_event(command, message)
-        async with self.pool.acquire() as connection, connection.transaction():
-            if await connection.fetchval(INSERT_INBOX, RAW_APP, message.message_id) is None:
-                return  # a copy of a command handled already
-            await connection.execute(INSERT_ORDER, command.order_id, command.amount)
-            await connection.execute(INSERT_OUTBOX, RAW_APP, EVENT_TYPE, True, headers, body)
 
     def start_relay(self) -> None:
         """Run the relay loop in the background."""
@@ -935,6 +993,53 @@ class RawOrders:
         confirmation = await exchange.publish(amqp, routing_key=row["address"], mandatory=True)
         if not isinstance(confirmation, aiormq.spec.Basic.Ack):
             raise RuntimeError(f"outbox row {row['id']} was not confirmed: {confirmation!r}")
+
+
+@asynccontextmanager
+async def asyncpg_rows(dsn: str) -> AsyncIterator[Commit]:
+    """The raw chain's rows: three statements on bare asyncpg, a pool of `CONCURRENCY`."""
+    pool = await asyncpg.create_pool(dsn, min_size=CONCURRENCY, max_size=CONCURRENCY)
+
+    async def commit(message: AbstractIncomingMessage) -> None:
+        """The inbox row, the order and the OrderPlaced outbox row, in one transaction."""
+        command = COMMAND_JSON.decode(message.body)
+        headers, body = raw_event(command, message)
+        async with pool.acquire() as connection, connection.transaction():
+            if await connection.fetchval(INSERT_INBOX, RAW_APP, message.message_id) is None:
+                return  # a copy of a command handled already
+            await connection.execute(INSERT_ORDER, command.order_id, command.amount)
+            await connection.execute(INSERT_OUTBOX, RAW_APP, EVENT_TYPE, True, headers, body)
+
+    try:
+        yield commit
+    finally:
+        await pool.close()
+
+
+@asynccontextmanager
+async def orm_rows(dsn: str) -> AsyncIterator[Commit]:
+    """The ORM chain's rows: one AsyncSession per command, on an engine pooled like the app's."""
+    url = make_url(dsn).set(drivername="postgresql+asyncpg")
+    engine = create_async_engine(url, **APP_POOL)
+    sessions = async_sessionmaker(engine, expire_on_commit=False)
+
+    async def commit(message: AbstractIncomingMessage) -> None:
+        """The inbox row, the ORM order and the OrderPlaced outbox row, on the session's commit."""
+        command = COMMAND_JSON.decode(message.body)
+        headers, body = raw_event(command, message)
+        async with sessions() as session:
+            inbox = {"app": RAW_APP, "message_id": message.message_id}
+            if (await session.execute(ORM_INBOX, inbox)).first() is None:
+                return  # a copy of a command handled already (closing the session rolls back)
+            session.add(Order(id=command.order_id, amount=command.amount))
+            outbox = {"app": RAW_APP, "address": EVENT_TYPE, "publish": True}
+            await session.execute(ORM_OUTBOX, {**outbox, "headers": headers, "body": body})
+            await session.commit()
+
+    try:
+        yield commit
+    finally:
+        await engine.dispose()
 
 
 def raw_event(command: RawCommand, cause: AbstractIncomingMessage) -> tuple[str, bytes]:
@@ -1057,22 +1162,26 @@ async def seeded_only() -> dict[str, float | int]:
 
 async def raw_only() -> dict[str, float | int]:
     """The raw chain alone: what to profile beside it."""
-    async with private_database() as database, private_vhost("mersal-bench-seeded") as transport:
-        await create_business_tables(database)
-        phase = await raw_chain(database, transport)
+    phase = await hand_written_only(raw_chain)
     return {"raw_chain_per_s": phase.rate, "raw_cpu_ms_per_chain": phase.cpu_seconds * 1e3}
 
 
+async def orm_only() -> dict[str, float | int]:
+    """The ORM chain alone: what to profile beside the raw chain."""
+    phase = await hand_written_only(orm_chain)
+    return {"orm_chain_per_s": phase.rate, "orm_cpu_ms_per_chain": phase.cpu_seconds * 1e3}
+
+
+async def hand_written_only(chain: Callable[[str, str], Awaitable[Phase]]) -> Phase:
+    """One hand-written chain on a database and a vhost of its own."""
+    async with private_database() as database, private_vhost("mersal-bench-seeded") as transport:
+        await create_business_tables(database)
+        return await chain(database, transport)
+
+
 async def pair_only() -> dict[str, float | int]:
-    """The pre-seeded orders app, then the raw chain, and the ratio of their rates."""
-    seeded, raw = await seeded_against_raw(raw_first=False)
-    return {
-        "outbox_seeded_chains_per_s": seeded.rate,
-        "outbox_seeded_cpu_ms_per_chain": seeded.cpu_seconds * 1e3,
-        "raw_chain_per_s": raw.rate,
-        "raw_cpu_ms_per_chain": raw.cpu_seconds * 1e3,
-        "outbox_seeded_ratio_to_raw_chain": seeded.rate / raw.rate,
-    }
+    """The pre-seeded orders app, the ORM chain, then the raw chain, and the app's ratios."""
+    return seeded_figures(await seeded_against_raw(rotation=0))
 
 
 async def grown_only() -> dict[str, float | int]:
@@ -1094,6 +1203,7 @@ def main(argv: list[str]) -> int:
     parts = {
         "chain": chain_only,
         "seeded": seeded_only,
+        "orm-chain": orm_only,
         "raw-chain": raw_only,
         "pair": pair_only,
         "grown": grown_only,

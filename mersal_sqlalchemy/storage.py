@@ -187,7 +187,7 @@ def attach(
                 "attach(app) needs App(database=...) or attach(app, engine=...)"
             )
         url = database_url(database)
-        options = {**_engine_defaults(url.get_backend_name(), app.settings.concurrency)}
+        options = {**engine_defaults(url.get_backend_name(), app.settings.concurrency)}
         options.update(engine_options or {})
         engine = make_engine(url, **options)
     elif not (is_postgresql(engine) or is_sqlite(engine)):
@@ -478,7 +478,7 @@ async def _end(session: MessageAsyncSession) -> None:
         log.warning("closing the message's session failed (%s: %s)", type(error).__name__, error)
 
 
-def _engine_defaults(backend: str, concurrency: int) -> dict[str, Any]:
+def engine_defaults(backend: str, concurrency: int) -> dict[str, Any]:
     if backend == "postgresql":
         # one connection per concurrent message, plus the relay's, the listener's and a spare
         return {"pool_size": max(concurrency + 3, 5), "max_overflow": 10}
