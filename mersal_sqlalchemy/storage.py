@@ -479,6 +479,7 @@ async def _end(session: MessageAsyncSession) -> None:
 
 
 def engine_defaults(backend: str, concurrency: int) -> dict[str, Any]:
+    """The pool an app's engine gets on `backend` for `concurrency` messages at once."""
     if backend == "postgresql":
         # one connection per concurrent message, plus the relay's, the listener's and a spare
         return {"pool_size": max(concurrency + 3, 5), "max_overflow": 10}
