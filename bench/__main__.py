@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "scaleout": "bench.scaleout",
     "amqp10": "bench.amqp10",
     "dead_letters": "bench.dead_letters",
+    "sagas": "bench.sagas",
 }
 """Every benchmark by name: a module with `async def run() -> dict[str, float | int]`."""
 
