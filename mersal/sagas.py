@@ -22,6 +22,7 @@ import sys
 import types
 import typing
 import uuid
+import weakref
 from collections.abc import (
     Callable,
     Iterable,
@@ -1316,27 +1317,44 @@ class _Field(typing.NamedTuple):
     hint: Any
 
 
-def _fields(cls: type) -> list[_Field]:
-    """The fields of a data class: attribute, the keys it may be stored under, and type."""
+def _fields(cls: type) -> tuple[_Field, ...]:
+    """The fields of a data class: attribute, the keys it may be stored under, and type.
+
+    Read once per class (every save of a saga checks them): a class whose annotations cannot
+    be resolved yet is read again next time.
+    """
+    known = _known_fields.get(cls)
+    if known is None:
+        known, complete = _read_fields(cls)
+        if complete:
+            _known_fields[cls] = known
+    return known
+
+
+_known_fields: weakref.WeakKeyDictionary[type, tuple[_Field, ...]] = weakref.WeakKeyDictionary()
+
+
+def _read_fields(cls: type) -> tuple[tuple[_Field, ...], bool]:
+    """The fields of `cls`, and whether its type hints could all be resolved."""
     if issubclass(cls, msgspec.Struct):
-        return [
-            _Field(f.name, (f.name, f.encode_name), f.type) for f in msgspec.structs.fields(cls)
-        ]
+        fields = msgspec.structs.fields(cls)
+        return tuple(_Field(f.name, (f.name, f.encode_name), f.type) for f in fields), True
     model_fields: Mapping[str, Any] | None = getattr(cls, "model_fields", None)
     if model_fields is not None:  # pydantic
-        return [
+        return tuple(
             _Field(name, tuple(_aliases(name, info)), info.annotation)
             for name, info in model_fields.items()
-        ]
+        ), True
+    complete = True
     try:
         hints = typing.get_type_hints(cls)
     except Exception:  # a class whose annotations name what its module does not hold
-        hints = {}
+        hints, complete = {}, False
     if dataclasses.is_dataclass(cls):
         names = [f.name for f in dataclasses.fields(cls)]
     else:
         names = [a.name for a in getattr(cls, "__attrs_attrs__", ())]
-    return [_Field(name, (name,), hints.get(name, Any)) for name in names]
+    return tuple(_Field(name, (name,), hints.get(name, Any)) for name in names), complete
 
 
 def data_keys(data_type: type) -> frozenset[str]:
