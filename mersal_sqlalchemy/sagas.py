@@ -6,9 +6,23 @@ import asyncio
 import base64
 import weakref
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import CursorResult, Select, Table, delete, func, insert, select, update
+from sqlalchemy import (
+    CursorResult,
+    Delete,
+    Insert,
+    Select,
+    Table,
+    Update,
+    bindparam,
+    delete,
+    func,
+    insert,
+    select,
+    update,
+)
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
@@ -47,6 +61,7 @@ class SqlSagaStore:
         self.app = app
         self.session_of = session_of
         self.locks = is_postgresql(engine)
+        self._statements = _Statements.of(table)
 
     async def find(
         self,
@@ -58,27 +73,25 @@ class SqlSagaStore:
         lock: bool = False,
     ) -> StoredSaga | None:
         """The saga by correlation value or id, as the message's transaction sees it."""
-        query = self._select(saga, correlation, saga_id)
-        if lock and self.locks:
-            query = query.with_for_update()
-        result = await _raced(self.session_of(context).execute(query))
+        query, values = self._select(saga, correlation, saga_id, lock=lock and self.locks)
+        result = await _raced(self.session_of(context).execute(query, values))
         return _stored(result.first())
 
     async def insert(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
         """Create the saga at revision 1; a conflict if another message created it first."""
         assert stored.data is not None
-        statement = insert(self.table).values(
-            app=self.app,
-            saga=saga,
-            correlation=stored.correlation,
-            id=stored.id,
-            revision=1,
-            data=as_text(stored.data),
-        )
+        values = {
+            "app": self.app,
+            "saga": saga,
+            "correlation": stored.correlation,
+            "id": stored.id,
+            "revision": 1,
+            "data": as_text(stored.data),
+        }
         session = self.session_of(context)
         await session.flush()  # the handler's own rows: their errors are the handler's
         try:
-            await _raced(session.execute(statement))
+            await _raced(session.execute(self._statements.insert, values))
         except IntegrityError:
             raise ConcurrencyConflict(
                 f"saga {saga} {stored.correlation!r} was started by another message meanwhile"
@@ -87,18 +100,16 @@ class SqlSagaStore:
     async def update(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
         """Save the data if the row is still at the revision it was loaded at."""
         assert stored.data is not None
-        table = self.table
-        statement = (
-            update(table)
-            .where(*self._row(saga, stored))
-            .values(revision=stored.revision + 1, data=as_text(stored.data), updated_at=func.now())
-        )
-        await self._one_row(context, statement, saga, stored)
+        values = {
+            **self._row(saga, stored),
+            "next_revision": stored.revision + 1,
+            "next_data": as_text(stored.data),
+        }
+        await self._one_row(context, self._statements.update, values, saga, stored)
 
     async def delete(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
         """Delete the saga if it is still at the revision it was loaded at."""
-        statement = delete(self.table).where(*self._row(saga, stored))
-        await self._one_row(context, statement, saga, stored)
+        await self._one_row(context, self._statements.delete, self._row(saga, stored), saga, stored)
 
     async def read(
         self, saga: str, correlation: str, *, transaction: Transaction | None = None
@@ -110,41 +121,95 @@ class SqlSagaStore:
         connection: on SQLite the one pooled connection may be that transaction's. Reads that
         share a session take turns (a session runs one statement at a time).
         """
-        query = self._select(saga, correlation, None)
+        query, values = self._select(saga, correlation, None)
         executor = _executor_of(transaction)
         if executor is None:
             async with self.engine.connect() as connection:
-                return _stored((await connection.execute(query)).first())
+                return _stored((await connection.execute(query, values)).first())
         async with _turns(executor):
-            return _stored((await executor.execute(query)).first())
+            return _stored((await executor.execute(query, values)).first())
 
-    def _select(self, saga: str, correlation: str | None, saga_id: str | None) -> Select[Any]:
-        table = self.table
-        columns = (table.c.id, table.c.correlation, table.c.revision, table.c.data)
-        query = select(*columns).where(table.c.app == self.app, table.c.saga == saga)
+    def _select(
+        self, saga: str, correlation: str | None, saga_id: str | None, *, lock: bool = False
+    ) -> tuple[Select[Any], dict[str, Any]]:
+        """The query that finds a saga by id or correlation value, and its parameters."""
+        values = {"at_app": self.app, "at_saga": saga}
+        statements = self._statements
         if saga_id is not None:
-            return query.where(table.c.id == saga_id)
-        return query.where(table.c.correlation == correlation)
+            query = statements.by_id_locked if lock else statements.by_id
+            return query, {**values, "at_id": saga_id}
+        query = statements.by_correlation_locked if lock else statements.by_correlation
+        return query, {**values, "at_correlation": correlation}
 
-    def _row(self, saga: str, stored: StoredSaga) -> tuple[Any, ...]:
-        table = self.table
-        return (
-            table.c.app == self.app,
-            table.c.saga == saga,
-            table.c.correlation == stored.correlation,
-            table.c.id == stored.id,
-            table.c.revision == stored.revision,
-        )
+    def _row(self, saga: str, stored: StoredSaga) -> dict[str, Any]:
+        """The parameters that name the saga's row at the revision it was loaded at."""
+        return {
+            "at_app": self.app,
+            "at_saga": saga,
+            "at_correlation": stored.correlation,
+            "at_id": stored.id,
+            "at_revision": stored.revision,
+        }
 
     async def _one_row(
-        self, context: MessageContext, statement: Any, saga: str, stored: StoredSaga
+        self,
+        context: MessageContext,
+        statement: Any,
+        values: dict[str, Any],
+        saga: str,
+        stored: StoredSaga,
     ) -> None:
-        result = await _raced(self.session_of(context).execute(statement))
+        result = await _raced(self.session_of(context).execute(statement, values))
         if cast(CursorResult[Any], result).rowcount != 1:
             raise ConcurrencyConflict(
                 f"saga {saga} {stored.correlation!r} changed since it was loaded at revision "
                 f"{stored.revision}"
             )
+
+
+@dataclass(frozen=True)
+class _Statements:
+    """The saga table's statements, built once: each run binds its values."""
+
+    by_correlation: Select[Any]
+    by_correlation_locked: Select[Any]
+    by_id: Select[Any]
+    by_id_locked: Select[Any]
+    insert: Insert
+    update: Update
+    delete: Delete
+
+    @classmethod
+    def of(cls, table: Table) -> _Statements:
+        """The statements on `table`."""
+        c = table.c
+        columns = (c.id, c.correlation, c.revision, c.data)
+        of_saga = (c.app == bindparam("at_app"), c.saga == bindparam("at_saga"))
+        by_correlation = select(*columns).where(
+            *of_saga, c.correlation == bindparam("at_correlation")
+        )
+        by_id = select(*columns).where(*of_saga, c.id == bindparam("at_id"))
+        row = (
+            *of_saga,
+            c.correlation == bindparam("at_correlation"),
+            c.id == bindparam("at_id"),
+            c.revision == bindparam("at_revision"),
+        )
+        return cls(
+            by_correlation,
+            by_correlation.with_for_update(),
+            by_id,
+            by_id.with_for_update(),
+            insert(table),
+            update(table)
+            .where(*row)
+            .values(
+                revision=bindparam("next_revision"),
+                data=bindparam("next_data"),
+                updated_at=func.now(),
+            ),
+            delete(table).where(*row),
+        )
 
 
 def _executor_of(transaction: Transaction | None) -> AsyncSession | AsyncConnection | None:
