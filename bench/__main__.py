@@ -32,7 +32,11 @@ BENCHMARKS: dict[str, str] = {
     "dead_letters": "bench.dead_letters",
     "sagas": "bench.sagas",
 }
-"""Every benchmark by name: a module with `async def run() -> dict[str, float | int]`."""
+"""Every benchmark by name: a module with `async def run() -> dict[str, float | int]`.
+
+A module may also have `def check(medians: dict[str, float | int]) -> str | None`: told the
+medians of its figures, it says what regressed past its agreed margin (the run then exits 1).
+"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,15 +62,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.runs < 1:
         parser.error(f"--runs {args.runs}: run each benchmark at least once")
+    failed = []
     for name in names:
-        run = cast(Run, importlib.import_module(BENCHMARKS[name]).run)
+        module = importlib.import_module(BENCHMARKS[name])
+        run = cast(Run, module.run)
         results = [measure(run) for _ in range(args.runs)]
+        medians: Figures = {}
         for key, values in collect(results).items():
-            print(f"{key}={format_value(statistics.median(values))}", flush=True)
+            medians[key] = statistics.median(values)
+            print(f"{key}={format_value(medians[key])}", flush=True)
             if len(values) > 1:
                 print(f"{key}_min={format_value(min(values))}")
                 print(f"{key}_max={format_value(max(values))}", flush=True)
-    return 0
+        regression = checked(module, medians)
+        if regression is not None:
+            print(f"check_failed={name}", flush=True)
+            print(f"python -m bench: {name}: {regression}", file=sys.stderr, flush=True)
+            failed.append(name)
+    return 1 if failed else 0
+
+
+def checked(module: object, medians: Figures) -> str | None:
+    """What the benchmark's own check says of its medians (None: all within their margins)."""
+    check = cast(Callable[[Figures], str | None] | None, getattr(module, "check", None))
+    return None if check is None else check(medians)
 
 
 def selected(only: list[str]) -> list[str]:

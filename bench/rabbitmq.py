@@ -61,6 +61,11 @@ class Ping:
     note: str
 
 
+MAX_CPU_RATIO = 1.6
+"""The App's CPU per message may be at most this many times raw aio-pika's (the median of the
+runs; 1.46 on quorum queues when this was set): past it, `python -m bench` exits 1."""
+
+
 async def run() -> dict[str, float | int]:
     """Both round trips at full load, then at half load, on a vhost that is gone afterwards."""
     async with (
@@ -80,6 +85,7 @@ async def run() -> dict[str, float | int]:
         "rabbitmq_ratio_to_raw": app.rate / plain.rate,
         "rabbitmq_cpu_us_per_msg": app.cpu_seconds * 1e6,
         "raw_cpu_us_per_msg": plain.cpu_seconds * 1e6,
+        "rabbitmq_cpu_ratio_to_raw": app.cpu_seconds / plain.cpu_seconds,
         "half_load_msgs_per_s": half_rate,
     }
     for name in paths:
@@ -89,6 +95,19 @@ async def run() -> dict[str, float | int]:
                     phase.latencies, percent
                 )
     return figures
+
+
+def check(medians: dict[str, float | int]) -> str | None:
+    """A regression when the App's CPU per message passes MAX_CPU_RATIO times raw aio-pika's."""
+    ratio = medians["rabbitmq_cpu_ratio_to_raw"]
+    if ratio <= MAX_CPU_RATIO:
+        return None
+    return (
+        f"the App's CPU per message is {ratio:.2f}x raw aio-pika's "
+        f"({medians['rabbitmq_cpu_us_per_msg']:.0f} against {medians['raw_cpu_us_per_msg']:.0f} "
+        f"us), past the agreed {MAX_CPU_RATIO}x: find what the round trip does more (profile "
+        "it: python -m cProfile), or agree on a new margin in bench/rabbitmq.py"
+    )
 
 
 # The two ways of making the round trip.
