@@ -52,14 +52,13 @@ import proton
 from bench.rabbitmq import (
     MESSAGES,
     NOTE,
-    PREFETCH,
     WARM_UP,
     AppRoundTrip,
     Ping,
     RoundTrip,
     full_load,
 )
-from bench.support import QUEUE_TYPE, Phase, Tally, private_vhost
+from bench.support import PREFETCH, QUEUE_TYPE, Phase, Tally, private_vhost
 from mersal import App
 from mersal.messages import Envelope, Header, new_id, type_name_of
 from mersal.serialization import JsonCodec

@@ -102,10 +102,19 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import NullPool
 
-from bench.support import PHASE_TIMEOUT, QUEUE_TYPE, Phase, Tally, percentile_ms, private_vhost
+from bench.support import (
+    CONCURRENCY,
+    PHASE_TIMEOUT,
+    PREFETCH,
+    QUEUE_TYPE,
+    Phase,
+    Tally,
+    asyncpg_dsn,
+    percentile_ms,
+    private_vhost,
+)
 from mersal import App, MessageContext, loop, message
 from mersal.messages import Envelope, Header
-from mersal.settings import prefetch_of
 from mersal.transport import Outgoing
 from mersal_sqlalchemy import SqlStorage, attach, make_engine, make_tables
 from mersal_sqlalchemy.cli import upgrade
@@ -133,9 +142,6 @@ GROWN_BACKLOG = 100_000
 RELAY_BATCH: int = inspect.signature(attach).parameters["relay_batch"].default
 LEASE: float = inspect.signature(attach).parameters["lease"].default
 POLL_INTERVAL: float = inspect.signature(attach).parameters["poll_interval"].default
-CONCURRENCY: int = inspect.signature(App).parameters["concurrency"].default
-PREFETCH = prefetch_of(None, CONCURRENCY)
-"""The orders app's defaults, which the raw chain copies."""
 APP_POOL: dict[str, Any] = engine_defaults("postgresql", CONCURRENCY)
 """The orders app's engine options on PostgreSQL (its pool), which the ORM chain copies."""
 POSTGRES = os.environ.get("MERSAL_BENCH_POSTGRES", "postgresql+asyncpg://postgres@127.0.0.1:5432")
@@ -811,7 +817,7 @@ async def orm_chain(database: str, transport: str) -> Phase:
 async def hand_written_chain(database: str, transport: str, rows: Rows, orders: str) -> Phase:
     """`SEEDED` commands wait in the raw queue; time `RawOrders` on `rows` through them."""
     arrivals = Arrivals(SEEDED)
-    dsn = make_url(database).set(drivername="postgresql").render_as_string(hide_password=False)
+    dsn = asyncpg_dsn(database)
     connection = await aio_pika.connect(transport)  # the seeding and billing side's
     try:
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)

@@ -23,7 +23,6 @@ unmeasured messages, which also opens the App's lazily created publishing channe
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import time
 import uuid
@@ -34,9 +33,15 @@ import aio_pika
 import msgspec
 from aio_pika.abc import AbstractConnection, AbstractExchange, AbstractIncomingMessage
 
-from bench.support import QUEUE_TYPE, Phase, Tally, percentile_ms, private_vhost
+from bench.support import (
+    PREFETCH,
+    QUEUE_TYPE,
+    Phase,
+    Tally,
+    percentile_ms,
+    private_vhost,
+)
 from mersal import App
-from mersal.settings import prefetch_of
 
 MESSAGES = 10_000
 IN_FLIGHT = 128
@@ -45,8 +50,6 @@ HALF_LOAD_SECONDS = 5.0
 HALF_LOAD_MESSAGES = 3_000
 NOTE = "a small note"
 
-CONCURRENCY: int = inspect.signature(App).parameters["concurrency"].default
-PREFETCH = prefetch_of(None, CONCURRENCY)  # what App.start asks its consumer for
 
 _runs = itertools.count()
 """Runs so far in this process: odd runs measure raw aio-pika first, so order biases neither."""

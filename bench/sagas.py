@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import inspect
 import itertools
 import sys
 import time
@@ -58,14 +57,12 @@ import msgspec
 from aio_pika.abc import AbstractIncomingMessage
 from lagom import Container
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from bench.outbox import private_database
-from bench.support import Phase, Tally, private_vhost
+from bench.support import CONCURRENCY, PREFETCH, Phase, Tally, asyncpg_dsn, private_vhost
 from mersal import App, MessageContext, loop, message
 from mersal.sagas import Saga
-from mersal.settings import prefetch_of
 from mersal_sqlalchemy import SqlStorage, attach, make_engine, make_tables
 
 SAGAS = 1_000
@@ -78,9 +75,6 @@ HOT_POOL = 20
 IN_FLIGHT = 128
 """Seeding sends outstanding at once."""
 
-CONCURRENCY: int = inspect.signature(App).parameters["concurrency"].default
-PREFETCH = prefetch_of(None, CONCURRENCY)
-"""The app's defaults, which the hand-written consumers copy."""
 
 SAGA_NAME = "bench.Stepping"
 SPREAD_APP = "sagas-spread"
@@ -201,21 +195,31 @@ class Hot:
 async def run() -> dict[str, float | int]:
     """Both parts, each on a database and a vhost of its own; the app's side first on even runs."""
     app_first = next(_runs) % 2 == 0
-    app_spread, raw_spread = await spread(app_first=app_first)
-    optimistic, pessimistic, raw_hot = await hot(app_first=app_first)
+    spread_figures = figures_of_spread(*await spread(app_first=app_first))
+    return {**spread_figures, **figures_of_hot(*await hot(app_first=app_first))}
+
+
+def figures_of_spread(app: Phase, raw: Phase) -> dict[str, float | int]:
+    """The spread part's figures: each side's rate and CPU per event, and their ratio."""
     return {
-        "sagas_spread_events_per_s": app_spread.rate,
-        "sagas_spread_cpu_us_per_event": app_spread.cpu_seconds * 1e6,
-        "raw_sagas_spread_events_per_s": raw_spread.rate,
-        "raw_sagas_spread_cpu_us_per_event": raw_spread.cpu_seconds * 1e6,
-        "sagas_spread_ratio": app_spread.rate / raw_spread.rate,
+        "sagas_spread_events_per_s": app.rate,
+        "sagas_spread_cpu_us_per_event": app.cpu_seconds * 1e6,
+        "raw_sagas_spread_events_per_s": raw.rate,
+        "raw_sagas_spread_cpu_us_per_event": raw.cpu_seconds * 1e6,
+        "sagas_spread_ratio": app.rate / raw.rate,
+    }
+
+
+def figures_of_hot(optimistic: Hot, pessimistic: Hot, raw: Hot) -> dict[str, float | int]:
+    """The hot part's figures: each way's rate and reruns per event, against the raw rate."""
+    return {
         "sagas_hot_optimistic_events_per_s": optimistic.rate,
         "sagas_hot_optimistic_conflict_reruns_per_event": optimistic.reruns_per_event,
         "sagas_hot_pessimistic_events_per_s": pessimistic.rate,
         "sagas_hot_pessimistic_conflict_reruns_per_event": pessimistic.reruns_per_event,
-        "raw_sagas_hot_events_per_s": raw_hot.rate,
-        "sagas_hot_optimistic_ratio": optimistic.rate / raw_hot.rate,
-        "sagas_hot_pessimistic_ratio": pessimistic.rate / raw_hot.rate,
+        "raw_sagas_hot_events_per_s": raw.rate,
+        "sagas_hot_optimistic_ratio": optimistic.rate / raw.rate,
+        "sagas_hot_pessimistic_ratio": pessimistic.rate / raw.rate,
     }
 
 
@@ -261,7 +265,7 @@ async def raw_spread(database: str, transport: str) -> Phase:
     await seed(transport, RAW_SPREAD, spread_steps())
     gc.collect()
     started, cpu = time.perf_counter(), time.process_time()
-    async with raw_sagas(dsn_of(database), transport, RAW_SPREAD, tally, CONCURRENCY):
+    async with raw_sagas(asyncpg_dsn(database), transport, RAW_SPREAD, tally, CONCURRENCY):
         await tally.wait()
     check_count(tally, "the raw side")
     await check_spread(database, RAW_SAGAS, RAW_SPREAD)
@@ -331,7 +335,7 @@ async def raw_hot(database: str, transport: str) -> Hot:
     name = "raw-hot"
     tally = Tally(HOT_EVENTS, "raw hot saga events committed")
     await seed(transport, name, hot_steps(name))
-    dsn = dsn_of(database)
+    dsn = asyncpg_dsn(database)
     gc.collect()
     started = time.perf_counter()
     async with AsyncExitStack() as stack:
@@ -538,25 +542,12 @@ async def saga_rows(database: str, table: str, app: str) -> dict[str, list[int]]
     return {row.correlation: STEPS_JSON.decode(row.data).numbers for row in rows}
 
 
-def dsn_of(database: str) -> str:
-    """The asyncpg DSN of a SQLAlchemy database URL."""
-    url = make_url(database).set(drivername="postgresql")
-    return url.render_as_string(hide_password=False)
-
-
 # Parts alone, to profile.
 
 
 async def spread_only() -> dict[str, float | int]:
     """The spread part, the app first."""
-    app, raw = await spread(app_first=True)
-    return {
-        "sagas_spread_events_per_s": app.rate,
-        "sagas_spread_cpu_us_per_event": app.cpu_seconds * 1e6,
-        "raw_sagas_spread_events_per_s": raw.rate,
-        "raw_sagas_spread_cpu_us_per_event": raw.cpu_seconds * 1e6,
-        "sagas_spread_ratio": app.rate / raw.rate,
-    }
+    return figures_of_spread(*await spread(app_first=True))
 
 
 async def side_only(side: Callable[[str, str], Awaitable[Phase]]) -> dict[str, float | int]:
@@ -569,14 +560,7 @@ async def side_only(side: Callable[[str, str], Awaitable[Phase]]) -> dict[str, f
 
 async def hot_only() -> dict[str, float | int]:
     """The hot part, the app first."""
-    optimistic, pessimistic, raw = await hot(app_first=True)
-    return {
-        "sagas_hot_optimistic_events_per_s": optimistic.rate,
-        "sagas_hot_optimistic_conflict_reruns_per_event": optimistic.reruns_per_event,
-        "sagas_hot_pessimistic_events_per_s": pessimistic.rate,
-        "sagas_hot_pessimistic_conflict_reruns_per_event": pessimistic.reruns_per_event,
-        "raw_sagas_hot_events_per_s": raw.rate,
-    }
+    return figures_of_hot(*await hot(app_first=True))
 
 
 def main(argv: list[str]) -> int:

@@ -37,7 +37,6 @@ busy, more processes cannot go faster.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import math
 import os
@@ -55,9 +54,8 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bench.outbox import ROOT, drained, private_database, twin_row
-from bench.support import PHASE_TIMEOUT, SBIN, private_vhost
+from bench.support import PHASE_TIMEOUT, PREFETCH, SBIN, private_vhost
 from mersal import App, loop, message
-from mersal.settings import prefetch_of
 from mersal_sqlalchemy import make_engine, make_tables
 from mersal_sqlalchemy.outbox import write_outbox
 
@@ -77,9 +75,6 @@ BACKGROUND_SECONDS = 1.0
 """Seconds the run first watches the cores with nothing of its own running (other work)."""
 NOTE = "a small note"
 
-CONCURRENCY: int = inspect.signature(App).parameters["concurrency"].default
-PREFETCH = prefetch_of(None, CONCURRENCY)
-"""The App's default prefetch, which the raw workers copy."""
 
 _runs = itertools.count()
 """Runs so far in this process: odd runs measure raw first, and two relays before one."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import os
 import shutil
@@ -13,9 +14,18 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy.engine import make_url
+
+from mersal import App
+from mersal.settings import prefetch_of
+
 RABBITMQ_HOST = os.environ.get("MERSAL_BENCH_RABBITMQ_HOST", "127.0.0.1")
 SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 PHASE_TIMEOUT = 120.0
+
+CONCURRENCY: int = inspect.signature(App).parameters["concurrency"].default
+PREFETCH = prefetch_of(None, CONCURRENCY)
+"""An App's default concurrency and prefetch, which the hand-written sides copy."""
 
 QUEUE_TYPE = "quorum"
 """The queue type of raw baselines: what an App declares by default."""
@@ -121,3 +131,9 @@ def per_call_us(call: Callable[[Any], object], argument: object, calls: int) -> 
     for _ in range(calls):
         call(argument)
     return (time.process_time() - started) / calls * 1e6
+
+
+def asyncpg_dsn(database: str) -> str:
+    """The DSN bare asyncpg connects with to the database of a SQLAlchemy URL."""
+    url = make_url(database).set(drivername="postgresql")
+    return url.render_as_string(hide_password=False)
