@@ -303,9 +303,7 @@ async def _database(source: Source, sample: Sample) -> None:
     if engine is None or source.database is None:
         return
     sample.storage = await storage_status(engine, source.tables, source.database, source.name)
-    store = source.store
-    if store is not None:
-        sample.failures = await store.count()
+    sample.failures = sample.storage.failures
     sample.sagas = await saga_counts(engine, source.tables, source.name)
 
 

@@ -45,7 +45,7 @@ async def storage_status(
             inbox = (await connection.execute(row_count(tables.inbox, app))).scalar_one()
             failures = None
             if tables.dead_letters.name not in schema.missing_tables:
-                counted = await connection.execute(row_count(tables.dead_letters, app))
+                counted = await connection.execute(failure_count(tables.dead_letters, app))
                 failures = int(counted.scalar_one())
     except (SQLAlchemyError, OSError) as error:
         raise MersalError(
@@ -94,3 +94,8 @@ def row_count(table: Table, app: str | None) -> Any:
     """How many rows `table` holds (of `app`, if given)."""
     query = select(func.count()).select_from(table)
     return query.where(table.c.app == app) if app is not None else query
+
+
+def failure_count(table: Table, app: str | None) -> Any:
+    """How many failed messages the dead-letter table holds (of `app`), tombstones left out."""
+    return row_count(table, app).where(table.c.resolved_at.is_(None))
