@@ -303,7 +303,8 @@ class Dashboard:
         action, ids, group = _failure_action(await request.post())
         store = _store(source)
         count = await store.count(group) if group else len(ids)
-        label = next((g.label for g in await store.groups() if g.key == group), None)
+        one = await store.page(group=group, limit=1) if group else []
+        label = one[0].group_label if one else None
         return self._confirm(request, source, action, ids, "failures", group, label, count)
 
     def _confirm(

@@ -96,12 +96,18 @@ async def test_a_delete_removes_the_failures_of_a_whole_group(
     await payments.fail("order-1", "order-2", "order-3")
     failures = await payments.stored(3)
     client, csrf = await signed_in(served)
+    chosen = {"csrf": csrf, "action": "delete", "group": failures[0].group_key}
     async with client:
+        confirm = await client.post(
+            f"{served.url}/apps/{payments.app.name}/failures/confirm", data=chosen
+        )
+        asked = await confirm.text()
         answer = await client.post(
-            f"{served.url}/apps/{payments.app.name}/failures/do",
-            data={"csrf": csrf, "action": "delete", "group": failures[0].group_key},
+            f"{served.url}/apps/{payments.app.name}/failures/do", data=chosen
         )
         await eventually(lambda: _job_done(client, str(answer.url)), "the delete job", timeout=10)
+    assert "Delete 3 failures?" in asked
+    assert f"<strong>{html.escape(failures[0].group_label)}</strong>" in asked
     assert await payments.store.count() == 0
 
 
