@@ -42,6 +42,7 @@ The type spells the positional forms; `mersal.binding` checks every signature at
 _UNBUILDABLE = (str, int, float, bool, bytes, complex, list, dict, set, tuple, type(None))
 _SESSION = ("sqlalchemy.ext.asyncio.session", "AsyncSession")
 """SQLAlchemy's AsyncSession, by module and name: the core does not import SQLAlchemy."""
+_CONNECTION = ("sqlalchemy.ext.asyncio.engine", "AsyncConnection")
 _SYNC_SESSION = ("sqlalchemy.orm.session", "Session")
 
 
@@ -50,6 +51,8 @@ class _Registration:
     message_type: type
     handler: Any
     build: Callable[[MessageContext], Handle]
+    classes: tuple[type, ...]
+    """The classes built per message to run the handler: its own, or a saga's."""
 
 
 class Handlers:
@@ -65,13 +68,17 @@ class Handlers:
         self._registrations: list[_Registration] = []
         self._built: list[type] = []
         self._by_type: dict[type, list[_Registration]] = {}
+        self._needs: dict[tuple[type, Callable[[Any], bool]], bool] = {}
 
     def provide(self, dependency: type, provider: Provider) -> None:
         """Resolve `dependency` per message from the message's context (App, session, …)."""
         self.scoped[dependency] = provider
 
-    def add(self, message_type: type, handler: Any) -> None:
-        """Run `handler` (a class resolved per message, or an async function) for the type."""
+    def add(self, message_type: type, handler: Any, *, builds: tuple[type, ...] = ()) -> None:
+        """Run `handler` (a class resolved per message, or an async function) for the type.
+
+        `builds`: the classes a function handler builds per message with `builder` (a saga's).
+        """
         if not isinstance(message_type, type):
             raise ConfigurationError(f"register a message class, not {message_type!r}")
         for existing in self._registrations:
@@ -80,8 +87,10 @@ class Handlers:
                     f"{name_of(handler)} is already registered for {message_type.__qualname__}"
                 )
         build = self._builder(message_type, handler)
-        self._registrations.append(_Registration(message_type, handler, build))
+        classes = (handler, *builds) if inspect.isclass(handler) else builds
+        self._registrations.append(_Registration(message_type, handler, build, classes))
         self._by_type.clear()
+        self._needs.clear()
 
     def builder(self, cls: type) -> Callable[[MessageContext], object]:
         """Build instances of `cls` per message like handler classes (a saga, say)."""
@@ -103,6 +112,37 @@ class Handlers:
         for cls in (*classes, *self._built):
             for name, dependency in _parameters(cls):
                 self._check_resolvable(cls, name, dependency, ())
+
+    def needs(self, message_type: type, wanted: Callable[[Any], bool]) -> bool:
+        """Whether a handler of the type asks for a dependency that is `wanted`.
+
+        Handler classes' constructors are read, and those of the classes they ask for in turn;
+        a dependency the container or a provider gives is not looked into.
+        """
+        key = (message_type, wanted)
+        found = self._needs.get(key)
+        if found is None:
+            classes = [cls for r in self._matching(message_type) for cls in r.classes]
+            found = self._needs[key] = any(self._asks(cls, wanted, 0) for cls in classes)
+        return found
+
+    def _asks(self, cls: type, wanted: Callable[[Any], bool], depth: int) -> bool:
+        try:
+            parameters = _parameters(cls)
+        except ConfigurationError:
+            return False
+        for _, dependency in parameters:
+            if wanted(dependency):
+                return True
+            opaque = dependency in self.scoped or self.container.get_definition(dependency)
+            readable = not opaque and inspect.isclass(dependency) and depth < 20
+            if (
+                readable
+                and dependency not in _UNBUILDABLE
+                and self._asks(dependency, wanted, depth + 1)
+            ):
+                return True
+        return False
 
     def activate(self, message_type: type, context: MessageContext) -> list[Handle]:
         """Build every handler for the message's type, in registration order."""
@@ -164,7 +204,7 @@ class Handlers:
         if scope is None:
             scope = Container(self.container)
             for scoped, provider in self.scoped.items():
-                scope[scoped] = provider(context)
+                scope[scoped] = _deferred(provider, context)  # type: ignore[assignment]
             context.items["mersal.scope"] = scope
         instance = resolved[dependency] = scope.resolve(dependency)
         return instance
@@ -180,11 +220,12 @@ class Handlers:
         if dependency in self.scoped or self.container.get_definition(dependency) is not None:
             return
         trail = " -> ".join((*path, f"{name}: {_name(dependency)}"))
-        if _is_session(dependency):
+        if _is_session(dependency) or _is_connection(dependency):
+            what = "session" if _is_session(dependency) else "connection"
             raise ConfigurationError(
-                f"handler {_name(handler)} needs {trail}, the message's database session, but "
+                f"handler {_name(handler)} needs {trail}, the message's database {what}, but "
                 "the app has no database: pass App(database='postgresql+asyncpg://...') (or "
-                "set MERSAL_DATABASE), or drop the session from the handler"
+                f"set MERSAL_DATABASE), or drop the {what} from the handler"
             )
         if _is_sync_session(dependency):
             raise ConfigurationError(
@@ -236,6 +277,11 @@ class Handlers:
             f"lagom Container passed as App(container=...), "
             f"e.g. container[{_name(dependency)}] = ..."
         )
+
+
+def _deferred(provider: Provider, context: MessageContext) -> Callable[[], object]:
+    """`provider` for the container: called only if something the container builds needs it."""
+    return lambda: provider(context)
 
 
 def _function_builder(function: Any, binding: Binding) -> Callable[[MessageContext], Handle]:
@@ -309,6 +355,11 @@ def _is_sync_session(dependency: Any) -> bool:
 def _is_session(dependency: Any) -> bool:
     module = getattr(dependency, "__module__", None)
     return (module, getattr(dependency, "__qualname__", None)) == _SESSION
+
+
+def _is_connection(dependency: Any) -> bool:
+    module = getattr(dependency, "__module__", None)
+    return (module, getattr(dependency, "__qualname__", None)) == _CONNECTION
 
 
 def _name(thing: Any) -> str:

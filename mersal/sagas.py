@@ -1086,7 +1086,7 @@ class Sagas:
 
         run.__qualname__ = saga.__qualname__
         for message_type in spec.methods:
-            self.handlers.add(message_type, run)
+            self.handlers.add(message_type, run, builds=(saga,))
         self.specs.append(spec)
 
     @property

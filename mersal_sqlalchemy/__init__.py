@@ -2,7 +2,7 @@
 
 from mersal_sqlalchemy.engines import make_engine
 from mersal_sqlalchemy.outbox import SqlOutboxStore
-from mersal_sqlalchemy.storage import SESSION, SqlStorage, attach
+from mersal_sqlalchemy.storage import CONNECTION, SESSION, SqlStorage, attach
 from mersal_sqlalchemy.tables import (
     DEFAULT_INBOX,
     DEFAULT_OUTBOX,
@@ -15,6 +15,7 @@ from mersal_sqlalchemy.tables import (
 )
 
 __all__ = [
+    "CONNECTION",
     "DEFAULT_INBOX",
     "DEFAULT_OUTBOX",
     "HEAD_REVISION",

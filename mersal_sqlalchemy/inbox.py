@@ -6,7 +6,7 @@ import asyncio
 
 from sqlalchemy import Delete, Select, Table, bindparam, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from mersal.messages import stored_key
 from mersal_sqlalchemy.engines import is_postgresql, one_of, sql_time
@@ -42,18 +42,20 @@ class Inbox:
             .returning(table.c.message_id)
         )
 
-    async def record(self, session: AsyncSession, message_id: str) -> bool:
-        """Record the id in the session's transaction; False if it was handled already.
+    async def record(self, executor: AsyncSession | AsyncConnection, message_id: str) -> bool:
+        """Record the id in the transaction of `executor`; False if it was handled already.
 
         A copy being handled at the same moment holds the row: the insert waits for that
         transaction and then finds the id (it committed) or records it (it rolled back).
         """
         parameters = {"app": self.app, "message_id": inbox_key(message_id)}
-        result = await session.execute(self._record, parameters)
+        result = await executor.execute(self._record, parameters)
         return result.first() is not None
 
-    async def seen(self, message_id: str) -> bool:
-        """Whether the id was recorded already (a read on a connection of its own)."""
+    async def seen(self, message_id: str, connection: AsyncConnection | None = None) -> bool:
+        """Whether the id was recorded already: read on `connection`, or on one of its own."""
+        if connection is not None:
+            return (await connection.execute(self.seen_query(message_id))).first() is not None
         async with self.engine.connect() as connection:
             return (await connection.execute(self.seen_query(message_id))).first() is not None
 

@@ -1,4 +1,4 @@
-"""The SQL saga store: one row per running saga, read and written in the message's session."""
+"""The SQL saga store: one row per running saga, in the message's session or connection."""
 
 from __future__ import annotations
 
@@ -54,12 +54,12 @@ class SqlSagaStore:
         engine: AsyncEngine,
         table: Table,
         app: str,
-        session_of: Callable[[MessageContext], AsyncSession],
+        executor_of: Callable[[MessageContext], AsyncSession | AsyncConnection],
     ) -> None:
         self.engine = engine
         self.table = table
         self.app = app
-        self.session_of = session_of
+        self.executor_of = executor_of
         self.locks = is_postgresql(engine)
         self._statements = _Statements.of(table)
 
@@ -74,7 +74,7 @@ class SqlSagaStore:
     ) -> StoredSaga | None:
         """The saga by correlation value or id, as the message's transaction sees it."""
         query, values = self._select(saga, correlation, saga_id, lock=lock and self.locks)
-        result = await _raced(self.session_of(context).execute(query, values))
+        result = await _raced(self.executor_of(context).execute(query, values))
         return _stored(result.first())
 
     async def insert(self, context: MessageContext, saga: str, stored: StoredSaga) -> None:
@@ -88,10 +88,11 @@ class SqlSagaStore:
             "revision": 1,
             "data": as_text(stored.data),
         }
-        session = self.session_of(context)
-        await session.flush()  # the handler's own rows: their errors are the handler's
+        executor = self.executor_of(context)
+        if isinstance(executor, AsyncSession):
+            await executor.flush()  # the handler's own rows: their errors are the handler's
         try:
-            await _raced(session.execute(self._statements.insert, values))
+            await _raced(executor.execute(self._statements.insert, values))
         except IntegrityError:
             raise ConcurrencyConflict(
                 f"saga {saga} {stored.correlation!r} was started by another message meanwhile"
@@ -159,7 +160,7 @@ class SqlSagaStore:
         saga: str,
         stored: StoredSaga,
     ) -> None:
-        result = await _raced(self.session_of(context).execute(statement, values))
+        result = await _raced(self.executor_of(context).execute(statement, values))
         if cast(CursorResult[Any], result).rowcount != 1:
             raise ConcurrencyConflict(
                 f"saga {saga} {stored.correlation!r} changed since it was loaded at revision "

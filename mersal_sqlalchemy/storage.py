@@ -5,18 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import weakref
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
-from sqlalchemy.orm import Session, SessionTransaction
 
 from mersal.context import MessageContext
 from mersal.errors import ConfigurationError, Duplicate, MersalError
+from mersal.handlers import Handlers
 from mersal.inspection import StorageStatus
 from mersal.messages import Header
 from mersal.numbers import is_seconds
@@ -27,7 +25,6 @@ from mersal.status import Naming
 from mersal.transaction import Transaction
 from mersal_sqlalchemy.counts import outbox_counts, storage_status
 from mersal_sqlalchemy.engines import (
-    ENDING,
     autocommits,
     database_url,
     is_postgresql,
@@ -40,6 +37,18 @@ from mersal_sqlalchemy.outbox import Executor, SqlOutboxStore, write_outbox
 from mersal_sqlalchemy.sagas import SqlSagaStore
 from mersal_sqlalchemy.schema import prepare_schema
 from mersal_sqlalchemy.tables import DEFAULT_INBOX, DEFAULT_OUTBOX, Tables, make_tables
+from mersal_sqlalchemy.unit_of_work import CONNECTION as UNIT_CONNECTION
+from mersal_sqlalchemy.unit_of_work import (
+    GUARDED,
+    LOST_ROLLBACK,
+    ROLLED_BACK,
+    SENDS,
+    MessageAsyncConnection,
+    MessageAsyncSession,
+    close_connection,
+    close_session,
+    discard,
+)
 
 if TYPE_CHECKING:
     from mersal.app import App
@@ -48,25 +57,19 @@ log = logging.getLogger("mersal.sqlalchemy")
 
 SESSION = "mersal_sqlalchemy.session"
 """The key of the message's AsyncSession in `MessageContext.items`."""
+CONNECTION = "mersal_sqlalchemy.connection"
+"""The key of the message's AsyncConnection in `MessageContext.items`."""
 
-GUARDED = "mersal.guarded"
-ROLLED_BACK = "mersal.rolled_back"
-SENDS = "mersal.sends"
-SAVEPOINTS = "mersal.savepoints"
-
-REFUSED = (
-    "do not {} the message's session in a handler: Mersal commits it after the handlers, "
-    "together with the outbox and inbox rows, or rolls it back when a handler raises. Raise to "
-    "undo the message (it is retried), or undo part of it with a savepoint "
-    "(`async with session.begin_nested():`)"
+NO_SESSION = (
+    "a dependency asked for the message's AsyncSession, but a {} message is handled on a Core "
+    "connection, because its handlers ask for AsyncConnection and none for AsyncSession: "
+    "ask for `session: AsyncSession` in a handler class's constructor (its AsyncConnection "
+    "is then the session's), or write through the AsyncConnection"
 )
-
-
-LOST_ROLLBACK = (
-    "the message's session was rolled back while the handlers ran (a failed flush, or a "
-    "rollback outside Mersal), which undid its writes and its inbox row: the attempt fails and "
-    "the message is retried. Undo part of a message with a savepoint "
-    "(`async with session.begin_nested():`)"
+NO_CONNECTION = (
+    "a dependency asked for the message's AsyncConnection, but no handler of a {} message asks for "
+    "one in its constructor, so none was opened: ask for `connection: AsyncConnection` in "
+    "the handler class's constructor"
 )
 
 
@@ -74,84 +77,12 @@ class AlreadyHandled(Duplicate):
     """The inbox holds the message's id: another copy of it committed first."""
 
 
-class MessageSession(Session):
-    """The session class behind every AsyncSession the storage opens."""
+def _is_session(dependency: object) -> bool:
+    return isinstance(dependency, type) and issubclass(dependency, AsyncSession)
 
 
-class MessageAsyncSession(AsyncSession):
-    """The message's session: Mersal ends it (commit or rollback), never a handler."""
-
-    sync_session_class = MessageSession
-
-    async def commit(self) -> None:
-        """Refused in a handler: the message's transaction commits after the handlers."""
-        self._refuse_in_handler("commit")
-        await super().commit()
-
-    async def rollback(self) -> None:
-        """Refused in a handler: raise instead, or use a savepoint."""
-        self._refuse_in_handler("roll back")
-        await super().rollback()
-
-    async def close(self) -> None:
-        """Refused in a handler: the session belongs to the message."""
-        self._refuse_in_handler("close")
-        await super().close()
-
-    def _refuse_in_handler(self, what: str) -> None:
-        if self.info.get(GUARDED) and not self.info.get(ENDING):
-            raise MersalError(REFUSED.format(what))
-
-    async def end(self, commit: bool) -> None:
-        """Commit or roll back (and close) as Mersal, at the end of the message."""
-        self.info[ENDING] = True
-        if commit:
-            await super().commit()
-        else:
-            await super().rollback()
-
-
-@event.listens_for(MessageSession, "before_commit")
-def _refuse_handler_commits(session: Session) -> None:
-    """A message's session commits only with its transaction, outbox and inbox rows included.
-
-    A savepoint (`begin_nested()`) may commit: that only ends the savepoint.
-    """
-    if (
-        session.info.get(GUARDED)
-        and not session.info.get(ENDING)
-        and not session.in_nested_transaction()
-    ):
-        raise MersalError(REFUSED.format("commit"))
-
-
-@event.listens_for(MessageSession, "after_transaction_create")
-def _mark_savepoints(session: Session, transaction: SessionTransaction) -> None:
-    """A savepoint notes how many messages were sent before it began."""
-    sends: Transaction | None = session.info.get(SENDS)
-    if sends is not None and transaction.nested:
-        marks = session.info.setdefault(SAVEPOINTS, weakref.WeakKeyDictionary())
-        marks[transaction] = len(sends.outgoing)
-
-
-@event.listens_for(MessageSession, "after_soft_rollback")
-def _note_rollbacks(session: Session, previous: SessionTransaction) -> None:
-    """A rollback nobody asked Mersal for (the sync session's) takes the inbox row with it.
-
-    A savepoint's rollback undoes only what was done since the savepoint: its rows, and the
-    messages sent since it began. A failed flush rolls back its own inner transaction, which
-    undoes the savepoint around it, or everything when there is none.
-    """
-    undone = previous
-    while not undone.nested and undone.parent is not None:
-        undone = undone.parent
-    if undone.nested:
-        sends: Transaction | None = session.info.get(SENDS)
-        sent_before = session.info.get(SAVEPOINTS, {}).pop(undone, None)
-        if sends is not None and sends.open and sent_before is not None:
-            del sends.outgoing[sent_before:]
-    elif session.info.get(GUARDED) and not session.info.get(ENDING):
-        session.info[ROLLED_BACK] = True
+def _is_connection(dependency: object) -> bool:
+    return isinstance(dependency, type) and issubclass(dependency, AsyncConnection)
 
 
 def attach(
@@ -220,6 +151,8 @@ def attach(
     )
     app.handlers.provide(AsyncSession, storage.session_of)
     app.handlers.provide(MessageAsyncSession, storage.session_of)
+    app.handlers.provide(AsyncConnection, storage.connection_of)
+    app.handlers.provide(MessageAsyncConnection, storage.connection_of)
     app.use_storage(storage)
     return storage
 
@@ -263,7 +196,7 @@ class SqlStorage:
         self.inbox = Inbox(
             engine, tables.inbox, app.name, retention=retention, cleanup_batch=cleanup_batch
         )
-        self.sagas = SqlSagaStore(engine, tables.sagas, app.name, self.session_of)
+        self.sagas = SqlSagaStore(engine, tables.sagas, app.name, self.executor_of)
         self.cleanup_interval = cleanup_interval
         self.relay_batch = relay_batch
         self.poll_interval = poll_interval
@@ -367,18 +300,55 @@ class SqlStorage:
         """The message's session (what handlers get for a `session: AsyncSession` parameter)."""
         session: AsyncSession | None = context.items.get(SESSION)
         if session is None:
+            if context.items.get(CONNECTION) is not None:
+                raise MersalError(NO_SESSION.format(_type_name(context)))
             raise MersalError("there is a session only while a message is being handled")
         return session
 
+    def connection_of(self, context: MessageContext) -> AsyncConnection:
+        """The message's connection (for a `connection: AsyncConnection` parameter)."""
+        connection: AsyncConnection | None = context.items.get(CONNECTION)
+        if connection is None:
+            if context.items.get(SESSION) is not None:
+                raise MersalError(NO_CONNECTION.format(_type_name(context)))
+            raise MersalError("there is a connection only while a message is being handled")
+        return connection
+
+    def executor_of(self, context: MessageContext) -> AsyncSession | AsyncConnection:
+        """What the message's transaction writes through: its session, or its connection."""
+        executor = context.items.get(SESSION) or context.items.get(CONNECTION)
+        if executor is None:
+            raise MersalError("there is a transaction only while a message is being handled")
+        return executor  # type: ignore[no-any-return]
+
     async def unit_of_work(self, context: MessageContext, next: Next[MessageContext]) -> None:
-        """Handle the message in a session of its own, committed by the message's transaction."""
+        """Handle the message in a transaction of its own, committed by the message's transaction.
+
+        A message whose handlers ask for an AsyncConnection and none for an AsyncSession is
+        handled on a Core connection; any other in an ORM session (whose connection is given
+        to the handlers that ask for one).
+        """
+        asks = _asks(self.app.handlers, context.message_type)
+        if asks == _CONNECTION_ONLY:
+            connection = await MessageAsyncConnection.open(self.engine, context.transaction)
+            context.items[CONNECTION] = connection
+            context.transaction.session = connection
+            try:
+                await next(context)
+            finally:
+                await run_to_end(close_connection(connection))
+            return
         session = self.sessions(info={GUARDED: True, SENDS: context.transaction})
         context.items[SESSION] = session
         context.transaction.session = session
         try:
+            if asks == _BOTH:
+                context.items[CONNECTION] = await MessageAsyncConnection.of_session(
+                    self.engine, session, context.transaction
+                )
             await next(context)
         finally:
-            await run_to_end(_end(session))
+            await run_to_end(close_session(session))
 
     async def check_inbox(self, context: MessageContext, next: Next[MessageContext]) -> None:
         """Refuse (`AlreadyHandled`) a message this app has handled already; record it otherwise.
@@ -390,9 +360,9 @@ class SqlStorage:
         message_id = context.message_id
         if message_id:
             if self.inbox_at_commit:
-                seen = await self.inbox.seen(message_id)
+                seen = await self.inbox.seen(message_id, context.items.get(CONNECTION))
             else:
-                seen = not await self.inbox.record(self.session_of(context), message_id)
+                seen = not await self.inbox.record(self.executor_of(context), message_id)
             if seen:
                 raise AlreadyHandled(message_id)
         await next(context)
@@ -419,7 +389,7 @@ class SqlStorage:
             await transaction.commit()
         except BaseException:
             transaction.rollback()
-            await run_to_end(_discard(executor))
+            await run_to_end(discard(executor))
             raise
         finally:
             if session is None:
@@ -440,14 +410,8 @@ class SqlStorage:
                 await self.commit(transaction)
             return
         outgoing, table, channel = transaction.outgoing, self.tables.outbox, self._channel
-        if isinstance(executor, MessageAsyncSession):
-            if executor.info.get(ROLLED_BACK):
-                raise MersalError(LOST_ROLLBACK)
-            source = transaction.source
-            inbox_id = source.headers.get(Header.MESSAGE_ID, "") if source is not None else ""
-            at_commit = inbox_id and self.inbox_at_commit and executor.info.get(GUARDED)
-            if at_commit and not await self.inbox.record(executor, inbox_id):
-                raise AlreadyHandled(inbox_id, "meanwhile")
+        if isinstance(executor, MessageAsyncSession | MessageAsyncConnection):
+            await self._check_message_transaction(executor, transaction)
             await write_outbox(executor, table, self.app.name, outgoing, channel)
             await executor.end(commit=True)
         else:
@@ -457,25 +421,47 @@ class SqlStorage:
         if outgoing:
             self.wake()
 
+    async def _check_message_transaction(
+        self, executor: MessageAsyncSession | MessageAsyncConnection, transaction: Transaction
+    ) -> None:
+        """Refuse to commit a message's transaction that lost its writes; record its inbox row.
 
-async def _discard(executor: Executor) -> None:
-    """Roll back, keeping the error that led here rather than one from the rollback."""
-    try:
+        A transaction rolled back behind Mersal's back lost its inbox row, and one aborted by a
+        failed statement would roll back at COMMIT: the commit fails rather than lose them.
+        """
         if isinstance(executor, MessageAsyncSession):
-            await executor.end(commit=False)
+            if executor.info.get(ROLLED_BACK):
+                raise MersalError(LOST_ROLLBACK)
+            connection = executor.info.get(UNIT_CONNECTION)
+            guarded = bool(executor.info.get(GUARDED))
         else:
-            await executor.rollback()
-    except Exception as error:
-        log.warning("rollback failed (%s: %s)", type(error).__name__, error)
+            connection, guarded = executor, True
+        failure = connection.failure if connection is not None else None
+        if failure is not None:
+            raise MersalError(failure)
+        source = transaction.source
+        inbox_id = source.headers.get(Header.MESSAGE_ID, "") if source is not None else ""
+        at_commit = inbox_id and self.inbox_at_commit and guarded
+        if at_commit and not await self.inbox.record(executor, inbox_id):
+            raise AlreadyHandled(inbox_id, "meanwhile")
 
 
-async def _end(session: MessageAsyncSession) -> None:
-    """Close the message's session; what it did not commit is rolled back."""
-    session.info[ENDING] = True
-    try:
-        await session.close()
-    except Exception as error:
-        log.warning("closing the message's session failed (%s: %s)", type(error).__name__, error)
+_CONNECTION_ONLY, _SESSION_ONLY, _BOTH = "connection", "session", "both"
+
+
+def _asks(handlers: Handlers, message_type: type | None) -> str:
+    """What a message type's handlers write through: a connection, a session, or both."""
+    if message_type is None:
+        return _SESSION_ONLY
+    session = handlers.needs(message_type, _is_session)
+    connection = handlers.needs(message_type, _is_connection)
+    if connection:
+        return _BOTH if session else _CONNECTION_ONLY
+    return _SESSION_ONLY
+
+
+def _type_name(context: MessageContext) -> str:
+    return context.message_type.__qualname__ if context.message_type else "this"
 
 
 def engine_defaults(backend: str, concurrency: int) -> dict[str, Any]:

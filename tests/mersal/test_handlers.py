@@ -1321,3 +1321,67 @@ def test_registering_something_that_is_not_a_class_is_refused() -> None:
     app = App("a")
     with pytest.raises(ConfigurationError, match="message class"):
         app.register("PlaceOrder", noop)  # type: ignore[arg-type]
+
+
+class Writes:
+    """A dependency that writes through a session."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.session = session
+
+
+class Service:
+    """A dependency of a dependency that writes."""
+
+    def __init__(self, writes: Writes) -> None:
+        self.writes = writes
+
+
+class ServiceHandler:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    async def __call__(self, message: PlaceOrder) -> None:
+        pass
+
+
+class PlainHandler:
+    def __init__(self, app: App) -> None:
+        self.app = app
+
+    async def __call__(self, message: Notify) -> None:
+        pass
+
+
+class BoundHandler:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    async def __call__(self, message: OrderAccepted) -> None:
+        pass
+
+
+def _is_session(dependency: object) -> bool:
+    return dependency is AsyncSession
+
+
+def test_what_a_message_types_handlers_need_is_read_through_their_dependencies() -> None:
+    container = Container()
+    container[Service] = lambda: Service(Writes(AsyncMock()))  # a factory: not looked into
+    handlers = mersal.handlers.Handlers(container)
+    handlers.add(PlaceOrder, ServiceHandler)
+    handlers.add(Notify, PlainHandler)
+
+    async def noted(message: Notify) -> None:
+        pass
+
+    handlers.add(Notify, noted, builds=(Writes,))
+    handlers.add(OrderAccepted, BoundHandler)
+    unbound = mersal.handlers.Handlers(None)
+    unbound.add(PlaceOrder, ServiceHandler)
+
+    assert handlers.needs(Notify, _is_session)  # through the class the function builds
+    assert not handlers.needs(OrderAccepted, _is_session)  # the container gives its Service
+    assert not handlers.needs(PlaceOrder, _is_session)  # the same bound Service
+    assert unbound.needs(PlaceOrder, _is_session)  # Service -> Writes -> AsyncSession
+    assert not unbound.needs(Notify, _is_session)  # no handler at all
